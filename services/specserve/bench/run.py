@@ -1,0 +1,252 @@
+"""`specserve bench`: every decoding method on one prompt suite, side by side, in one process.
+
+Runs per prompt (greedy, the same weights, interleaved so drift hits all alike):
+target-only (HF `generate` and specserve γ=0), HF's own speculative decoding
+with the same draft (`prompt_lookup_num_tokens` for n-gram, `assistant_model`
+for a model draft: its defaults and fixed `num_assistant_tokens`), specserve
+at fixed γ, `heuristic` and `auto`. Reports tokens/s, speedup over the faster
+target-only run, acceptance α, mean accepted length, and the Theorem-8
+prediction from the measured α, c and verify cost; writes bench.json + bench.png.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve import SamplingParams, SpeculativeDecoder
+from specserve.bench.prompts import SUITE
+from specserve.engine.profile import verify_profile
+from specserve.models import load_model
+from specserve.spec.controllers import theorem8_speedup
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class Run:
+    """One method, summed over the prompts of a workload."""
+
+    name: str
+    family: str  # "target", "hf-spec", "specserve"
+    gamma: int | str | None = None
+    tokens: int = 0
+    seconds: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    emitted: int = 0
+    gammas: list[int] = field(default_factory=list)
+    matches_target: bool = True
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def alpha(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        return self.emitted / self.rounds if self.rounds else None
+
+
+def _hf_generate(model, ids: list[int], max_new: int, **kwargs) -> tuple[list[int], float]:
+    inputs = torch.tensor([ids], device=model.device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new, do_sample=False, **kwargs)
+    return out[0, len(ids) :].tolist(), time.perf_counter() - t0
+
+
+def _methods(decoder: SpeculativeDecoder, gammas: list[int], hf_k: list[int]):
+    """(name, family, γ, fn(ids, max_new) -> (tokens, seconds, stats|None))."""
+    target = decoder.target.model
+
+    def hf(**kw):
+        return lambda ids, n: (*_hf_generate(target, ids, n, **kw), None)
+
+    def ours(gamma):
+        def fn(ids, n):
+            res = decoder.generate(ids, GREEDY, n, gamma=gamma)
+            return res.token_ids, res.stats.total_time_s, res.stats
+
+        return fn
+
+    methods = [("target-only HF generate", "target", None, hf()), ("target-only specserve γ=0", "target", 0, ours(0))]
+    if decoder.draft_kind == "ngram":
+        for k in hf_k:
+            methods.append((f"HF prompt-lookup k={k}", "hf-spec", k, hf(prompt_lookup_num_tokens=k)))
+    elif decoder.draft_kind == "model":
+        assistant = decoder.draft.model
+
+        def hf_assisted(k):
+            def fn(ids, n):
+                cfg = assistant.generation_config
+                saved = (cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule, cfg.assistant_confidence_threshold)
+                if k is not None:
+                    cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule = k, "constant"
+                    cfg.assistant_confidence_threshold = 0.0
+                try:
+                    return (*_hf_generate(target, ids, n, assistant_model=assistant), None)
+                finally:
+                    cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule, cfg.assistant_confidence_threshold = saved
+
+            return fn
+
+        methods.append(("HF assisted (defaults)", "hf-spec", "default", hf_assisted(None)))
+        for k in hf_k:
+            methods.append((f"HF assisted k={k}", "hf-spec", k, hf_assisted(k)))
+    for g in gammas:
+        methods.append((f"specserve γ={g}", "specserve", g, ours(g)))
+    methods.append(("specserve heuristic", "specserve", "heuristic", ours("heuristic")))
+    methods.append(("specserve auto", "specserve", "auto", ours("auto")))
+    return methods
+
+
+def _verify_costs(args, decoder: SpeculativeDecoder) -> dict:
+    """Target forward over n positions relative to n=1, per dtype (bounds every CPU speedup)."""
+    table = {}
+    n_max = max(9, decoder.gamma_max + 1)
+    for dtype in ("float32", "bfloat16"):
+        if decoder.target.dtype == getattr(torch, dtype):
+            model = decoder.target.model
+        else:
+            model = load_model(args.target, dtype=dtype, device=str(decoder.target.device)).model
+        prof = verify_profile(model, decoder.target.vocab_size, n_max, context=128, repeats=5)
+        table[dtype] = {"ms": {n: 1000 * s for n, s in prof.items()}, "ratio": {n: s / prof[1] for n, s in prof.items()}}
+        print(
+            f"  verify cost {dtype:8s} " + " ".join(f"n={n}:{r:.2f}" for n, r in table[dtype]["ratio"].items())
+            + f"  (n=1: {prof[1] * 1000:.1f} ms)",
+            flush=True,
+        )
+    return table
+
+
+def _predict(run: Run, profile: dict[int, float], c: float) -> float | None:
+    if run.family != "specserve" or run.alpha is None:
+        return None
+    v = {g: profile[g + 1] / profile[1] for g in range(1, max(profile))}
+    if isinstance(run.gamma, int):
+        return theorem8_speedup(run.alpha, run.gamma, c, v[run.gamma]) if run.gamma in v else None
+    return max(theorem8_speedup(run.alpha, g, c, vg) for g, vg in v.items())  # the best fixed γ's bound
+
+
+def run_bench(args) -> int:
+    if args.quick:
+        args.prompts, args.gammas, args.max_new_tokens = 1, "2,4", 48
+    gammas = [int(g) for g in args.gammas.split(",") if g]
+    workloads = [w for w in args.workloads.split(",") if w]
+    unknown = set(workloads) - set(SUITE)
+    if unknown:
+        print(f"specserve bench: unknown workload(s) {sorted(unknown)}; choose from {sorted(SUITE)}", file=sys.stderr)
+        return 2
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+
+    print(f"specserve bench: loading target={args.target} draft={args.draft} ...", flush=True)
+    draft = None if args.draft == "none" else args.draft
+    decoder = SpeculativeDecoder(args.target, draft, gamma="auto", dtype=args.dtype, gamma_max=args.gamma_max)
+    print(f"  target {decoder.target.name} ({decoder.target.dtype}, {decoder.target.device}), draft {decoder.draft_kind}")
+    verify_costs = _verify_costs(args, decoder)
+    profile, draft_step = decoder.cost_profile()
+    c = draft_step / profile[1]
+    print(f"  draft step {draft_step * 1000:.2f} ms, target step {profile[1] * 1000:.1f} ms → c = {c:.3f}", flush=True)
+
+    hf_k = sorted({2, 4, 10} if decoder.draft_kind == "ngram" else {2, 4, 6})
+    methods = _methods(decoder, gammas, hf_k)
+    runs = {w: {name: Run(name, fam, g) for name, fam, g, _ in methods} for w in workloads}
+    total = len(workloads) * args.prompts * len(methods)
+    step = 0
+    for workload in workloads:
+        for prompt in SUITE[workload][: args.prompts]:
+            ids = decoder.encode([{"role": "user", "content": prompt}])
+            decoder.generate(ids, GREEDY, 8, gamma=2)  # warm caches and allocator
+            reference = None
+            for name, _family, _gamma, fn in methods:
+                tokens, seconds, stats = fn(ids, args.max_new_tokens)
+                run = runs[workload][name]
+                reference = tokens if reference is None else reference
+                run.tokens += len(tokens)
+                run.seconds += seconds
+                run.matches_target &= tokens == reference
+                if stats is not None:
+                    run.drafted += stats.drafted
+                    run.accepted += stats.accepted
+                    run.rounds += stats.rounds
+                    run.emitted += stats.emitted
+                    run.gammas += stats.gamma_history
+                step += 1
+                print(f"  [{step}/{total}] {workload:8s} {name:28s} {len(tokens) / seconds:6.1f} tok/s", flush=True)
+
+    report = _report(args, decoder, workloads, runs, verify_costs, profile, c)
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    from specserve.bench.plot import plot_report
+
+    plot_report(report, out / "bench.png")
+    print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
+    return 0
+
+
+def _report(args, decoder, workloads, runs, verify_costs, profile, c) -> dict:
+    report = {
+        "config": {
+            "target": decoder.target.name, "draft": args.draft, "dtype": str(decoder.target.dtype).removeprefix("torch."),
+            "device": str(decoder.target.device), "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
+            "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+        },
+        "verify_cost": verify_costs,
+        "c": c,
+        "workloads": {},
+    }
+    for workload in workloads:
+        rows = list(runs[workload].values())
+        base = max(r.tokens_per_s for r in rows if r.family == "target")
+        table = []
+        print(f"\n== {workload} == (speedup vs the faster target-only run, {base:.1f} tok/s)")
+        print(f"{'method':28s} {'tok/s':>7s} {'speedup':>8s} {'alpha':>6s} {'tok/rnd':>7s} {'pred':>6s} {'meas/pred':>9s}")
+        for r in rows:
+            pred = _predict(r, profile, c)
+            speedup = r.tokens_per_s / base
+            table.append({
+                "method": r.name, "family": r.family, "gamma": r.gamma, "tokens": r.tokens, "seconds": r.seconds,
+                "tokens_per_s": r.tokens_per_s, "speedup": speedup, "alpha": r.alpha,
+                "mean_accepted_length": r.mean_accepted_length, "theorem8_prediction": pred,
+                "fraction_of_prediction": speedup / pred if pred else None,
+                "mean_gamma": sum(r.gammas) / len(r.gammas) if r.gammas else None,
+                "same_tokens_as_target_only": r.matches_target,
+            })
+            fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
+            print(
+                f"{r.name:28s} {r.tokens_per_s:7.1f} {speedup:7.2f}x {fmt(r.alpha, '6.2f')} "
+                f"{fmt(r.mean_accepted_length, '7.2f')} {fmt(pred, '6.2f')} {fmt(speedup / pred if pred else None, '9.2f')}"
+            )
+        ours = [t for t in table if t["family"] == "specserve"]
+        fixed = [t for t in ours if isinstance(t["gamma"], int)]
+        auto = next(t for t in ours if t["gamma"] == "auto")
+        best_ours = max(fixed + [auto], key=lambda t: t["tokens_per_s"])
+        best_fixed = max(fixed, key=lambda t: t["tokens_per_s"]) if fixed else None
+        hf_spec = [t for t in table if t["family"] == "hf-spec"]
+        best_hf = max(hf_spec, key=lambda t: t["tokens_per_s"]) if hf_spec else None
+        summary = {
+            "best_specserve": best_ours["method"],
+            "best_specserve_speedup": best_ours["speedup"],
+            "best_hf_speculative": best_hf["method"] if best_hf else None,
+            "specserve_vs_hf_speculative": best_ours["tokens_per_s"] / best_hf["tokens_per_s"] if best_hf else None,
+            "auto_vs_best_fixed": auto["tokens_per_s"] / best_fixed["tokens_per_s"] if best_fixed else None,
+        }
+        report["workloads"][workload] = {"runs": table, "summary": summary}
+        print(
+            f"-> best specserve: {summary['best_specserve']} {summary['best_specserve_speedup']:.2f}x; "
+            + (f"vs best HF speculative ({summary['best_hf_speculative']}): {summary['specserve_vs_hf_speculative']:.2f}x; " if best_hf else "")
+            + (f"auto / best fixed γ: {summary['auto_vs_best_fixed']:.2f}" if best_fixed else "")
+        )
+    return report

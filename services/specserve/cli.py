@@ -1,0 +1,96 @@
+"""`specserve` command line: generate text, run the benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _gamma(value: str) -> int | str:
+    return int(value) if value.isdigit() else value
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="embedded", help="HF id/dir, .gguf file, or 'embedded' (default)")
+    p.add_argument("--draft", default="ngram", help="HF id/dir, .gguf file, 'ngram' (default) or 'none'")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bf16 where fast, else fp32")
+    p.add_argument("--gamma-max", type=int, default=8, help="deepest speculation auto/heuristic may choose")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt")
+    gen.add_argument("prompt")
+    _add_model_args(gen)
+    gen.add_argument("--gamma", type=_gamma, default="auto", help="int (0 = no speculation), 'auto' or 'heuristic'")
+    gen.add_argument("--temperature", type=float, default=0.7)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
+    gen.add_argument("--json", action="store_true", help="print the result and stats as JSON")
+
+    bench = sub.add_parser("bench", help="side-by-side speed measurements (JSON + PNG)")
+    _add_model_args(bench)
+    bench.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")
+    bench.add_argument("--max-new-tokens", type=int, default=96)
+    bench.add_argument("--workloads", default="chat,rewrite,code", help="comma-separated subset")
+    bench.add_argument("--prompts", type=int, default=2, help="prompts per workload (max 2)")
+    bench.add_argument("--gammas", default="1,2,3,4,5,6,7,8", help="fixed γ values to run")
+    bench.add_argument("--quick", action="store_true", help="one prompt per workload, γ ∈ {2,4}, 48 tokens")
+    return parser
+
+
+def _generate(args) -> int:
+    from pydantic import ValidationError
+
+    from specserve import SamplingParams, SpeculativeDecoder
+
+    try:
+        params = SamplingParams(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop
+        )
+    except ValidationError as exc:
+        print(f"specserve: invalid sampling parameters: {exc}", file=sys.stderr)
+        return 2
+    draft = None if args.draft == "none" else args.draft
+    try:
+        decoder = SpeculativeDecoder(args.target, draft, gamma=args.gamma, dtype=args.dtype, gamma_max=args.gamma_max)
+        prompt = args.prompt
+        if not args.raw and decoder.tokenizer is not None and decoder.tokenizer.chat_template:
+            prompt = [{"role": "user", "content": args.prompt}]
+        result = decoder.generate(prompt, params, args.max_new_tokens)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"specserve: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    print(result.text)
+    s = result.stats
+    mean_gamma = sum(s.gamma_history) / len(s.gamma_history) if s.gamma_history else 0.0
+    print(
+        f"[specserve] {s.new_tokens} tokens in {s.total_time_s:.2f}s ({s.tokens_per_s:.1f} tok/s) | "
+        f"γ {s.controller} (mean {mean_gamma:.1f}) | acceptance {s.acceptance_rate:.2f} | "
+        f"{s.mean_accepted_length:.2f} tokens/round | finish: {result.finish_reason}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        return _generate(args)
+    from specserve.bench.run import run_bench
+
+    return run_bench(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

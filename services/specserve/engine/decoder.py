@@ -1,0 +1,262 @@
+"""The single-process speculative decoder: the library API.
+
+    dec = SpeculativeDecoder(target="embedded", draft="ngram", gamma="auto")
+    res = dec.generate("Hello", SamplingParams(temperature=0), max_new_tokens=64)
+
+A generation is a loop of rounds: choose γ → draft proposes → target verifies
+in one forward → emit accepted tokens plus one → feed the γ controller with
+what the round showed. Caches live in the proposer and the verifier of the
+session and are cropped, never rebuilt. Randomness is keyed by position
+(`spec.rng`), so a seed and a fixed γ fix the output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specserve.engine.profile import draft_step_time, verify_profile
+from specserve.engine.proposers import ModelProposer, NgramProposer, Proposer, TargetVerifier, empty_proposal
+from specserve.engine.stats import GenerationStats
+from specserve.models import LoadedModel, load_model
+from specserve.spec import PositionRNG, RoundObservation, SamplingParams, make_controller
+
+Prompt = str | list[int] | list[dict[str, str]]
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # new tokens only
+    text: str | None  # None when no tokenizer is known
+    finish_reason: str  # "stop" (eos or a stop string) or "length"
+    prompt_tokens: int
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "stats": self.stats.to_dict(),
+        }
+
+
+class SpeculativeDecoder:
+    """Lossless speculative decoding with a target model and a draft.
+
+    target: HF id or local directory, `.gguf` file, "embedded", or a loaded
+      `PreTrainedModel`. draft: the same kinds (sharing the target's
+      vocabulary), or "ngram" (prompt lookup, the default), or None for
+      plain target decoding. gamma: an int (fixed; 0 = plain target
+      decoding), "auto" (cost model, default) or "heuristic". dtype:
+      "float32", "bfloat16" or None (keep a passed model's dtype; otherwise
+      bf16 where it is fast — GPUs and CPUs with bf16 instructions — else fp32).
+    draft_top_k: a model draft samples from its top-k-truncated q (0 = full q).
+    """
+
+    def __init__(
+        self,
+        target: Any = "embedded",
+        draft: Any = "ngram",
+        gamma: int | str = "auto",
+        dtype: str | torch.dtype | None = None,
+        *,
+        gamma_max: int = 8,
+        draft_top_k: int = 0,
+        device: str | None = None,
+    ):
+        make_controller(gamma, gamma_max)  # validate early
+        self.gamma = gamma
+        self.gamma_max = gamma_max
+        self.draft_top_k = draft_top_k
+        self.target: LoadedModel = load_model(target, dtype, device)
+        self.tokenizer = self.target.tokenizer
+        self.draft: LoadedModel | None = None
+        self.draft_kind = "none" if draft is None else "ngram" if draft == "ngram" else "model"
+        if self.draft_kind == "model":
+            self.draft = load_model(draft, dtype, str(self.target.device) if device is None else device)
+            if self.draft.vocab_size != self.target.vocab_size:
+                raise ValueError(
+                    f"draft and target must share the vocabulary: draft vocab size {self.draft.vocab_size} "
+                    f"!= target vocab size {self.target.vocab_size}"
+                )
+            if self.tokenizer is None:
+                self.tokenizer = self.draft.tokenizer
+        self.eos_ids = self._eos_ids()
+        self._profile: tuple[dict[int, float], float] | None = None
+
+    # -- construction helpers ------------------------------------------------
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.target.model, "generation_config", None), self.target.model.config):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if value is not None:
+                ids.update(value if isinstance(value, list) else [value])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def new_proposer(self) -> Proposer | None:
+        vocab = self.target.vocab_size
+        if self.draft_kind == "ngram":
+            return NgramProposer(vocab)
+        if self.draft_kind == "model":
+            return ModelProposer(self.draft.model, vocab, self.draft_top_k, name=self.draft.name)
+        return None
+
+    def cost_profile(self) -> tuple[dict[int, float], float]:
+        """(seconds per target forward over n positions, seconds per draft token); measured once."""
+        if self._profile is None:
+            vocab = self.target.vocab_size
+            verify = verify_profile(self.target.model, vocab, self.gamma_max + 1)
+            proposer = self.new_proposer()
+            step = draft_step_time(proposer, vocab) if proposer is not None else 0.0
+            self._profile = (verify, step)
+        return self._profile
+
+    def controller(self, gamma: int | str | None = None):
+        gamma = self.gamma if gamma is None else gamma
+        if self.draft_kind == "none":
+            gamma = 0
+        if gamma == "auto":
+            verify, step = self.cost_profile()
+            return make_controller("auto", self.gamma_max, verify, step)
+        return make_controller(gamma, self.gamma_max)
+
+    # -- prompts -------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return self._require_tokenizer("a text prompt").encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            tok = self._require_tokenizer("chat messages")
+            for i, message in enumerate(prompt):
+                if not {"role", "content"} <= set(message):
+                    raise ValueError(f"messages[{i}] must have 'role' and 'content'")
+            text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            return tok.encode(text, add_special_tokens=False)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.target.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+            return list(prompt)
+        raise ValueError("prompt must be a non-empty string, a list of token ids, or a list of chat messages")
+
+    def _require_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise ValueError(f"{what} needs a tokenizer; pass token ids, or load the target by name/path")
+        return self.tokenizer
+
+    def decode(self, token_ids: list[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # -- generation ------------------------------------------------------------
+    def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        max_new_tokens: int = 128,
+        gamma: int | str | None = None,
+    ) -> GenerationResult:
+        params = params or SamplingParams()
+        stats = GenerationStats()
+        tokens: list[int] = []
+        finish = "length"
+        prompt_ids = self.encode(prompt)
+        if (self.gamma if gamma is None else gamma) == "auto" and self.draft_kind != "none":
+            self.cost_profile()  # one-time calibration, kept out of the timed generation
+        t_start = time.perf_counter()
+        for new, reason in self.rounds(prompt_ids, params, max_new_tokens, gamma, stats):
+            tokens.extend(new)
+            finish = reason or finish
+        stats.total_time_s = time.perf_counter() - t_start
+        stats.new_tokens = len(tokens)
+        text = self.decode(tokens)
+        if text is not None and params.stop:
+            cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                text, finish = text[:cut], "stop"
+        return GenerationResult(tokens, text, finish, len(prompt_ids), stats)
+
+    def rounds(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_new_tokens: int,
+        gamma: int | str | None = None,
+        stats: GenerationStats | None = None,
+    ) -> Iterator[tuple[list[int], str | None]]:
+        """Yield (new tokens, finish reason or None) once per round."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        limit = self.target.max_positions
+        if limit is not None:
+            if len(prompt_ids) >= limit:
+                raise ValueError(f"prompt has {len(prompt_ids)} tokens; the target's context is {limit}")
+            max_new_tokens = min(max_new_tokens, limit - len(prompt_ids))
+        stats = stats if stats is not None else GenerationStats()
+        controller = self.controller(gamma)
+        stats.controller = controller.name
+        rng = PositionRNG(params.seed)
+        verifier = TargetVerifier(self.target.model, self.target.vocab_size)
+        proposer = self.new_proposer()
+        context = list(prompt_ids)
+        produced = 0
+        try:
+            t0 = time.perf_counter()
+            verifier.prefill(context)
+            if proposer is not None:
+                proposer.prefill(context)
+            stats.prefill_time_s = time.perf_counter() - t0
+            while produced < max_new_tokens:
+                t_round = time.perf_counter()
+                g = controller.choose(max_new_tokens - produced)
+                if g > 0 and proposer is not None:
+                    proposal = proposer.propose(context, g, params, rng)
+                else:
+                    proposal = empty_proposal(self.target.vocab_size)
+                t_drafted = time.perf_counter()
+                verdict = verifier.verify(context, proposal, params, rng)
+                t_verified = time.perf_counter()
+                new = proposal.tokens[: verdict.n_accepted] + [verdict.next_token]
+                stats.record_round(g, len(proposal), verdict.n_accepted, t_drafted - t_round, t_verified - t_drafted)
+                controller.update(
+                    RoundObservation(
+                        g, len(proposal), verdict.n_accepted, verdict.betas,
+                        t_drafted - t_round, t_verified - t_drafted, time.perf_counter() - t_round,
+                    )
+                )
+                new, reason = self._finish(new, params, max_new_tokens - produced)
+                context.extend(new)
+                produced += len(new)
+                if reason is None and params.stop and self._hit_stop(context[len(prompt_ids) :], params):
+                    reason = "stop"
+                yield new, reason
+                if reason is not None:
+                    return
+        finally:
+            verifier.release()
+            if proposer is not None:
+                proposer.release()
+
+    def _finish(self, new: list[int], params: SamplingParams, room: int) -> tuple[list[int], str | None]:
+        if not params.ignore_eos:
+            for i, token in enumerate(new[:room]):
+                if token in self.eos_ids:
+                    return new[: i + 1], "stop"
+        if len(new) >= room:
+            return new[:room], "length"
+        return new, None
+
+    def _hit_stop(self, generated: list[int], params: SamplingParams) -> bool:
+        text = self.decode(generated)
+        return text is not None and any(s in text for s in params.stop)

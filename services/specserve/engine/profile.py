@@ -1,0 +1,54 @@
+"""Calibration: how long a target forward over n new positions and a draft step take.
+
+The γ cost model needs t_verify(n) for n = 1..γ_max+1 before it has seen
+rounds of each size; this measures them once on scratch caches. The same
+numbers are what `specserve bench` reports as the verify-cost table.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from specserve.models import CachedSequence
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def verify_profile(model, vocab: int, max_positions: int, context: int = 64, repeats: int = 3) -> dict[int, float]:
+    """Seconds for one cached forward over n new tokens after `context` tokens, n = 1..max_positions."""
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randint(0, vocab, (context + max_positions,), generator=gen).tolist()
+    seq = CachedSequence(model)
+    seq.feed(base[:context])
+    seq.feed(base[context : context + 2], keep_logits=2)  # warm-up: first calls take slower paths
+    profile = {}
+    for n in range(1, max_positions + 1):
+        def step(n=n):
+            seq.rollback(context)
+            seq.feed(base[context : context + n], keep_logits=n)
+        step()
+        profile[n] = _median_time(step, repeats)
+    return profile
+
+
+def draft_step_time(proposer, vocab: int, context: int = 64, repeats: int = 3) -> float:
+    """Seconds per drafted token for a proposer (γ=2 proposals on a random context)."""
+    from specserve.spec import PositionRNG, SamplingParams
+
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (context,), generator=gen).tolist()
+    params, rng = SamplingParams(temperature=0.0), PositionRNG(0)
+    proposer.propose(tokens, 2, params, rng)
+    seconds = _median_time(lambda: proposer.propose(tokens, 2, params, rng), repeats) / 2
+    proposer.release()
+    return seconds

@@ -1,0 +1,140 @@
+"""Drafts (proposers) and the target verifier, each owning one session's KV cache.
+
+These are the seams the distributed workers reuse: a proposer turns the
+committed tokens into a `Proposal` (tokens and the q they were sampled
+from); the verifier scores context + proposal in one target forward and
+applies `spec.accept_prefix`. Both are told the full committed token list
+every round and bring their caches to it themselves (crop + feed), so they
+need no separate commit/rollback message and can be rebuilt from scratch.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from specserve.models import CachedSequence, propose_ngram
+from specserve.spec import PositionRNG, Purpose, SamplingParams, Verdict, accept_prefix, probs_from_logits
+from specserve.spec.sampling import sample_from_probs, sparse_to_dense, truncate_top_k
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]  # [k] drafted tokens, k ≤ γ
+    q: torch.Tensor  # [k, vocab] float32: the distribution each token was sampled from
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def empty_proposal(vocab: int) -> Proposal:
+    return Proposal([], torch.zeros(0, vocab))
+
+
+class Proposer(ABC):
+    """Drafts up to γ tokens for one session."""
+
+    name: str = "draft"
+
+    @abstractmethod
+    def propose(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG) -> Proposal: ...
+
+    def prefill(self, prompt: list[int]) -> None:  # noqa: B027 - optional
+        """Warm the cache with the prompt (all but its last token)."""
+
+    def release(self) -> None:  # noqa: B027 - optional
+        """Free per-session state."""
+
+
+class ModelProposer(Proposer):
+    """A causal LM draft sharing the target's vocabulary.
+
+    top_k_q > 0 makes the draft sample from its own top-k-truncated,
+    renormalised q — the sparse q a remote draft ships over the wire.
+    """
+
+    def __init__(self, model, vocab: int, top_k_q: int = 0, name: str = "model"):
+        self.seq = CachedSequence(model)
+        self.vocab = vocab
+        self.top_k_q = top_k_q
+        self.name = name
+
+    def prefill(self, prompt: list[int]) -> None:
+        if len(prompt) > 1:
+            self.seq.logits_after(prompt[:-1])
+
+    def _draft_distribution(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        q = probs_from_logits(logits[:, : self.vocab], params)  # [1, vocab]
+        if self.top_k_q and not params.greedy:
+            ids, probs = truncate_top_k(q, self.top_k_q)
+            q = sparse_to_dense(ids, probs, self.vocab)
+        return q
+
+    def propose(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG) -> Proposal:
+        if gamma <= 0:
+            return empty_proposal(self.vocab)
+        start = len(context)
+        logits = self.seq.logits_after(context)  # [1, vocab]
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        for i in range(gamma):
+            q = self._draft_distribution(logits, params)
+            token = int(sample_from_probs(q, torch.tensor([rng.uniform(start + i, Purpose.DRAFT)])))
+            tokens.append(token)
+            qs.append(q)
+            if i + 1 < gamma:
+                logits = self.seq.feed([token])
+        return Proposal(tokens, torch.cat(qs))
+
+    def release(self) -> None:
+        self.seq.release()
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup; q is one-hot on each proposed token."""
+
+    name = "ngram"
+
+    def __init__(self, vocab: int, max_n: int = 3, min_n: int = 1):
+        self.vocab = vocab
+        self.max_n = max_n
+        self.min_n = min_n
+
+    def propose(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG) -> Proposal:
+        tokens = propose_ngram(context, gamma, self.max_n, self.min_n)
+        if not tokens:
+            return empty_proposal(self.vocab)
+        q = torch.nn.functional.one_hot(torch.tensor(tokens), self.vocab).float()
+        return Proposal(tokens, q)
+
+
+class TargetVerifier:
+    """Scores context + proposal with ONE target forward over k+1 new positions and accepts a prefix."""
+
+    def __init__(self, model, vocab: int):
+        self.seq = CachedSequence(model)
+        self.vocab = vocab
+
+    def prefill(self, prompt: list[int]) -> None:
+        if len(prompt) > 1:
+            self.seq.logits_after(prompt[:-1])
+
+    def verify(self, context: list[int], proposal: Proposal, params: SamplingParams, rng: PositionRNG) -> Verdict:
+        k = len(proposal)
+        logits = self.seq.logits_after(context + proposal.tokens, keep_logits=k + 1)  # [k+1, vocab]
+        p = probs_from_logits(logits[:, : self.vocab], params)
+        start = len(context)
+        verdict = accept_prefix(
+            torch.tensor(proposal.tokens, dtype=torch.long),
+            proposal.q,
+            p,
+            rng.uniforms(start, k, Purpose.ACCEPT),
+            rng.uniforms(start, k + 1, Purpose.FINAL),
+        )
+        self.seq.rollback(start + verdict.n_accepted)  # drop rejected positions now
+        return verdict
+
+    def release(self) -> None:
+        self.seq.release()

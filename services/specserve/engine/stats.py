@@ -1,0 +1,63 @@
+"""Per-generation speculation statistics (defined once, used by CLI, bench and serving)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0  # tokens the rounds produced (accepted + one per round), before truncation
+    gamma_history: list[int] = field(default_factory=list)  # γ chosen each round
+    accepted_history: list[int] = field(default_factory=list)  # draft tokens kept each round
+    accepted_per_position: list[int] = field(default_factory=list)  # [i] = rounds whose draft token i+1 was kept
+    drafted_per_position: list[int] = field(default_factory=list)
+    prefill_time_s: float = 0.0
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    total_time_s: float = 0.0
+    new_tokens: int = 0
+    controller: str = ""
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Fraction of drafted tokens accepted."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per round, the bonus/correction token included (vLLM's definition)."""
+        return self.emitted / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
+
+    def record_round(self, gamma: int, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.emitted += accepted + 1
+        self.gamma_history.append(gamma)
+        self.accepted_history.append(accepted)
+        self.draft_time_s += draft_s
+        self.verify_time_s += verify_s
+        grow = drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position.extend([0] * grow)
+            self.accepted_per_position.extend([0] * grow)
+        for i in range(drafted):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += i < accepted
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            acceptance_rate=self.acceptance_rate,
+            mean_accepted_length=self.mean_accepted_length,
+            tokens_per_s=self.tokens_per_s,
+        )
+        return d

@@ -1,0 +1,19 @@
+"""Loading targets and drafts, KV caches with rollback, the n-gram draft.
+
+This package knows about transformers models and tokenizers; it knows
+nothing about how tokens are accepted (that is `spec/`) or served.
+"""
+
+from specserve.models.kv import CachedSequence
+from specserve.models.loading import LoadedModel, default_device, default_dtype, load_model, resolve_dtype
+from specserve.models.ngram import propose_ngram
+
+__all__ = [
+    "CachedSequence",
+    "LoadedModel",
+    "default_device",
+    "default_dtype",
+    "load_model",
+    "propose_ngram",
+    "resolve_dtype",
+]

@@ -1,0 +1,64 @@
+"""One sequence's KV cache with rollback.
+
+`CachedSequence` remembers which tokens its cache holds. `logits_after`
+brings the cache to a requested token sequence by keeping the longest common
+prefix, cropping the rest and feeding only the new tail in ONE forward — so a
+rejection costs a crop, and the prompt is prefilled once. Because the cache
+is always derivable from the token list, a worker can rebuild it from the
+committed tokens at any time.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+class CachedSequence:
+    def __init__(self, model):
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.tokens: list[int] = []  # tokens whose keys/values the cache holds, in order
+        self.forward_calls = 0
+        self.device = next(model.parameters()).device
+
+    def common_prefix(self, tokens: list[int]) -> int:
+        n = min(len(self.tokens), len(tokens))
+        if self.tokens[:n] == tokens[:n]:
+            return n
+        i = 0
+        while i < n and self.tokens[i] == tokens[i]:
+            i += 1
+        return i
+
+    def rollback(self, length: int) -> None:
+        """Keep the first `length` cached tokens."""
+        drop = len(self.tokens) - length
+        if drop > 0:
+            self.cache.crop(-drop)  # transformers 5: a negative count drops from the end
+            del self.tokens[length:]
+
+    @torch.inference_mode()
+    def feed(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
+        """Append tokens; return float32 CPU logits of the last `keep_logits` of them: [keep_logits, vocab]."""
+        ids = torch.tensor([new_tokens], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=keep_logits)
+        self.forward_calls += 1
+        self.tokens.extend(new_tokens)
+        return out.logits[0, -keep_logits:].float().cpu()
+
+    def logits_after(self, tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
+        """Logits predicting the tokens after each of the last `keep_logits` prefixes of `tokens`.
+
+        Feeds at least the last token (logits come only from a forward), and
+        at least `keep_logits` tokens. Returns [keep_logits, vocab].
+        """
+        if not tokens:
+            raise ValueError("cannot compute logits after an empty sequence")
+        keep = min(self.common_prefix(tokens), len(tokens) - keep_logits)
+        self.rollback(keep)
+        return self.feed(tokens[keep:], keep_logits)
+
+    def release(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.tokens = []

@@ -1,0 +1,116 @@
+"""Turn a user's model spec into a loaded model (and tokenizer when there is one).
+
+Accepted specs: a Hugging Face id or local directory, a `.gguf` file, the
+name "embedded", or an already-loaded `transformers.PreTrainedModel`.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specserve.models import embedded
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # transformers.PreTrainedModel, in eval mode
+    tokenizer: Any | None  # PreTrainedTokenizerBase, or None when the caller passed a bare model
+    name: str
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@functools.cache
+def _cpu_has_fast_bf16() -> bool:
+    try:
+        flags = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    """bf16 where it is the fast path (GPUs, CPUs with bf16 instructions), else fp32."""
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(set(DTYPES))} or None, got {dtype!r}") from None
+
+
+def load_model(spec: Any, dtype: str | torch.dtype | None = None, device: str | None = None) -> LoadedModel:
+    """Load a causal LM from any accepted spec.
+
+    dtype None keeps an already-loaded model's dtype and picks `default_dtype`
+    for models loaded here.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+    torch_dtype = resolve_dtype(dtype)
+    if isinstance(spec, PreTrainedModel):
+        model = spec
+        if device is not None:
+            model = model.to(device)
+        if torch_dtype is not None and torch_dtype != next(model.parameters()).dtype:
+            model = model.to(torch_dtype)
+        return LoadedModel(model.eval(), None, type(model).__name__)
+    if not isinstance(spec, (str, pathlib.Path)):
+        raise TypeError(f"model must be a name, a path or a PreTrainedModel, got {type(spec).__name__}")
+
+    device = device or default_device()
+    torch_dtype = torch_dtype or default_dtype(device)
+    name = str(spec)
+    if name == "embedded":
+        path, name = embedded.converted_dir(embedded.embedded_gguf_path()), "SmolLM2-135M-Instruct"
+    elif name.endswith(".gguf"):
+        gguf = pathlib.Path(name).expanduser()
+        if not gguf.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {gguf}")
+        path = embedded.converted_dir(gguf)
+    else:
+        path = pathlib.Path(name).expanduser()
+        path = path if path.exists() else name  # a hub id; works only where the hub (or its cache) is reachable
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+    except OSError as exc:
+        raise ValueError(
+            f"could not load model {name!r}: {exc}. Pass a local directory or .gguf file when offline."
+        ) from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError):
+        tokenizer = None
+    return LoadedModel(model.to(device).eval(), tokenizer, name)

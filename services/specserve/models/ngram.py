@@ -1,0 +1,27 @@
+"""Prompt-lookup (n-gram) drafting: copy what followed the last n tokens earlier in the context.
+
+Costs almost nothing (c ≈ 0) and pays off where output repeats its input:
+rewriting, code edits, quoting. Its q is one-hot on the proposed token, which
+speculative sampling handles exactly like any other draft distribution.
+"""
+
+from __future__ import annotations
+
+
+def propose_ngram(context: list[int], gamma: int, max_n: int = 3, min_n: int = 1) -> list[int]:
+    """Up to `gamma` tokens that followed the most recent earlier match of the context's last n tokens.
+
+    Tries n = max_n down to min_n; returns [] when nothing matches.
+    """
+    length = len(context)
+    if gamma <= 0 or length < 2:
+        return []
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        tail = context[length - n :]
+        first = tail[0]
+        # A match starting at i must end before the tail itself starts.
+        for i in range(length - n - 1, -1, -1):
+            if context[i] == first and context[i : i + n] == tail:
+                start = i + n
+                return context[start : start + gamma]
+    return []

@@ -1,0 +1,227 @@
+"""Speculation-depth (γ) controllers behind one small interface.
+
+- `FixedGamma`: the same γ every round (γ=0 is plain target decoding).
+- `HeuristicGamma`: Hugging Face's schedule, +2 after a fully accepted block,
+  −1 otherwise; the baseline to beat.
+- `AutoGamma`: a cost model. It keeps an EWMA of the acceptance at each draft
+  position and of the measured draft-step, verify and per-round overhead
+  times — verify time as a function of the number of positions scored, since
+  on a CPU it grows with γ — and picks the γ in 0..γ_max that maximises
+  expected tokens per second. γ=0 wins when speculation does not pay.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RoundObservation:
+    """What one speculation round showed a controller."""
+
+    gamma: int  # depth requested
+    drafted: int  # tokens the draft actually proposed (≤ gamma; n-gram drafts may propose fewer)
+    accepted: int  # drafted tokens kept
+    betas: list[float] = field(default_factory=list)  # expected acceptance Σmin(p,q) at positions 1..accepted+1
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    round_time_s: float = 0.0
+
+
+def expected_tokens_per_round(alpha: float, gamma: int) -> float:
+    """(1 − α^(γ+1)) / (1 − α): tokens one round emits, bonus included (Leviathan Eq. 1)."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+class GammaController(ABC):
+    name: str = "controller"
+
+    @abstractmethod
+    def choose(self, remaining: int | None = None) -> int:
+        """γ for the next round; `remaining` = tokens still wanted (caps useless depth)."""
+
+    def update(self, obs: RoundObservation) -> None:  # noqa: B027 - optional hook
+        """Feed back what the round showed."""
+
+    @staticmethod
+    def _cap(gamma: int, remaining: int | None) -> int:
+        return gamma if remaining is None else max(0, min(gamma, remaining - 1))
+
+
+class FixedGamma(GammaController):
+    def __init__(self, gamma: int):
+        if gamma < 0:
+            raise ValueError(f"gamma must be >= 0, got {gamma}")
+        self.gamma = gamma
+        self.name = f"fixed:{gamma}"
+
+    def choose(self, remaining: int | None = None) -> int:
+        return self._cap(self.gamma, remaining)
+
+
+class HeuristicGamma(GammaController):
+    """+2 when every drafted token was accepted, −1 otherwise (never below 1)."""
+
+    name = "heuristic"
+
+    def __init__(self, initial: int = 5, gamma_max: int = 16):
+        self.gamma = max(1, min(initial, gamma_max))
+        self.gamma_max = gamma_max
+
+    def choose(self, remaining: int | None = None) -> int:
+        return self._cap(self.gamma, remaining)
+
+    def update(self, obs: RoundObservation) -> None:
+        if obs.gamma == 0:
+            return
+        if obs.drafted > 0 and obs.accepted == obs.drafted:
+            self.gamma = min(self.gamma + 2, self.gamma_max)
+        else:
+            self.gamma = max(1, self.gamma - 1)
+
+
+class AutoGamma(GammaController):
+    """Maximise expected tokens per second from measured acceptance and costs.
+
+    verify_profile: seconds for one target forward over n new positions,
+    n = 1..γ_max+1 (a calibration; refined online). draft_step_s: seconds per
+    draft token. pipelined: the draft of the next block overlaps the verify
+    of this one, so a round costs max(γ·t_draft, t_verify) instead of the sum.
+    """
+
+    name = "auto"
+
+    def __init__(
+        self,
+        gamma_max: int = 8,
+        verify_profile: dict[int, float] | None = None,
+        draft_step_s: float | None = None,
+        prior_acceptance: float = 0.6,
+        decay: float = 0.15,
+        pipelined: bool = False,
+        probe_every: int = 16,
+    ):
+        self.gamma_max = gamma_max
+        self.decay = decay
+        self.pipelined = pipelined
+        self.probe_every = probe_every
+        self.acceptance = [prior_acceptance] * (gamma_max + 1)  # index i = position i (1-based)
+        self.observations = [0] * (gamma_max + 1)
+        self.global_acceptance = prior_acceptance
+        self.verify_s: dict[int, float] = dict(verify_profile or {})
+        self.draft_step_s = draft_step_s
+        self.overhead_s = 0.0
+        self._rounds_at_zero = 0
+
+    # -- estimates -------------------------------------------------------
+    def position_acceptance(self, i: int) -> float:
+        """Acceptance at draft position i given positions < i were accepted (shrunk to the global EWMA)."""
+        n = self.observations[i]
+        return (n * self.acceptance[i] + 3.0 * self.global_acceptance) / (n + 3.0)
+
+    def expected_tokens(self, gamma: int) -> float:
+        total, survive = 1.0, 1.0
+        for i in range(1, gamma + 1):
+            survive *= self.position_acceptance(i)
+            total += survive
+        return total
+
+    def verify_time(self, positions: int) -> float:
+        if positions in self.verify_s:
+            return self.verify_s[positions]
+        known = sorted(self.verify_s)
+        if not known:
+            return 1.0 + 0.05 * (positions - 1)  # unitless guess until the first measurement
+        if len(known) == 1:
+            return self.verify_s[known[0]] * (1.0 + 0.05 * (positions - known[0]))
+        lo = max([k for k in known if k < positions], default=known[0])
+        hi = min([k for k in known if k > positions], default=known[-1])
+        if lo == hi:  # extrapolate with the slope of the two nearest points
+            lo, hi = (known[-2], known[-1]) if positions > known[-1] else (known[0], known[1])
+        slope = (self.verify_s[hi] - self.verify_s[lo]) / (hi - lo)
+        return max(1e-6, self.verify_s[lo] + slope * (positions - lo))
+
+    def round_time(self, gamma: int) -> float:
+        draft = gamma * (self.draft_step_s or 0.0)
+        verify = self.verify_time(gamma + 1)
+        core = max(draft, verify) if self.pipelined and gamma > 0 else draft + verify
+        return core + self.overhead_s
+
+    def tokens_per_second(self, gamma: int) -> float:
+        return self.expected_tokens(gamma) / self.round_time(gamma)
+
+    # -- interface ---------------------------------------------------------
+    def choose(self, remaining: int | None = None) -> int:
+        limit = self._cap(self.gamma_max, remaining)
+        best = max(range(limit + 1), key=self.tokens_per_second)
+        if best == 0 and limit > 0:
+            self._rounds_at_zero += 1
+            if self._rounds_at_zero % self.probe_every == 0:
+                return 1  # keep the acceptance estimate alive while not speculating
+        return best
+
+    def update(self, obs: RoundObservation) -> None:
+        w = self.decay
+        for i, beta in enumerate(obs.betas[: obs.drafted], start=1):
+            if i <= self.gamma_max:
+                self.acceptance[i] += w * (beta - self.acceptance[i])
+                self.observations[i] += 1
+                self.global_acceptance += (w / 2) * (beta - self.global_acceptance)
+        positions = obs.drafted + 1
+        if obs.verify_time_s > 0:
+            old = self.verify_s.get(positions)
+            self.verify_s[positions] = obs.verify_time_s if old is None else old + w * (obs.verify_time_s - old)
+        if obs.drafted > 0 and obs.draft_time_s > 0:
+            step = obs.draft_time_s / obs.drafted
+            self.draft_step_s = step if self.draft_step_s is None else self.draft_step_s + w * (step - self.draft_step_s)
+        if obs.round_time_s > 0:
+            core = obs.draft_time_s + obs.verify_time_s
+            if self.pipelined:
+                core = max(obs.draft_time_s, obs.verify_time_s)
+            extra = max(0.0, obs.round_time_s - core)
+            self.overhead_s += w * (extra - self.overhead_s)
+
+
+def make_controller(
+    gamma: int | str,
+    gamma_max: int = 8,
+    verify_profile: dict[int, float] | None = None,
+    draft_step_s: float | None = None,
+    pipelined: bool = False,
+) -> GammaController:
+    """Controller from a user-facing spec: an int (fixed), "auto" or "heuristic"."""
+    if isinstance(gamma, str):
+        spec = gamma.strip().lower()
+        if spec == "auto":
+            return AutoGamma(gamma_max, verify_profile, draft_step_s, pipelined=pipelined)
+        if spec == "heuristic":
+            return HeuristicGamma(gamma_max=max(gamma_max, 1))
+        if spec.removeprefix("fixed:").isdigit():
+            gamma = int(spec.removeprefix("fixed:"))
+        else:
+            raise ValueError(f"gamma must be an int >= 0, 'auto' or 'heuristic', got {gamma!r}")
+    if isinstance(gamma, bool) or not isinstance(gamma, int):
+        raise ValueError(f"gamma must be an int >= 0, 'auto' or 'heuristic', got {gamma!r}")
+    return FixedGamma(gamma)
+
+
+def theorem8_speedup(alpha: float, gamma: int, c: float, verify_cost: float = 1.0) -> float:
+    """Predicted walltime improvement: E[tokens]/(γc + v), v = verify(γ+1)/verify(1) (1 in the paper)."""
+    if gamma == 0:
+        return 1.0
+    return expected_tokens_per_round(alpha, gamma) / (gamma * c + verify_cost)
+
+
+__all__ = [
+    "AutoGamma",
+    "FixedGamma",
+    "GammaController",
+    "HeuristicGamma",
+    "RoundObservation",
+    "expected_tokens_per_round",
+    "make_controller",
+    "theorem8_speedup",
+]

@@ -1,0 +1,44 @@
+"""User-facing sampling parameters (validated; errors name the field)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class SamplingParams(BaseModel):
+    """How the target's next-token distribution is turned into a sample.
+
+    The transformations apply in the order temperature → top-k → top-p, the
+    same order Hugging Face and vLLM use. Temperature 0 means greedy decoding.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    temperature: float = Field(1.0, ge=0.0, description="0 = greedy (argmax); >0 divides the logits.")
+    top_k: int = Field(0, ge=0, description="Keep the k most probable tokens; 0 disables.")
+    top_p: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Keep the smallest set of most probable tokens whose cumulative probability is ≥ top_p.",
+    )
+    seed: int | None = Field(
+        None,
+        ge=0,
+        description="Makes sampling reproducible: same seed and same fixed γ give the same tokens.",
+    )
+    stop: list[str] | None = Field(None, description="Stop when the generated text contains one of these strings.")
+    ignore_eos: bool = Field(False, description="Keep generating after the end-of-sequence token.")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value):
+        if isinstance(value, str):
+            value = [value]
+        if value is not None and any(not s for s in value):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,74 @@
+"""The speculative-sampling step (Leviathan et al. 2023, Algorithm 1).
+
+Given γ draft tokens x_i ~ q_i and the target distributions p_1..p_{γ+1}
+from one forward pass, accept x_i while u_i < p_i(x_i)/q_i(x_i); at the first
+rejection draw from the residual norm(max(0, p − q)), otherwise draw the
+bonus token from p_{γ+1}. Each emitted token is then distributed exactly as
+p, for any q — including a truncated or one-hot q — provided q is the
+distribution the draft really sampled from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.spec.sampling import sample_from_probs
+
+
+@dataclass
+class Verdict:
+    """Outcome of verifying one block of draft tokens."""
+
+    n_accepted: int  # leading draft tokens kept, 0..γ
+    next_token: int  # correction (n < γ) or bonus (n = γ) token, always emitted
+    accept_probs: list[float] = field(default_factory=list)  # min(1, p_i(x_i)/q_i(x_i)), positions 1..n+1
+    betas: list[float] = field(default_factory=list)  # Σ_x min(p_i, q_i), positions 1..n+1
+
+    @property
+    def emitted(self) -> int:
+        return self.n_accepted + 1
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p − q)).
+
+    p, q: [vocab]. When p ≤ q everywhere (only possible through rounding,
+    since a rejection implies p(x) < q(x) for the drafted x and so mass
+    elsewhere) fall back to p, which is then equal to q.
+    """
+    residual = torch.clamp(p - q, min=0.0)
+    total = residual.sum()
+    return residual / total if total > 0 else p
+
+
+def accept_prefix(
+    draft_tokens: torch.Tensor,  # [γ] int64
+    draft_probs: torch.Tensor,  # [γ, vocab] q_i, the distributions the tokens were sampled from
+    target_probs: torch.Tensor,  # [γ+1, vocab] p_i, target distributions after the same prefixes
+    u_accept: torch.Tensor,  # [γ] uniforms for the acceptance tests
+    u_final: torch.Tensor,  # [γ+1] uniforms for the residual / bonus draw at each position
+) -> Verdict:
+    gamma = draft_tokens.shape[0]
+    if gamma == 0:
+        token = sample_from_probs(target_probs[:1], u_final[:1])
+        return Verdict(0, int(token), [], [])
+
+    positions = torch.arange(gamma)
+    p_x = target_probs[positions, draft_tokens].double()  # [γ]
+    q_x = draft_probs[positions, draft_tokens].double()  # [γ]
+    ratio = torch.where(q_x > 0, p_x / q_x.clamp_min(1e-300), torch.zeros_like(p_x))
+    accepted = u_accept.double() < ratio  # u ∈ [0,1): P(accept) = min(1, ratio)
+    n = int(accepted.long().cumprod(0).sum())
+
+    if n < gamma:
+        final = residual_distribution(target_probs[n], draft_probs[n])
+    else:
+        final = target_probs[gamma]
+    token = int(sample_from_probs(final.unsqueeze(0), u_final[n : n + 1]))
+
+    looked = min(n + 1, gamma)  # positions whose verdict was actually drawn
+    accept_probs = ratio[:looked].clamp(max=1.0).tolist()
+    betas = torch.minimum(target_probs[:looked], draft_probs[:looked]).sum(-1).tolist()
+    return Verdict(n, token, accept_probs, betas)

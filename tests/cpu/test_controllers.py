@@ -1,0 +1,80 @@
+"""γ controllers: the rules they promise, on synthetic observations."""
+
+import pytest
+
+from specserve.spec import AutoGamma, FixedGamma, HeuristicGamma, RoundObservation, expected_tokens_per_round
+from specserve.spec.controllers import make_controller, theorem8_speedup
+from specserve.models import propose_ngram
+
+FLAT = {n: 0.040 for n in range(1, 10)}  # verify cost independent of γ
+STEEP = {n: 0.040 * (1 + 0.5 * (n - 1)) for n in range(1, 10)}  # CPU fp32-like growth
+
+
+def feed(controller, acceptance: float, rounds: int = 60):
+    for _ in range(rounds):
+        g = controller.choose()
+        controller.update(RoundObservation(g, g, 0, [acceptance] * g, 0.001 * g, FLAT[g + 1], 0.001 * g + FLAT[g + 1]))
+    return controller.choose()
+
+
+def test_expected_tokens_formula():
+    assert expected_tokens_per_round(0.0, 5) == 1.0
+    assert expected_tokens_per_round(1.0, 4) == 5.0
+    assert expected_tokens_per_round(0.8, 5) == pytest.approx(sum(0.8**i for i in range(6)))
+    assert theorem8_speedup(0.8, 5, 0.0) == pytest.approx(3.69, abs=0.01)  # Leviathan Table 1
+
+
+def test_fixed_and_cap():
+    assert FixedGamma(4).choose() == 4
+    assert FixedGamma(4).choose(remaining=3) == 2  # never draft past the last wanted token
+    assert FixedGamma(4).choose(remaining=1) == 0
+
+
+def test_heuristic_rule():
+    h = HeuristicGamma(initial=5, gamma_max=16)
+    h.update(RoundObservation(5, 5, 5))
+    assert h.choose() == 7
+    h.update(RoundObservation(7, 7, 3))
+    assert h.choose() == 6
+    for _ in range(10):
+        h.update(RoundObservation(h.gamma, h.gamma, 0))
+    assert h.choose() == 1
+
+
+def test_auto_speculates_deep_with_cheap_draft_and_high_acceptance():
+    auto = AutoGamma(gamma_max=8, verify_profile=FLAT, draft_step_s=0.001)
+    assert feed(auto, 0.9) >= 6
+
+
+def test_auto_turns_speculation_off_when_it_does_not_pay():
+    auto = AutoGamma(gamma_max=8, verify_profile=STEEP, draft_step_s=0.030)
+    assert feed(auto, 0.05) == 0
+
+
+def test_auto_prefers_shallow_when_verify_grows_with_gamma():
+    flat = feed(AutoGamma(gamma_max=8, verify_profile=FLAT, draft_step_s=0.002), 0.7)
+    steep = feed(AutoGamma(gamma_max=8, verify_profile=dict(STEEP), draft_step_s=0.002), 0.7)
+    assert 1 <= steep < flat
+
+
+def test_auto_probes_while_off():
+    auto = AutoGamma(gamma_max=8, verify_profile=STEEP, draft_step_s=0.030, probe_every=4)
+    chosen = [auto.choose() for _ in range(12)]
+    assert chosen.count(1) == 3 and set(chosen) == {0, 1}
+
+
+def test_make_controller_specs():
+    assert make_controller(3).name == "fixed:3"
+    assert make_controller("fixed:2").name == "fixed:2"
+    assert make_controller("auto").name == "auto"
+    assert make_controller("heuristic").name == "heuristic"
+    with pytest.raises(ValueError, match="gamma"):
+        make_controller("sometimes")
+
+
+def test_ngram_proposals():
+    ctx = [5, 6, 7, 8, 9, 1, 5, 6, 7]
+    assert propose_ngram(ctx, 3) == [8, 9, 1]  # 3-gram match
+    assert propose_ngram([1, 2, 3, 4, 2], 2) == [3, 4]  # falls back to a 1-gram
+    assert propose_ngram([1, 2, 3], 4) == []
+    assert propose_ngram([4, 4, 4, 4], 5) == [4]  # continuation stops at the context end

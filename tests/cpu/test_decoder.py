@@ -1,0 +1,135 @@
+"""SpeculativeDecoder on tiny random models: greedy identity, seeds, KV cache use, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import SamplingParams, SpeculativeDecoder
+from tests.conftest import perturbed_copy, tiny_llama
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
+
+
+def hf_greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(0, vocab=64, layers=2, hidden=32, scale=8)
+    return {
+        "target": target,
+        "random draft": tiny_llama(1, vocab=64, layers=1, hidden=32, scale=8),
+        "close draft": perturbed_copy(target, 0.3),
+    }
+
+
+@pytest.mark.parametrize("draft", ["random draft", "close draft", "target", "ngram"])
+@pytest.mark.parametrize("gamma", [1, 3, 8, "heuristic", "auto"])
+def test_greedy_equals_target_only(models, draft, gamma):
+    target = models["target"]
+    reference = SpeculativeDecoder(target, None, gamma=0).generate(PROMPT, GREEDY, 40)
+    assert reference.token_ids == hf_greedy(target, PROMPT, 40)
+    spec = SpeculativeDecoder(target, models.get(draft, draft), gamma=gamma).generate(PROMPT, GREEDY, 40)
+    assert spec.token_ids == reference.token_ids
+    if draft == "target" and isinstance(gamma, int):
+        assert spec.stats.acceptance_rate == 1.0  # the same model accepts everything
+    if draft == "close draft" and isinstance(gamma, int):
+        assert 0.0 < spec.stats.acceptance_rate < 1.0  # partial acceptance exercised rollback
+
+
+def test_greedy_random_draft_accepts_almost_nothing_but_still_matches(models):
+    spec = SpeculativeDecoder(models["target"], models["random draft"], gamma=4).generate(PROMPT, GREEDY, 30)
+    assert spec.stats.acceptance_rate < 0.3
+    assert spec.stats.rounds >= 20
+
+
+@pytest.mark.parametrize("draft", ["close draft", "ngram"])
+@pytest.mark.parametrize("mode", [dict(temperature=1.0), dict(temperature=0.8, top_k=10), dict(temperature=1.2, top_p=0.9)])
+def test_seeded_runs_are_reproducible(models, draft, mode):
+    decoder = SpeculativeDecoder(models["target"], models.get(draft, draft), gamma=3)
+    params = SamplingParams(**mode, seed=1234, ignore_eos=True)
+    first = decoder.generate(PROMPT, params, 40).token_ids
+    again = SpeculativeDecoder(models["target"], models.get(draft, draft), gamma=3).generate(PROMPT, params, 40)
+    assert first == again.token_ids
+    other = decoder.generate(PROMPT, params.model_copy(update={"seed": 99}), 40).token_ids
+    assert other != first
+    unseeded = {tuple(decoder.generate(PROMPT, SamplingParams(**mode, ignore_eos=True), 40).token_ids) for _ in range(3)}
+    assert len(unseeded) > 1  # seed=None draws a fresh seed per request
+
+
+def _record_forwards(model):
+    calls = []
+
+    def hook(_module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        cache = kwargs.get("past_key_values")
+        calls.append((ids.shape[1], cache.get_seq_length() if cache is not None else 0))
+
+    return calls, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_target_runs_one_forward_per_round_over_new_positions_only(models):
+    target, draft = models["target"], models["close draft"]
+    target_calls, h1 = _record_forwards(target)
+    draft_calls, h2 = _record_forwards(draft)
+    try:
+        res = SpeculativeDecoder(target, draft, gamma=4).generate(PROMPT, GREEDY, 50)
+    finally:
+        h1.remove()
+        h2.remove()
+    stats = res.stats
+    assert 0 < stats.acceptance_rate < 1  # rejections happened, so caches were cropped
+    # The prompt is prefilled once: all of it but the last token, on an empty cache.
+    assert target_calls[0] == (len(PROMPT) - 1, 0)
+    assert draft_calls[0] == (len(PROMPT) - 1, 0)
+    # Then exactly one target forward per round, over γ+1 new positions, on top of the committed prefix.
+    assert len(target_calls) == 1 + stats.rounds
+    context = len(PROMPT)
+    for (positions, cached), gamma, accepted in zip(target_calls[1:], stats.gamma_history, stats.accepted_history):
+        assert (positions, cached) == (gamma + 1, context - 1)
+        context += accepted + 1
+    assert len(draft_calls) == 1 + sum(stats.gamma_history)  # γ draft forwards per round
+
+
+def test_vocab_mismatch_is_a_clear_error(models):
+    other = tiny_llama(2, vocab=65, layers=1, hidden=32)
+    with pytest.raises(ValueError, match=r"65.*64|64.*65"):
+        SpeculativeDecoder(models["target"], other)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(prompt=[]), "prompt"),
+        (dict(prompt=[1, 2, 999]), "prompt token ids"),
+        (dict(prompt="text"), "tokenizer"),
+        (dict(prompt=[1, 2], max_new_tokens=0), "max_new_tokens"),
+        (dict(prompt=list(range(60)) * 9), "context"),
+    ],
+)
+def test_bad_generate_input(models, kwargs, message):
+    decoder = SpeculativeDecoder(models["target"], "ngram", gamma=2)
+    with pytest.raises(ValueError, match=message):
+        decoder.generate(**kwargs)
+
+
+def test_bad_gamma_spec(models):
+    for gamma in (-1, "fast", 2.5, True):
+        with pytest.raises(ValueError, match="gamma"):
+            SpeculativeDecoder(models["target"], "ngram", gamma=gamma)
+
+
+def test_max_new_tokens_and_eos(models):
+    target = models["target"]
+    decoder = SpeculativeDecoder(target, models["close draft"], gamma=5)
+    res = decoder.generate(PROMPT, GREEDY, 7)
+    assert len(res.token_ids) == 7 and res.finish_reason == "length"
+    eos = res.token_ids[3]
+    decoder.eos_ids = {eos}
+    stopped = decoder.generate(PROMPT, SamplingParams(temperature=0.0), 7)
+    first = res.token_ids.index(eos)
+    assert stopped.token_ids == res.token_ids[: first + 1] and stopped.finish_reason == "stop"

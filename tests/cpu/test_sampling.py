@@ -1,0 +1,105 @@
+"""spec/ math against plain references: distributions, sampling, acceptance, randomness."""
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specserve.spec import PositionRNG, Purpose, SamplingParams, accept_prefix, probs_from_logits, sample_from_probs
+from specserve.spec.sampling import sparse_to_dense, truncate_top_k
+from tests.reference import reference_accept, reference_probs
+
+MODES = [
+    dict(temperature=0.0),
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_k=5),
+    dict(temperature=1.5, top_p=0.8),
+    dict(temperature=0.9, top_k=10, top_p=0.6),
+    dict(temperature=1.0, top_p=1e-6),  # only the argmax survives
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_probs_from_logits_matches_reference(mode):
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(3)) * 3
+    got = probs_from_logits(logits, SamplingParams(**mode)).numpy()
+    for row, lg in zip(got, logits.numpy()):
+        want = reference_probs(lg, mode.get("temperature", 1.0), mode.get("top_k", 0), mode.get("top_p", 1.0))
+        np.testing.assert_allclose(row, want, atol=1e-6)
+
+
+def test_top_p_keeps_smallest_set_reaching_mass():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    kept = probs_from_logits(logits, SamplingParams(top_p=0.8)) > 0
+    assert kept.tolist() == [[True, True, False, False]]  # 0.5 + 0.3 reaches 0.8
+    kept = probs_from_logits(logits, SamplingParams(top_p=0.81)) > 0
+    assert kept.tolist() == [[True, True, True, False]]
+
+
+def test_sample_from_probs_follows_distribution_and_skips_zeros():
+    probs = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0])
+    rng = PositionRNG(11)
+    u = rng.uniforms(0, 20000, Purpose.FINAL)
+    ids = sample_from_probs(probs.expand(len(u), -1), u)
+    counts = np.bincount(ids.numpy(), minlength=6)
+    assert counts[[0, 2, 5]].sum() == 0
+    assert stats.chisquare(counts[[1, 3, 4]], 20000 * np.array([0.2, 0.5, 0.3])).pvalue > 1e-3
+    edge = sample_from_probs(probs.unsqueeze(0), torch.tensor([1.0 - 2**-53]))
+    assert edge.item() == 4  # u·total rounding up to total never selects a zero-probability tail
+
+
+def test_sparse_q_roundtrip():
+    q = torch.softmax(torch.randn(3, 20, generator=torch.Generator().manual_seed(0)), -1)
+    ids, probs = truncate_top_k(q, 4)
+    dense = sparse_to_dense(ids, probs, 20)
+    assert torch.allclose(dense.sum(-1), torch.ones(3))
+    assert ((dense > 0).sum(-1) == 4).all()
+    assert torch.equal(dense.argmax(-1), q.argmax(-1))
+
+
+def test_accept_prefix_matches_loop_reference():
+    gen = torch.Generator().manual_seed(5)
+    rng = PositionRNG(5)
+    vocab, outcomes = 7, set()
+    for trial in range(400):
+        gamma = trial % 5
+        q = torch.softmax(torch.randn(gamma, vocab, generator=gen) * 2, -1)
+        p = torch.softmax(torch.randn(gamma + 1, vocab, generator=gen) * 2, -1)
+        x = sample_from_probs(q, rng.uniforms(trial * 10, gamma, Purpose.DRAFT)) if gamma else torch.zeros(0, dtype=torch.long)
+        u_a = rng.uniforms(trial * 10, gamma, Purpose.ACCEPT)
+        u_f = rng.uniforms(trial * 10, gamma + 1, Purpose.FINAL)
+        verdict = accept_prefix(x, q, p, u_a, u_f)
+        want = reference_accept(x.tolist(), q.double().numpy(), p.double().numpy(), u_a.numpy(), u_f.numpy())
+        assert (verdict.n_accepted, verdict.next_token) == want
+        outcomes.add(verdict.n_accepted)
+    assert outcomes == {0, 1, 2, 3, 4}  # every prefix length was exercised
+
+
+def test_greedy_accept_is_argmax_equality():
+    p = torch.nn.functional.one_hot(torch.tensor([3, 1, 4, 2]), 6).float()
+    q = torch.nn.functional.one_hot(torch.tensor([3, 1, 0]), 6).float()
+    zeros = torch.zeros(4, dtype=torch.float64)
+    verdict = accept_prefix(torch.tensor([3, 1, 0]), q, p, zeros[:3], zeros)
+    assert (verdict.n_accepted, verdict.next_token) == (2, 4)
+
+
+def test_position_rng_is_keyed_not_streamed():
+    a, b = PositionRNG(42), PositionRNG(42)
+    forward = [a.uniform(i, Purpose.ACCEPT) for i in range(50)]
+    backward = [b.uniform(i, Purpose.ACCEPT) for i in reversed(range(50))][::-1]
+    assert forward == backward
+    assert a.uniform(7, Purpose.DRAFT) != a.uniform(7, Purpose.ACCEPT) != a.uniform(7, Purpose.FINAL)
+    assert PositionRNG(43).uniform(7, Purpose.DRAFT) != a.uniform(7, Purpose.DRAFT)
+    u = PositionRNG(0).uniforms(0, 50000, Purpose.DRAFT).numpy()
+    assert stats.kstest(u, "uniform").pvalue > 1e-3
+    assert 0.0 <= u.min() and u.max() < 1.0
+
+
+def test_sampling_params_errors_name_the_field():
+    from pydantic import ValidationError
+
+    for field, value in [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("seed", -3)]:
+        with pytest.raises(ValidationError, match=field):
+            SamplingParams(**{field: value})
+    assert SamplingParams(stop="END").stop == ["END"]
