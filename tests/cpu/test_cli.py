@@ -1,0 +1,64 @@
+"""The CLI on tiny local model directories: generate --json, and bench's JSON + PNG (model-draft path)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from specserve.cli import main
+from specserve.models import embedded
+from tests.conftest import perturbed_copy, tiny_llama
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """A tiny random target and a close draft, saved with the embedded model's tokenizer (vocab 49152)."""
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = AutoTokenizer.from_pretrained(str(embedded.converted_dir(embedded.embedded_gguf_path())))
+    target = tiny_llama(0, vocab=len(tokenizer), layers=2, hidden=32, scale=8, dtype=torch.float32)
+    target.config.eos_token_id = tokenizer.eos_token_id
+    draft = perturbed_copy(target, 0.3)
+    for name, model in (("target", target), ("draft", draft)):
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.eos_token_id
+        model.save_pretrained(str(root / name))
+        tokenizer.save_pretrained(str(root / name))
+    return root
+
+
+def test_generate_json(model_dirs, capsys):
+    args = ["generate", "Hello there", "--target", str(model_dirs / "target"), "--draft", str(model_dirs / "draft"),
+            "--gamma", "3", "--temperature", "0", "--max-new-tokens", "12", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) <= 12 and out["stats"]["rounds"] >= 1
+    assert set(out["stats"]) >= {"acceptance_rate", "mean_accepted_length", "tokens_per_s", "gamma_history",
+                                 "draft_time_s", "verify_time_s", "drafted", "accepted", "rounds"}
+
+
+def test_generate_bad_input_is_a_message_not_a_traceback(model_dirs, capsys):
+    assert main(["generate", "x", "--target", str(model_dirs / "target"), "--top-p", "1.5"]) == 2
+    assert "top_p" in capsys.readouterr().err
+
+
+def test_bench_model_draft_writes_json_and_png(model_dirs, tmp_path, capsys):
+    out = tmp_path / "bench"
+    args = ["bench", "--quick", "--workloads", "code", "--target", str(model_dirs / "target"),
+            "--draft", str(model_dirs / "draft"), "--dtype", "float32", "--out", str(out)]
+    assert main(args) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert (out / "bench.png").stat().st_size > 10_000
+    runs = {r["method"]: r for r in report["workloads"]["code"]["runs"]}
+    assert {"target-only HF generate", "HF assisted (defaults)", "HF assisted k=4", "specserve auto"} <= set(runs)
+    assert set(report["verify_cost"]) == {"float32", "bfloat16"}
+    for run in runs.values():
+        assert run["tokens"] > 0 and run["tokens_per_s"] > 0
+        assert run["same_tokens_as_target_only"]  # fp32 greedy: every method emits the same tokens
+    assert runs["specserve γ=4"]["alpha"] is not None and runs["specserve γ=4"]["theorem8_prediction"] > 0
+    assert "auto_vs_best_fixed" in report["workloads"]["code"]["summary"]
+    assert "[1/" in capsys.readouterr().out  # progress lines
