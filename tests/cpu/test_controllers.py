@@ -8,6 +8,7 @@ from specserve.models import propose_ngram
 
 FLAT = {n: 0.040 for n in range(1, 10)}  # verify cost independent of γ
 STEEP = {n: 0.040 * (1 + 0.5 * (n - 1)) for n in range(1, 10)}  # CPU fp32-like growth
+MID = {n: 0.040 * (1 + 0.1 * (n - 1)) for n in range(1, 10)}  # CPU bf16-like growth
 
 
 def feed(controller, acceptance: float, rounds: int = 60):
@@ -78,3 +79,22 @@ def test_ngram_proposals():
     assert propose_ngram([1, 2, 3, 4, 2], 2) == [3, 4]  # falls back to a 1-gram
     assert propose_ngram([1, 2, 3], 4) == []
     assert propose_ngram([4, 4, 4, 4], 5) == [4]  # continuation stops at the context end
+
+
+def test_auto_keeps_acceptance_per_proposal_key():
+    auto = AutoGamma(gamma_max=8, verify_profile=MID, draft_step_s=0.0)
+    for _ in range(40):
+        for key, beta in (("ngram-3", 0.95), ("ngram-1", 0.05)):
+            g = auto.choose(key=key, available=8) or 1
+            auto.update(RoundObservation(g, g, 0, [beta] * g, 0.0, MID[g + 1], MID[g + 1], key))
+    assert auto.choose(key="ngram-3", available=8) >= 4
+    assert auto.choose(key="ngram-1", available=8) == 0
+    assert auto.choose(key="ngram-3", available=2) == 2  # never deeper than the proposal
+
+
+def test_auto_warm_start_carries_learning():
+    first = AutoGamma(gamma_max=8, verify_profile=FLAT, draft_step_s=0.001)
+    feed(first, 0.95)
+    fresh, warm = AutoGamma(gamma_max=8, verify_profile=FLAT), AutoGamma(gamma_max=8, verify_profile=FLAT)
+    warm.warm_start(first)
+    assert warm.expected_tokens(6) > fresh.expected_tokens(6) + 1

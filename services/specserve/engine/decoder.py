@@ -20,7 +20,14 @@ from typing import Any
 import torch
 
 from specserve.engine.profile import draft_step_time, verify_profile
-from specserve.engine.proposers import ModelProposer, NgramProposer, Proposer, TargetVerifier, empty_proposal
+from specserve.engine.proposers import (
+    ModelProposer,
+    NgramProposer,
+    Proposal,
+    Proposer,
+    TargetVerifier,
+    empty_proposal,
+)
 from specserve.engine.stats import GenerationStats
 from specserve.models import LoadedModel, load_model
 from specserve.spec import PositionRNG, RoundObservation, SamplingParams, make_controller
@@ -89,6 +96,7 @@ class SpeculativeDecoder:
                 self.tokenizer = self.draft.tokenizer
         self.eos_ids = self._eos_ids()
         self._profile: tuple[dict[int, float], float] | None = None
+        self._last_auto = None  # the latest request's AutoGamma, to warm-start the next one
 
     # -- construction helpers ------------------------------------------------
     def _eos_ids(self) -> set[int]:
@@ -125,7 +133,11 @@ class SpeculativeDecoder:
             gamma = 0
         if gamma == "auto":
             verify, step = self.cost_profile()
-            return make_controller("auto", self.gamma_max, verify, step)
+            controller = make_controller("auto", self.gamma_max, verify, step)
+            if self._last_auto is not None:
+                controller.warm_start(self._last_auto)  # acceptance learned on earlier requests
+            self._last_auto = controller
+            return controller
         return make_controller(gamma, self.gamma_max)
 
     # -- prompts -------------------------------------------------------------
@@ -219,11 +231,8 @@ class SpeculativeDecoder:
             stats.prefill_time_s = time.perf_counter() - t0
             while produced < max_new_tokens:
                 t_round = time.perf_counter()
-                g = controller.choose(max_new_tokens - produced)
-                if g > 0 and proposer is not None:
-                    proposal = proposer.propose(context, g, params, rng)
-                else:
-                    proposal = empty_proposal(self.target.vocab_size)
+                remaining = max_new_tokens - produced
+                proposal, g = self._draft(proposer, controller, context, remaining, params, rng)
                 t_drafted = time.perf_counter()
                 verdict = verifier.verify(context, proposal, params, rng)
                 t_verified = time.perf_counter()
@@ -232,7 +241,7 @@ class SpeculativeDecoder:
                 controller.update(
                     RoundObservation(
                         g, len(proposal), verdict.n_accepted, verdict.betas,
-                        t_drafted - t_round, t_verified - t_drafted, time.perf_counter() - t_round,
+                        t_drafted - t_round, t_verified - t_drafted, time.perf_counter() - t_round, proposal.key,
                     )
                 )
                 new, reason = self._finish(new, params, max_new_tokens - produced)
@@ -247,6 +256,19 @@ class SpeculativeDecoder:
             verifier.release()
             if proposer is not None:
                 proposer.release()
+
+    def _draft(self, proposer, controller, context, remaining, params, rng) -> tuple[Proposal, int]:
+        """(proposal, γ chosen). A free draft proposes first so γ can depend on the proposal's quality."""
+        if proposer is None:
+            return empty_proposal(self.target.vocab_size), 0
+        if proposer.free:
+            full = proposer.propose(context, min(controller.max_gamma, remaining - 1), params, rng)
+            g = controller.choose(remaining, key=full.key, available=len(full))
+            return full.truncate(g), g
+        g = controller.choose(remaining)
+        if g == 0:
+            return empty_proposal(self.target.vocab_size), 0
+        return proposer.propose(context, g, params, rng), g
 
     def _finish(self, new: list[int], params: SamplingParams, room: int) -> tuple[list[int], str | None]:
         if not params.ignore_eos:

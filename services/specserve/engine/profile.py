@@ -15,15 +15,6 @@ import torch
 from specserve.models import CachedSequence
 
 
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def verify_profile(model, vocab: int, max_positions: int, context: int = 64, repeats: int = 3) -> dict[int, float]:
     """Seconds for one cached forward over n new tokens after `context` tokens, n = 1..max_positions."""
     gen = torch.Generator().manual_seed(0)
@@ -31,14 +22,19 @@ def verify_profile(model, vocab: int, max_positions: int, context: int = 64, rep
     seq = CachedSequence(model)
     seq.feed(base[:context])
     seq.feed(base[context : context + 2], keep_logits=2)  # warm-up: first calls take slower paths
-    profile = {}
-    for n in range(1, max_positions + 1):
-        def step(n=n):
-            seq.rollback(context)
-            seq.feed(base[context : context + n], keep_logits=n)
-        step()
-        profile[n] = _median_time(step, repeats)
-    return profile
+
+    def step(n: int) -> float:
+        seq.rollback(context)
+        t0 = time.perf_counter()
+        seq.feed(base[context : context + n], keep_logits=n)
+        return time.perf_counter() - t0
+
+    sizes = range(1, max_positions + 1)
+    samples: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats + 1):  # round-robin, so drift on a shared machine hits every n alike
+        for n in sizes:
+            samples[n].append(step(n))
+    return {n: statistics.median(times[1:]) for n, times in samples.items()}
 
 
 def draft_step_time(proposer, vocab: int, context: int = 64, repeats: int = 3) -> float:
@@ -48,7 +44,11 @@ def draft_step_time(proposer, vocab: int, context: int = 64, repeats: int = 3) -
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, vocab, (context,), generator=gen).tolist()
     params, rng = SamplingParams(temperature=0.0), PositionRNG(0)
-    proposer.propose(tokens, 2, params, rng)
-    seconds = _median_time(lambda: proposer.propose(tokens, 2, params, rng), repeats) / 2
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        proposer.propose(tokens, 2, params, rng)
+        times.append(time.perf_counter() - t0)
+    seconds = statistics.median(times[1:]) / 2
     proposer.release()
     return seconds

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.models import CachedSequence, propose_ngram
+from specserve.models import CachedSequence, match_ngram
 from specserve.spec import PositionRNG, Purpose, SamplingParams, Verdict, accept_prefix, probs_from_logits
 from specserve.spec.sampling import sample_from_probs, sparse_to_dense, truncate_top_k
 
@@ -24,9 +24,14 @@ from specserve.spec.sampling import sample_from_probs, sparse_to_dense, truncate
 class Proposal:
     tokens: list[int]  # [k] drafted tokens, k ≤ γ
     q: torch.Tensor  # [k, vocab] float32: the distribution each token was sampled from
+    key: str | None = None  # quality class the γ controller keeps separate statistics for (e.g. "ngram-3")
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def truncate(self, k: int) -> Proposal:
+        """The first k tokens. Exact: each kept token was sampled from its own q regardless of later ones."""
+        return self if k >= len(self.tokens) else Proposal(self.tokens[:k], self.q[:k], self.key)
 
 
 def empty_proposal(vocab: int) -> Proposal:
@@ -37,6 +42,7 @@ class Proposer(ABC):
     """Drafts up to γ tokens for one session."""
 
     name: str = "draft"
+    free: bool = False  # True when drafting costs ~nothing: draft γ_max first, let the controller trim
 
     @abstractmethod
     def propose(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG) -> Proposal: ...
@@ -93,9 +99,10 @@ class ModelProposer(Proposer):
 
 
 class NgramProposer(Proposer):
-    """Prompt lookup; q is one-hot on each proposed token."""
+    """Prompt lookup; q is one-hot on each proposed token; the key is the match length."""
 
     name = "ngram"
+    free = True
 
     def __init__(self, vocab: int, max_n: int = 3, min_n: int = 1):
         self.vocab = vocab
@@ -103,11 +110,11 @@ class NgramProposer(Proposer):
         self.min_n = min_n
 
     def propose(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG) -> Proposal:
-        tokens = propose_ngram(context, gamma, self.max_n, self.min_n)
+        n, tokens = match_ngram(context, gamma, self.max_n, self.min_n)
         if not tokens:
             return empty_proposal(self.vocab)
         q = torch.nn.functional.one_hot(torch.tensor(tokens), self.vocab).float()
-        return Proposal(tokens, q)
+        return Proposal(tokens, q, key=f"ngram-{n}")
 
 
 class TargetVerifier:

@@ -6,7 +6,7 @@ nothing about how tokens are accepted (that is `spec/`) or served.
 
 from specserve.models.kv import CachedSequence
 from specserve.models.loading import LoadedModel, default_device, default_dtype, load_model, resolve_dtype
-from specserve.models.ngram import propose_ngram
+from specserve.models.ngram import match_ngram, propose_ngram
 
 __all__ = [
     "CachedSequence",
@@ -14,6 +14,7 @@ __all__ = [
     "default_device",
     "default_dtype",
     "load_model",
+    "match_ngram",
     "propose_ngram",
     "resolve_dtype",
 ]

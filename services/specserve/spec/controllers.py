@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ class RoundObservation:
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     round_time_s: float = 0.0
+    key: str | None = None  # the proposal's quality class (see `choose`)
 
 
 def expected_tokens_per_round(alpha: float, gamma: int) -> float:
@@ -38,28 +40,38 @@ def expected_tokens_per_round(alpha: float, gamma: int) -> float:
 
 class GammaController(ABC):
     name: str = "controller"
+    max_gamma: int = 0  # the deepest γ this controller can ever choose
 
     @abstractmethod
-    def choose(self, remaining: int | None = None) -> int:
-        """γ for the next round; `remaining` = tokens still wanted (caps useless depth)."""
+    def choose(self, remaining: int | None = None, key: str | None = None, available: int | None = None) -> int:
+        """γ for the next round.
+
+        remaining: tokens still wanted (caps useless depth). For free drafts
+        (n-gram) the proposal exists before γ is chosen: `key` is its quality
+        class and `available` its length, and γ only trims it.
+        """
 
     def update(self, obs: RoundObservation) -> None:  # noqa: B027 - optional hook
         """Feed back what the round showed."""
 
     @staticmethod
-    def _cap(gamma: int, remaining: int | None) -> int:
-        return gamma if remaining is None else max(0, min(gamma, remaining - 1))
+    def _cap(gamma: int, remaining: int | None, available: int | None = None) -> int:
+        if remaining is not None:
+            gamma = min(gamma, remaining - 1)
+        if available is not None:
+            gamma = min(gamma, available)
+        return max(0, gamma)
 
 
 class FixedGamma(GammaController):
     def __init__(self, gamma: int):
         if gamma < 0:
             raise ValueError(f"gamma must be >= 0, got {gamma}")
-        self.gamma = gamma
+        self.gamma = self.max_gamma = gamma
         self.name = f"fixed:{gamma}"
 
-    def choose(self, remaining: int | None = None) -> int:
-        return self._cap(self.gamma, remaining)
+    def choose(self, remaining: int | None = None, key: str | None = None, available: int | None = None) -> int:
+        return self._cap(self.gamma, remaining, available)
 
 
 class HeuristicGamma(GammaController):
@@ -69,10 +81,10 @@ class HeuristicGamma(GammaController):
 
     def __init__(self, initial: int = 5, gamma_max: int = 16):
         self.gamma = max(1, min(initial, gamma_max))
-        self.gamma_max = gamma_max
+        self.gamma_max = self.max_gamma = gamma_max
 
-    def choose(self, remaining: int | None = None) -> int:
-        return self._cap(self.gamma, remaining)
+    def choose(self, remaining: int | None = None, key: str | None = None, available: int | None = None) -> int:
+        return self._cap(self.gamma, remaining, available)
 
     def update(self, obs: RoundObservation) -> None:
         if obs.gamma == 0:
@@ -83,6 +95,26 @@ class HeuristicGamma(GammaController):
             self.gamma = max(1, self.gamma - 1)
 
 
+class _AcceptanceTable:
+    """EWMA of the acceptance at each draft position, given the earlier positions were accepted."""
+
+    def __init__(self, gamma_max: int, prior: float):
+        self.acceptance = [prior] * (gamma_max + 1)  # index i = position i (1-based)
+        self.observations = [0] * (gamma_max + 1)
+        self.overall = prior
+
+    def at(self, i: int) -> float:
+        """Shrunk toward the table's overall EWMA until position i has a few observations."""
+        n = self.observations[i]
+        return (n * self.acceptance[i] + 3.0 * self.overall) / (n + 3.0)
+
+    def update(self, betas: list[float], weight: float) -> None:
+        for i, beta in enumerate(betas[: len(self.acceptance) - 1], start=1):
+            self.acceptance[i] += weight * (beta - self.acceptance[i])
+            self.observations[i] += 1
+            self.overall += (weight / 2) * (beta - self.overall)
+
+
 class AutoGamma(GammaController):
     """Maximise expected tokens per second from measured acceptance and costs.
 
@@ -90,6 +122,8 @@ class AutoGamma(GammaController):
     n = 1..γ_max+1 (a calibration; refined online). draft_step_s: seconds per
     draft token. pipelined: the draft of the next block overlaps the verify
     of this one, so a round costs max(γ·t_draft, t_verify) instead of the sum.
+    Acceptance is kept per proposal key: an n-gram draft's 3-gram matches
+    and 1-gram matches behave like different drafts.
     """
 
     name = "auto"
@@ -104,28 +138,31 @@ class AutoGamma(GammaController):
         pipelined: bool = False,
         probe_every: int = 16,
     ):
-        self.gamma_max = gamma_max
+        self.gamma_max = self.max_gamma = gamma_max
         self.decay = decay
         self.pipelined = pipelined
         self.probe_every = probe_every
-        self.acceptance = [prior_acceptance] * (gamma_max + 1)  # index i = position i (1-based)
-        self.observations = [0] * (gamma_max + 1)
-        self.global_acceptance = prior_acceptance
+        self.prior_acceptance = prior_acceptance
+        self.tables: dict[str | None, _AcceptanceTable] = {}
         self.verify_s: dict[int, float] = dict(verify_profile or {})
         self.draft_step_s = draft_step_s
         self.overhead_s = 0.0
         self._rounds_at_zero = 0
 
     # -- estimates -------------------------------------------------------
-    def position_acceptance(self, i: int) -> float:
-        """Acceptance at draft position i given positions < i were accepted (shrunk to the global EWMA)."""
-        n = self.observations[i]
-        return (n * self.acceptance[i] + 3.0 * self.global_acceptance) / (n + 3.0)
+    def table(self, key: str | None = None) -> _AcceptanceTable:
+        if key not in self.tables:
+            self.tables[key] = _AcceptanceTable(self.gamma_max, self.prior_acceptance)
+        return self.tables[key]
 
-    def expected_tokens(self, gamma: int) -> float:
+    def position_acceptance(self, i: int, key: str | None = None) -> float:
+        return self.table(key).at(i)
+
+    def expected_tokens(self, gamma: int, key: str | None = None) -> float:
+        table = self.table(key)
         total, survive = 1.0, 1.0
         for i in range(1, gamma + 1):
-            survive *= self.position_acceptance(i)
+            survive *= table.at(i)
             total += survive
         return total
 
@@ -150,13 +187,20 @@ class AutoGamma(GammaController):
         core = max(draft, verify) if self.pipelined and gamma > 0 else draft + verify
         return core + self.overhead_s
 
-    def tokens_per_second(self, gamma: int) -> float:
-        return self.expected_tokens(gamma) / self.round_time(gamma)
+    def tokens_per_second(self, gamma: int, key: str | None = None) -> float:
+        return self.expected_tokens(gamma, key) / self.round_time(gamma)
+
+    def warm_start(self, previous: AutoGamma) -> None:
+        """Carry learned acceptance and costs over from an earlier request's controller."""
+        self.tables = copy.deepcopy(previous.tables)
+        self.verify_s = dict(previous.verify_s)
+        self.draft_step_s = previous.draft_step_s
+        self.overhead_s = previous.overhead_s
 
     # -- interface ---------------------------------------------------------
-    def choose(self, remaining: int | None = None) -> int:
-        limit = self._cap(self.gamma_max, remaining)
-        best = max(range(limit + 1), key=self.tokens_per_second)
+    def choose(self, remaining: int | None = None, key: str | None = None, available: int | None = None) -> int:
+        limit = self._cap(self.gamma_max, remaining, available)
+        best = max(range(limit + 1), key=lambda g: self.tokens_per_second(g, key))
         if best == 0 and limit > 0:
             self._rounds_at_zero += 1
             if self._rounds_at_zero % self.probe_every == 0:
@@ -165,11 +209,7 @@ class AutoGamma(GammaController):
 
     def update(self, obs: RoundObservation) -> None:
         w = self.decay
-        for i, beta in enumerate(obs.betas[: obs.drafted], start=1):
-            if i <= self.gamma_max:
-                self.acceptance[i] += w * (beta - self.acceptance[i])
-                self.observations[i] += 1
-                self.global_acceptance += (w / 2) * (beta - self.global_acceptance)
+        self.table(obs.key).update(obs.betas[: obs.drafted], w)
         positions = obs.drafted + 1
         if obs.verify_time_s > 0:
             old = self.verify_s.get(positions)
