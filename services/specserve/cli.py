@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--workloads", default="chat,rewrite,code", help="comma-separated subset")
     bench.add_argument("--prompts", type=int, default=2, help="prompts per workload (max 2)")
     bench.add_argument("--gammas", default="1,2,3,4,5,6,7,8", help="fixed γ values to run")
+    bench.add_argument("--repeats", type=int, default=1, help="runs per prompt and method; the fastest counts")
     bench.add_argument("--quick", action="store_true", help="one prompt per workload, γ ∈ {2,4}, 48 tokens")
     return parser
 
