@@ -59,6 +59,9 @@ def _generate(args) -> int:
     except ValidationError as exc:
         print(f"specserve: invalid sampling parameters: {exc}", file=sys.stderr)
         return 2
+    if not args.prompt.strip():
+        print("specserve: prompt must not be empty", file=sys.stderr)
+        return 2
     draft = None if args.draft == "none" else args.draft
     try:
         decoder = SpeculativeDecoder(args.target, draft, gamma=args.gamma, dtype=args.dtype, gamma_max=args.gamma_max)

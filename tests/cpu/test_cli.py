@@ -41,9 +41,13 @@ def test_generate_json(model_dirs, capsys):
                                  "draft_time_s", "verify_time_s", "drafted", "accepted", "rounds"}
 
 
-def test_generate_bad_input_is_a_message_not_a_traceback(model_dirs, capsys):
+def test_generate_bad_input_is_a_message_not_a_traceback(model_dirs, tmp_path, capsys):
     assert main(["generate", "x", "--target", str(model_dirs / "target"), "--top-p", "1.5"]) == 2
     assert "top_p" in capsys.readouterr().err
+    assert main(["generate", "  ", "--target", str(model_dirs / "target")]) == 2
+    assert "prompt" in capsys.readouterr().err
+    assert main(["generate", "x", "--target", str(model_dirs / "target"), "--draft", str(tmp_path / "nope")]) == 2
+    assert "not found" in capsys.readouterr().err
 
 
 def test_bench_model_draft_writes_json_and_png(model_dirs, tmp_path, capsys):

@@ -102,7 +102,10 @@ def load_model(spec: Any, dtype: str | torch.dtype | None = None, device: str | 
         path = embedded.converted_dir(gguf)
     else:
         path = pathlib.Path(name).expanduser()
-        path = path if path.exists() else name  # a hub id; works only where the hub (or its cache) is reachable
+        if not path.exists():
+            if name.startswith((".", "/", "~")) or name.count("/") > 1:
+                raise FileNotFoundError(f"model directory not found: {path}")
+            path = name  # a hub id; works only where the hub (or its cache) is reachable
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
     except OSError as exc:
