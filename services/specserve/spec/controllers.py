@@ -4,7 +4,7 @@
 - `HeuristicGamma`: Hugging Face's schedule, +2 after a fully accepted block,
   −1 otherwise; the baseline to beat.
 - `AutoGamma`: a cost model. It keeps an EWMA of the acceptance at each draft
-  position and of the measured draft-step, verify and per-round overhead
+  position (per proposal quality class) and of the measured draft-step, verify and per-round overhead
   times — verify time as a function of the number of positions scored, since
   on a CPU it grows with γ — and picks the γ in 0..γ_max that maximises
   expected tokens per second. γ=0 wins when speculation does not pay.
@@ -154,9 +154,6 @@ class AutoGamma(GammaController):
         if key not in self.tables:
             self.tables[key] = _AcceptanceTable(self.gamma_max, self.prior_acceptance)
         return self.tables[key]
-
-    def position_acceptance(self, i: int, key: str | None = None) -> float:
-        return self.table(key).at(i)
 
     def expected_tokens(self, gamma: int, key: str | None = None) -> float:
         table = self.table(key)
