@@ -20,17 +20,11 @@ from typing import Any
 import torch
 
 from specserve.engine.profile import draft_step_time, verify_profile
-from specserve.engine.proposers import (
-    ModelProposer,
-    NgramProposer,
-    Proposal,
-    Proposer,
-    TargetVerifier,
-    empty_proposal,
-)
+from specserve.engine.loop import speculate
+from specserve.engine.proposers import ModelProposer, NgramProposer, Proposer, TargetVerifier
 from specserve.engine.stats import GenerationStats
 from specserve.models import LoadedModel, load_model
-from specserve.spec import PositionRNG, RoundObservation, SamplingParams, make_controller
+from specserve.spec import PositionRNG, SamplingParams, make_controller
 
 Prompt = str | list[int] | list[dict[str, str]]
 
@@ -218,66 +212,12 @@ class SpeculativeDecoder:
         stats = stats if stats is not None else GenerationStats()
         controller = self.controller(gamma)
         stats.controller = controller.name
-        rng = PositionRNG(params.seed)
-        verifier = TargetVerifier(self.target.model, self.target.vocab_size)
-        proposer = self.new_proposer()
-        context = list(prompt_ids)
-        produced = 0
-        try:
-            t0 = time.perf_counter()
-            verifier.prefill(context)
-            if proposer is not None:
-                proposer.prefill(context)
-            stats.prefill_time_s = time.perf_counter() - t0
-            while produced < max_new_tokens:
-                t_round = time.perf_counter()
-                remaining = max_new_tokens - produced
-                proposal, g = self._draft(proposer, controller, context, remaining, params, rng)
-                t_drafted = time.perf_counter()
-                verdict = verifier.verify(context, proposal, params, rng)
-                t_verified = time.perf_counter()
-                new = proposal.tokens[: verdict.n_accepted] + [verdict.next_token]
-                stats.record_round(g, len(proposal), verdict.n_accepted, t_drafted - t_round, t_verified - t_drafted)
-                controller.update(
-                    RoundObservation(
-                        g, len(proposal), verdict.n_accepted, verdict.betas,
-                        t_drafted - t_round, t_verified - t_drafted, time.perf_counter() - t_round, proposal.key,
-                    )
-                )
-                new, reason = self._finish(new, params, max_new_tokens - produced)
-                context.extend(new)
-                produced += len(new)
-                if reason is None and params.stop and self._hit_stop(context[len(prompt_ids) :], params):
-                    reason = "stop"
-                yield new, reason
-                if reason is not None:
-                    return
-        finally:
-            verifier.release()
-            if proposer is not None:
-                proposer.release()
-
-    def _draft(self, proposer, controller, context, remaining, params, rng) -> tuple[Proposal, int]:
-        """(proposal, γ chosen). A free draft proposes first so γ can depend on the proposal's quality."""
-        if proposer is None:
-            return empty_proposal(self.target.vocab_size), 0
-        if proposer.free:
-            full = proposer.propose(context, min(controller.max_gamma, remaining - 1), params, rng)
-            g = controller.choose(remaining, key=full.key, available=len(full))
-            return full.truncate(g), g
-        g = controller.choose(remaining)
-        if g == 0:
-            return empty_proposal(self.target.vocab_size), 0
-        return proposer.propose(context, g, params, rng), g
-
-    def _finish(self, new: list[int], params: SamplingParams, room: int) -> tuple[list[int], str | None]:
-        if not params.ignore_eos:
-            for i, token in enumerate(new[:room]):
-                if token in self.eos_ids:
-                    return new[: i + 1], "stop"
-        if len(new) >= room:
-            return new[:room], "length"
-        return new, None
+        vocab = self.target.vocab_size
+        hit_stop = (lambda generated: self._hit_stop(generated, params)) if params.stop else None
+        yield from speculate(
+            prompt_ids, self.new_proposer(), TargetVerifier(self.target.model, vocab), controller, params,
+            PositionRNG(params.seed), max_new_tokens, vocab, self.eos_ids, stats, hit_stop,
+        )
 
     def _hit_stop(self, generated: list[int], params: SamplingParams) -> bool:
         text = self.decode(generated)

@@ -50,6 +50,9 @@ class Proposer(ABC):
     def prefill(self, prompt: list[int]) -> None:  # noqa: B027 - optional
         """Warm the cache with the prompt (all but its last token)."""
 
+    def commit(self, committed: list[int]) -> None:  # noqa: B027 - optional
+        """The verifier settled on `committed`: drop cached draft tokens that were rejected."""
+
     def release(self) -> None:  # noqa: B027 - optional
         """Free per-session state."""
 
@@ -77,6 +80,9 @@ class ModelProposer(Proposer):
             ids, probs = truncate_top_k(q, self.top_k_q)
             q = sparse_to_dense(ids, probs, self.vocab)
         return q
+
+    def commit(self, committed: list[int]) -> None:
+        self.seq.rollback(self.seq.common_prefix(committed))
 
     def propose(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG) -> Proposal:
         if gamma <= 0:

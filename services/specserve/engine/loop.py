@@ -1,0 +1,102 @@
+"""The speculation loop, shared by the in-process decoder and the remote (gRPC) path.
+
+One round: choose γ → the proposer drafts → the verifier scores and accepts
+→ emit accepted tokens plus one → feed the controller. Proposer and verifier
+may be local objects owning KV caches or proxies for remote workers; the
+loop only sees the `Proposer` / verifier interface, so every path produces
+the same tokens for the same seed and fixed γ.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from specserve.engine.proposers import Proposal, Proposer, empty_proposal
+from specserve.engine.stats import GenerationStats
+from specserve.spec import GammaController, PositionRNG, RoundObservation, SamplingParams
+
+
+def draft_block(
+    proposer: Proposer | None,
+    controller: GammaController,
+    context: list[int],
+    remaining: int,
+    params: SamplingParams,
+    rng: PositionRNG,
+    vocab: int,
+) -> tuple[Proposal, int]:
+    """(proposal, γ chosen). A free draft proposes first so γ can depend on the proposal's quality."""
+    if proposer is None:
+        return empty_proposal(vocab), 0
+    if proposer.free:
+        full = proposer.propose(context, min(controller.max_gamma, remaining - 1), params, rng)
+        g = controller.choose(remaining, key=full.key, available=len(full))
+        return full.truncate(g), g
+    g = controller.choose(remaining)
+    if g == 0:
+        return empty_proposal(vocab), 0
+    return proposer.propose(context, g, params, rng), g
+
+
+def finish_reason(new: list[int], eos_ids: set[int], params: SamplingParams, room: int) -> tuple[list[int], str | None]:
+    """Cut a round's tokens at eos (kept) or at the token budget."""
+    if not params.ignore_eos:
+        for i, token in enumerate(new[:room]):
+            if token in eos_ids:
+                return new[: i + 1], "stop"
+    if len(new) >= room:
+        return new[:room], "length"
+    return new, None
+
+
+def speculate(
+    prompt_ids: list[int],
+    proposer: Proposer | None,
+    verifier,  # TargetVerifier or a remote proxy: prefill(ids), verify(context, proposal, params, rng), release()
+    controller: GammaController,
+    params: SamplingParams,
+    rng: PositionRNG,
+    max_new_tokens: int,
+    vocab: int,
+    eos_ids: set[int],
+    stats: GenerationStats,
+    hit_stop: Callable[[list[int]], bool] | None = None,
+) -> Iterator[tuple[list[int], str | None]]:
+    """Yield (new tokens, finish reason or None) once per round; releases both sides at the end."""
+    context = list(prompt_ids)
+    produced = 0
+    try:
+        t0 = time.perf_counter()
+        verifier.prefill(context)
+        if proposer is not None:
+            proposer.prefill(context)
+        stats.prefill_time_s = time.perf_counter() - t0
+        while produced < max_new_tokens:
+            t_round = time.perf_counter()
+            remaining = max_new_tokens - produced
+            proposal, g = draft_block(proposer, controller, context, remaining, params, rng, vocab)
+            t_drafted = time.perf_counter()
+            verdict = verifier.verify(context, proposal, params, rng)
+            t_verified = time.perf_counter()
+            draft_s, verify_s = t_drafted - t_round, t_verified - t_drafted
+            stats.record_round(g, len(proposal), verdict.n_accepted, draft_s, verify_s)
+            controller.update(
+                RoundObservation(
+                    g, len(proposal), verdict.n_accepted, verdict.betas,
+                    draft_s, verify_s, time.perf_counter() - t_round, proposal.key,
+                )
+            )
+            new = proposal.tokens[: verdict.n_accepted] + [verdict.next_token]
+            new, reason = finish_reason(new, eos_ids, params, remaining)
+            context.extend(new)
+            produced += len(new)
+            if reason is None and hit_stop is not None and hit_stop(context[len(prompt_ids) :]):
+                reason = "stop"
+            yield new, reason
+            if reason is not None:
+                return
+    finally:
+        verifier.release()
+        if proposer is not None:
+            proposer.release()

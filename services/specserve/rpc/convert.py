@@ -1,0 +1,59 @@
+"""Wire messages <-> engine types. Errors are ValueErrors that name the offending field."""
+
+from __future__ import annotations
+
+import torch
+from pydantic import ValidationError
+
+from specserve.spec import SamplingParams
+from specserve.v1 import generator_pb2, workers_pb2
+
+
+def sampling_to_proto(params: SamplingParams, seed: int | None = None) -> generator_pb2.SamplingParams:
+    msg = generator_pb2.SamplingParams(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+        stop=params.stop or [], ignore_eos=params.ignore_eos,
+    )
+    seed = params.seed if seed is None else seed
+    if seed is not None:
+        msg.seed = seed
+    return msg
+
+
+def sampling_from_proto(msg: generator_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
+    values = {
+        "temperature": msg.temperature if msg.HasField("temperature") else 1.0,
+        "top_k": msg.top_k,
+        "top_p": msg.top_p if msg.HasField("top_p") else 1.0,
+        "seed": msg.seed if msg.HasField("seed") else None,
+        "stop": list(msg.stop) or None,
+        "ignore_eos": msg.ignore_eos,
+    }
+    try:
+        return SamplingParams(**values)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        name = ".".join(str(part) for part in first["loc"])
+        raise ValueError(f"{field}.{name}: {first['msg']}") from None
+
+
+def q_to_wire(q: torch.Tensor) -> list[workers_pb2.SparseDistribution]:
+    """q: [k, vocab] → one sparse distribution per row, over its support only."""
+    out = []
+    for row in q:
+        ids = torch.nonzero(row > 0).squeeze(-1)
+        out.append(workers_pb2.SparseDistribution(ids=ids.tolist(), probs=row[ids].tolist()))
+    return out
+
+
+def q_from_wire(dists, vocab: int) -> torch.Tensor:
+    """Sparse distributions → dense [k, vocab] float32 (bit-identical values to what was sent)."""
+    q = torch.zeros(len(dists), vocab, dtype=torch.float32)
+    for i, dist in enumerate(dists):
+        if len(dist.ids) != len(dist.probs) or not len(dist.ids):
+            raise ValueError(f"q[{i}]: ids and probs must be non-empty and of equal length")
+        ids = torch.tensor(list(dist.ids), dtype=torch.long)
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(f"q[{i}].ids: token ids must be in [0, {vocab})")
+        q[i, ids] = torch.tensor(list(dist.probs), dtype=torch.float32)
+    return q

@@ -1,0 +1,176 @@
+"""gRPC servicers for the internal DraftWorker and TargetWorker services.
+
+Each servicer owns a table of sessions: the committed token list, the
+sampling parameters and seed, and the engine object holding that session's
+KV cache (a `Proposer` for the draft, a `TargetVerifier` for the target).
+The math is the engine's; this module only maps messages and errors:
+unknown session → NOT_FOUND, bad input → INVALID_ARGUMENT naming the field.
+Ray placement lives elsewhere (workers/); these run in any gRPC server.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from specserve.engine.proposers import Proposal, Proposer, TargetVerifier
+from specserve.rpc.convert import q_from_wire, q_to_wire, sampling_from_proto
+from specserve.spec import PositionRNG, SamplingParams
+from specserve.v1 import workers_pb2, workers_pb2_grpc
+
+
+@dataclass
+class Session:
+    tokens: list[int]
+    params: SamplingParams
+    rng: PositionRNG
+    engine: Any  # Proposer or TargetVerifier, owning this session's KV cache
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class SessionTable:
+    """Sessions by id; safe for a threaded gRPC server."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def open(self, request: workers_pb2.PrefillRequest, engine) -> Session:
+        if not request.session_id:
+            raise ValueError("session_id: must not be empty")
+        prompt = list(request.prompt_ids)
+        if not prompt:
+            raise ValueError("prompt_ids: must not be empty")
+        if min(prompt) < 0 or max(prompt) >= self.vocab:
+            raise ValueError(f"prompt_ids: token ids must be in [0, {self.vocab})")
+        params = sampling_from_proto(request.sampling)
+        if params.seed is None:
+            raise ValueError("sampling.seed: must be set (both workers key their randomness on it)")
+        session = Session(prompt, params, PositionRNG(params.seed), engine)
+        with self._lock:
+            old = self._sessions.pop(request.session_id, None)
+            self._sessions[request.session_id] = session
+        if old is not None:  # a re-prefill (e.g. after a coordinator retry) replaces the session
+            old.engine.release()
+        return session
+
+    def get(self, session_id: str) -> Session:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise KeyError(f"unknown session_id {session_id!r}") from None
+
+    def close(self, session_id: str) -> bool:
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+        if session is None:
+            return False
+        session.engine.release()
+        return True
+
+    def apply(self, update: workers_pb2.SessionUpdate) -> tuple[Session, list[int]]:
+        """Bring a session's committed tokens up to date; return (session, tokens)."""
+        session = self.get(update.session_id)
+        if not 0 <= update.base_length <= len(session.tokens):
+            raise ValueError(f"update.base_length: {update.base_length} outside [0, {len(session.tokens)}]")
+        append = list(update.append)
+        if append and (min(append) < 0 or max(append) >= self.vocab):
+            raise ValueError(f"update.append: token ids must be in [0, {self.vocab})")
+        session.tokens = session.tokens[: update.base_length] + append
+        return session, session.tokens
+
+
+def _rpc(method):
+    """Map engine errors onto gRPC status codes."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except KeyError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    return wrapper
+
+
+class DraftWorkerServicer(workers_pb2_grpc.DraftWorkerServicer):
+    def __init__(self, new_proposer: Callable[[], Proposer], vocab: int):
+        self.new_proposer = new_proposer
+        self.sessions = SessionTable(vocab)
+
+    @_rpc
+    def Prefill(self, request, context):
+        session = self.sessions.open(request, self.new_proposer())
+        with session.lock:
+            session.engine.prefill(session.tokens)
+        return workers_pb2.PrefillReply(cached_tokens=len(session.tokens))
+
+    @_rpc
+    def Propose(self, request, context):
+        if request.gamma < 0:
+            raise ValueError("gamma: must be >= 0")
+        session, tokens = self.sessions.apply(request.update)
+        with session.lock:
+            t0 = time.perf_counter()
+            proposal = session.engine.propose(tokens, request.gamma, session.params, session.rng)
+            elapsed = time.perf_counter() - t0
+        return workers_pb2.ProposeReply(
+            tokens=proposal.tokens, q=q_to_wire(proposal.q), key=proposal.key or "", draft_time_s=elapsed
+        )
+
+    @_rpc
+    def Commit(self, request, context):
+        session, tokens = self.sessions.apply(request.update)
+        with session.lock:
+            session.engine.commit(tokens)
+        return workers_pb2.CommitReply(committed_length=len(tokens))
+
+    @_rpc
+    def Release(self, request, context):
+        released = self.sessions.close(request.session_id)
+        return workers_pb2.ReleaseReply(released=released, active_sessions=len(self.sessions))
+
+
+class TargetWorkerServicer(workers_pb2_grpc.TargetWorkerServicer):
+    def __init__(self, model, vocab: int):
+        self.model = model
+        self.sessions = SessionTable(vocab)
+
+    @_rpc
+    def Prefill(self, request, context):
+        session = self.sessions.open(request, TargetVerifier(self.model, self.sessions.vocab))
+        with session.lock:
+            session.engine.prefill(session.tokens)
+        return workers_pb2.PrefillReply(cached_tokens=len(session.tokens))
+
+    @_rpc
+    def Verify(self, request, context):
+        session, tokens = self.sessions.apply(request.update)
+        if len(request.q) != len(request.tokens):
+            raise ValueError(f"q: expected one distribution per token ({len(request.tokens)}), got {len(request.q)}")
+        proposal = Proposal(list(request.tokens), q_from_wire(request.q, self.sessions.vocab))
+        with session.lock:
+            t0 = time.perf_counter()
+            verdict = session.engine.verify(tokens, proposal, session.params, session.rng)
+            elapsed = time.perf_counter() - t0
+        return workers_pb2.VerifyReply(
+            n_accepted=verdict.n_accepted, next_token=verdict.next_token,
+            accept_probs=verdict.accept_probs, betas=verdict.betas, verify_time_s=elapsed,
+        )
+
+    @_rpc
+    def Release(self, request, context):
+        released = self.sessions.close(request.session_id)
+        return workers_pb2.ReleaseReply(released=released, active_sessions=len(self.sessions))

@@ -1,0 +1,112 @@
+from specserve.v1 import generator_pb2 as _generator_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SparseDistribution(_message.Message):
+    __slots__ = ("ids", "probs")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("session_id", "prompt_ids", "sampling")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _generator_pb2.SamplingParams
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generator_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class PrefillReply(_message.Message):
+    __slots__ = ("cached_tokens",)
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    cached_tokens: int
+    def __init__(self, cached_tokens: _Optional[int] = ...) -> None: ...
+
+class SessionUpdate(_message.Message):
+    __slots__ = ("session_id", "base_length", "append")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    APPEND_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    base_length: int
+    append: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., base_length: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("update", "gamma")
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    update: SessionUpdate
+    gamma: int
+    def __init__(self, update: _Optional[_Union[SessionUpdate, _Mapping]] = ..., gamma: _Optional[int] = ...) -> None: ...
+
+class ProposeReply(_message.Message):
+    __slots__ = ("tokens", "q", "key", "draft_time_s")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    q: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
+    key: str
+    draft_time_s: float
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., key: _Optional[str] = ..., draft_time_s: _Optional[float] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("update",)
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
+    update: SessionUpdate
+    def __init__(self, update: _Optional[_Union[SessionUpdate, _Mapping]] = ...) -> None: ...
+
+class CommitReply(_message.Message):
+    __slots__ = ("committed_length",)
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    committed_length: int
+    def __init__(self, committed_length: _Optional[int] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("update", "tokens", "q")
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    update: SessionUpdate
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    q: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
+    def __init__(self, update: _Optional[_Union[SessionUpdate, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
+
+class VerifyReply(_message.Message):
+    __slots__ = ("n_accepted", "next_token", "accept_probs", "betas", "verify_time_s")
+    N_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    BETAS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    n_accepted: int
+    next_token: int
+    accept_probs: _containers.RepeatedScalarFieldContainer[float]
+    betas: _containers.RepeatedScalarFieldContainer[float]
+    verify_time_s: float
+    def __init__(self, n_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., accept_probs: _Optional[_Iterable[float]] = ..., betas: _Optional[_Iterable[float]] = ..., verify_time_s: _Optional[float] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ("released", "active_sessions")
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    active_sessions: int
+    def __init__(self, released: _Optional[bool] = ..., active_sessions: _Optional[int] = ...) -> None: ...

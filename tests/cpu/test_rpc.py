@@ -1,0 +1,154 @@
+"""The internal gRPC data plane: real servers and stubs on localhost, tiny random models.
+
+Served generation runs the same loop as in-process generation, so for a seed
+and a fixed γ the tokens must be identical — with q crossing the wire sparse.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import pathlib
+from concurrent import futures
+
+import grpc
+import pytest
+
+from specserve import SamplingParams, SpeculativeDecoder
+from specserve.engine.proposers import ModelProposer, NgramProposer
+from specserve.rpc import codegen
+from specserve.rpc.convert import sampling_to_proto
+from specserve.rpc.remote import remote_generate
+from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
+from specserve.spec import make_controller
+from specserve.v1 import workers_pb2, workers_pb2_grpc
+from tests.conftest import perturbed_copy, tiny_llama
+
+VOCAB = 64
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+TOP_K_Q = 4  # the served model draft ships its top-4 q
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(0, vocab=VOCAB, layers=2, hidden=32, scale=8)
+    return target, perturbed_copy(target, 0.3)
+
+
+def _serve(servicer, add):
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    add(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, grpc.insecure_channel(f"127.0.0.1:{port}")
+
+
+@pytest.fixture(scope="module")
+def workers(models):
+    target, draft = models
+    servicers = {
+        "target": TargetWorkerServicer(target, VOCAB),
+        "model": DraftWorkerServicer(lambda: ModelProposer(draft, VOCAB, TOP_K_Q), VOCAB),
+        "ngram": DraftWorkerServicer(lambda: NgramProposer(VOCAB), VOCAB),
+    }
+    adders = {
+        "target": workers_pb2_grpc.add_TargetWorkerServicer_to_server,
+        "model": workers_pb2_grpc.add_DraftWorkerServicer_to_server,
+        "ngram": workers_pb2_grpc.add_DraftWorkerServicer_to_server,
+    }
+    started = {name: _serve(s, adders[name]) for name, s in servicers.items()}
+    stubs = {
+        "target": workers_pb2_grpc.TargetWorkerStub(started["target"][1]),
+        "model": workers_pb2_grpc.DraftWorkerStub(started["model"][1]),
+        "ngram": workers_pb2_grpc.DraftWorkerStub(started["ngram"][1]),
+    }
+    yield servicers, stubs
+    for server, channel in started.values():
+        channel.close()
+        server.stop(grace=1).wait()
+
+
+MODES = {
+    "greedy": dict(temperature=0.0),
+    "T=1": dict(temperature=1.0, seed=11),
+    "T=0.8 top-k": dict(temperature=0.8, top_k=10, seed=12),
+    "T=1.2 top-p": dict(temperature=1.2, top_p=0.9, seed=13),
+}
+
+
+@pytest.mark.parametrize("draft", ["model", "ngram"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_served_tokens_equal_in_process(models, workers, draft, mode):
+    target, draft_model = models
+    servicers, stubs = workers
+    params = SamplingParams(**MODES[mode], ignore_eos=True)
+    local = SpeculativeDecoder(target, draft_model if draft == "model" else "ngram", gamma=3, draft_top_k=TOP_K_Q)
+    expected = local.generate(PROMPT, params, 40)
+    tokens, finish, stats = remote_generate(
+        stubs[draft], stubs["target"], PROMPT, params, 40, make_controller(3), VOCAB, set(), draft_is_free=draft == "ngram"
+    )
+    assert tokens == expected.token_ids and finish == "length"
+    assert stats.accepted == expected.stats.accepted and stats.rounds == expected.stats.rounds
+    if draft == "model":
+        assert 0 < stats.acceptance_rate < 1
+    if mode == "greedy":
+        assert tokens == SpeculativeDecoder(target, None, gamma=0).generate(PROMPT, params, 40).token_ids
+    assert len(servicers[draft].sessions) == 0 and len(servicers["target"].sessions) == 0
+
+
+def test_q_crosses_the_wire_sparse(workers):
+    _, stubs = workers
+    sampling = sampling_to_proto(SamplingParams(temperature=1.0, seed=5))
+    stubs["model"].Prefill(workers_pb2.PrefillRequest(session_id="s", prompt_ids=PROMPT, sampling=sampling))
+    update = workers_pb2.SessionUpdate(session_id="s", base_length=len(PROMPT))
+    reply = stubs["model"].Propose(workers_pb2.ProposeRequest(update=update, gamma=3))
+    assert len(reply.tokens) == 3 and [len(d.ids) for d in reply.q] == [TOP_K_Q] * 3
+    assert all(t in d.ids for t, d in zip(reply.tokens, reply.q))
+    assert all(abs(sum(d.probs) - 1) < 1e-5 for d in reply.q)
+    assert stubs["model"].Release(workers_pb2.ReleaseRequest(session_id="s")).released
+
+
+def _code(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code(), info.value.details()
+
+
+def test_errors_name_the_field(workers):
+    _, stubs = workers
+    target = stubs["target"]
+    good = sampling_to_proto(SamplingParams(temperature=1.0, seed=1))
+    unknown = workers_pb2.VerifyRequest(update=workers_pb2.SessionUpdate(session_id="nope"))
+    assert _code(lambda: target.Verify(unknown))[0] == grpc.StatusCode.NOT_FOUND
+    no_seed = sampling_to_proto(SamplingParams(temperature=1.0))
+    cases = [
+        (workers_pb2.PrefillRequest(session_id="a", prompt_ids=PROMPT, sampling=no_seed), "sampling.seed"),
+        (workers_pb2.PrefillRequest(session_id="a", prompt_ids=[], sampling=good), "prompt_ids"),
+        (workers_pb2.PrefillRequest(session_id="a", prompt_ids=[VOCAB], sampling=good), "prompt_ids"),
+        (workers_pb2.PrefillRequest(session_id="", prompt_ids=PROMPT, sampling=good), "session_id"),
+    ]
+    bad_top_p = sampling_to_proto(SamplingParams(temperature=1.0, seed=1))
+    bad_top_p.top_p = 1.5
+    cases.append((workers_pb2.PrefillRequest(session_id="a", prompt_ids=PROMPT, sampling=bad_top_p), "sampling.top_p"))
+    for request, field in cases:
+        code, details = _code(lambda: target.Prefill(request))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details
+    target.Prefill(workers_pb2.PrefillRequest(session_id="b", prompt_ids=PROMPT, sampling=good))
+    too_far = workers_pb2.SessionUpdate(session_id="b", base_length=len(PROMPT) + 1)
+    code, details = _code(lambda: target.Verify(workers_pb2.VerifyRequest(update=too_far)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "update.base_length" in details
+    ok = workers_pb2.SessionUpdate(session_id="b", base_length=len(PROMPT))
+    code, details = _code(lambda: target.Verify(workers_pb2.VerifyRequest(update=ok, tokens=[1, 2])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "q" in details
+    # The failed calls left the session usable.
+    reply = target.Verify(workers_pb2.VerifyRequest(update=ok))
+    assert reply.n_accepted == 0 and 0 <= reply.next_token < VOCAB
+    assert target.Release(workers_pb2.ReleaseRequest(session_id="b")).active_sessions == 0
+
+
+def test_generated_code_matches_protos(tmp_path):
+    generated = codegen.generate(tmp_path)
+    assert generated, "codegen produced nothing"
+    committed = pathlib.Path(codegen.OUTPUT_ROOT)
+    for path in generated:
+        relative = path.relative_to(tmp_path)
+        assert filecmp.cmp(path, committed / relative, shallow=False), f"{relative} is stale: run python -m specserve.rpc.codegen"
