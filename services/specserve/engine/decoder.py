@@ -88,20 +88,11 @@ class SpeculativeDecoder:
                 )
             if self.tokenizer is None:
                 self.tokenizer = self.draft.tokenizer
-        self.eos_ids = self._eos_ids()
+        self.eos_ids = self.target.eos_ids
+        if self.target.tokenizer is None and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
         self._profile: tuple[dict[int, float], float] | None = None
         self._last_auto = None  # the latest request's AutoGamma, to warm-start the next one
-
-    # -- construction helpers ------------------------------------------------
-    def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (getattr(self.target.model, "generation_config", None), self.target.model.config):
-            value = getattr(source, "eos_token_id", None) if source is not None else None
-            if value is not None:
-                ids.update(value if isinstance(value, list) else [value])
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
 
     def new_proposer(self) -> Proposer | None:
         vocab = self.target.vocab_size

@@ -41,6 +41,18 @@ class LoadedModel:
     def max_positions(self) -> int | None:
         return getattr(self.model.config, "max_position_embeddings", None)
 
+    @property
+    def eos_ids(self) -> set[int]:
+        """End-of-sequence ids from the generation config, the model config and the tokenizer."""
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.model.config):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if value is not None:
+                ids.update(value if isinstance(value, list) else [value])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"

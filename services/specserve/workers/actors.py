@@ -1,0 +1,97 @@
+"""DraftWorker and TargetWorker as Ray actors serving the internal gRPC services.
+
+Each actor loads its model once, starts a gRPC server on a free port of its
+node and reports the address to whoever created it. Ray decides placement
+(resources from `WorkersConfig`) and restarts; the per-round traffic goes
+over gRPC, never through Ray calls.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent import futures
+from typing import Any
+
+import grpc
+import ray
+
+from specserve.engine.proposers import ModelProposer, NgramProposer
+from specserve.models import load_model
+from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
+from specserve.v1 import workers_pb2_grpc
+from specserve.workers.config import RoleResources, WorkersConfig
+
+
+class _GrpcActor:
+    def _start(self, servicer, add, threads: int | None) -> None:
+        import torch
+
+        torch.set_num_threads(threads or os.cpu_count() or 1)
+        self.servicer = servicer
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        add(servicer, self.server)
+        self.port = self.server.add_insecure_port("0.0.0.0:0")
+        self.server.start()
+
+    def address(self) -> str:
+        return f"{ray.util.get_node_ip_address()}:{self.port}"
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def active_sessions(self) -> int:
+        return len(self.servicer.sessions)
+
+    def stop(self, grace: float = 1.0) -> None:
+        self.server.stop(grace).wait()
+
+
+class DraftWorkerActor(_GrpcActor):
+    def __init__(self, draft: Any, vocab: int, dtype: str | None = None, top_k_q: int = 64, threads: int | None = None):
+        if draft == "ngram":
+            new_proposer = lambda: NgramProposer(vocab)  # noqa: E731
+            self.free = True
+        else:
+            loaded = load_model(draft, dtype)
+            if loaded.vocab_size != vocab:
+                raise ValueError(f"draft vocab size {loaded.vocab_size} != target vocab size {vocab}")
+            new_proposer = lambda: ModelProposer(loaded.model, vocab, top_k_q, name=loaded.name)  # noqa: E731
+            self.free = False
+        self._start(DraftWorkerServicer(new_proposer, vocab), workers_pb2_grpc.add_DraftWorkerServicer_to_server, threads)
+
+    def is_free(self) -> bool:
+        return self.free
+
+
+class TargetWorkerActor(_GrpcActor):
+    def __init__(self, target: Any, dtype: str | None = None, threads: int | None = None):
+        loaded = load_model(target, dtype)
+        self.vocab = loaded.vocab_size
+        self.eos_ids = loaded.eos_ids
+        self._start(TargetWorkerServicer(loaded.model, self.vocab), workers_pb2_grpc.add_TargetWorkerServicer_to_server, threads)
+
+    def info(self) -> dict[str, Any]:
+        return {"vocab": self.vocab, "eos_ids": sorted(self.eos_ids)}
+
+
+def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None):
+    """Create the target and draft actors with the configured placement; returns (target, draft | None).
+
+    `target`/`draft` override the config's model specs (tests pass loaded tiny models).
+    """
+    target_spec = config.target if target is None else target
+    draft_spec = config.draft if draft is None else draft
+    target_actor = _remote(TargetWorkerActor, config.target_resources).remote(
+        target_spec, config.dtype, config.target_resources.torch_threads
+    )
+    vocab = ray.get(target_actor.info.remote())["vocab"]
+    draft_actor = None
+    if draft_spec != "none":
+        draft_actor = _remote(DraftWorkerActor, config.draft_resources).remote(
+            draft_spec, vocab, config.dtype, config.draft_top_k, config.draft_resources.torch_threads
+        )
+    return target_actor, draft_actor
+
+
+def _remote(cls, resources: RoleResources):
+    return ray.remote(cls).options(**resources.actor_options())

@@ -1,0 +1,44 @@
+"""Placement and model configuration for the draft and target workers (user-facing, validated)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RoleResources(BaseModel):
+    """Ray resources one worker role asks for; Ray places the actor on a node that has them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_cpus: float = Field(0.5, ge=0, description="CPU slots reserved (fractions allowed).")
+    num_gpus: float = Field(0, ge=0, description="GPUs owned by the worker; a target shards over all of them.")
+    accelerator_type: str | None = Field(None, description="Ray accelerator type, e.g. 'L4' or 'H100'.")
+    resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources, e.g. {'small_gpu': 1}.")
+    torch_threads: int | None = Field(
+        None, ge=1, description="CPU threads for torch in the worker (default: all cores of the node)."
+    )
+
+    def actor_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.accelerator_type:
+            options["accelerator_type"] = self.accelerator_type
+        if self.resources:
+            options["resources"] = dict(self.resources)
+        return options
+
+
+class WorkersConfig(BaseModel):
+    """Which models the workers serve and where Ray puts them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target: str = Field("embedded", description="HF id/dir, .gguf file, or 'embedded'.")
+    draft: str = Field("ngram", description="HF id/dir, .gguf file, 'ngram', or 'none'.")
+    dtype: str | None = Field(None, description="'float32', 'bfloat16' or None (bf16 where fast).")
+    draft_top_k: int = Field(
+        64, ge=1, description="A model draft samples from (and ships) its top-k q; exact for any k."
+    )
+    draft_resources: RoleResources = Field(default_factory=RoleResources)
+    target_resources: RoleResources = Field(default_factory=RoleResources)

@@ -1,0 +1,64 @@
+"""Placement on a simulated heterogeneous cluster (`ray.cluster_utils.Cluster` on one machine).
+
+A "small GPU" node and a "large GPU" node are modelled with custom
+resources; the config decides where each worker goes, and the actors' node
+ids must say Ray put them there. A generation then runs across the nodes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+from ray.cluster_utils import Cluster
+
+from specserve import SamplingParams, SpeculativeDecoder
+from specserve.workers import RoleResources, WorkersConfig
+from specserve.workers.actors import start_workers
+from tests.conftest import perturbed_copy, tiny_llama
+from tests.e2e.test_ray_workers import PROMPT, served
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    nodes = {
+        "small": cluster.add_node(num_cpus=1, resources={"small_gpu": 1}),
+        "large": cluster.add_node(num_cpus=1, resources={"large_gpu": 2}),
+    }
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield nodes
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_draft_and_target_land_where_the_config_says(cluster, tmp_path):
+    target = tiny_llama(0, vocab=64, layers=2, hidden=32, scale=8, dtype=torch.float32)
+    target.save_pretrained(str(tmp_path / "target"))
+    perturbed_copy(target, 0.3).save_pretrained(str(tmp_path / "draft"))
+    config = WorkersConfig(
+        target=str(tmp_path / "target"),
+        draft=str(tmp_path / "draft"),
+        dtype="float32",
+        draft_top_k=4,
+        draft_resources=RoleResources(num_cpus=0.5, resources={"small_gpu": 1}, torch_threads=1),
+        target_resources=RoleResources(num_cpus=0.5, resources={"large_gpu": 2}, torch_threads=1),
+    )
+    target_actor, draft_actor = start_workers(config)
+    try:
+        assert ray.get(target_actor.node_id.remote()) == cluster["large"].node_id
+        assert ray.get(draft_actor.node_id.remote()) == cluster["small"].node_id
+        params = SamplingParams(temperature=1.0, seed=5, ignore_eos=True)
+        tokens, _ = served(target_actor, draft_actor, params)
+        local = SpeculativeDecoder(config.target, config.draft, gamma=3, dtype="float32", draft_top_k=4)
+        assert tokens == local.generate(PROMPT, params, 30).token_ids
+    finally:
+        ray.kill(target_actor)
+        ray.kill(draft_actor)
+
+
+def test_role_resources_map_to_ray_options():
+    options = RoleResources(num_gpus=4, accelerator_type="H100").actor_options()
+    assert options == {"num_cpus": 0.5, "num_gpus": 4, "accelerator_type": "H100"}
+    with pytest.raises(ValueError, match="num_gpus"):
+        RoleResources(num_gpus=-1)
