@@ -152,3 +152,43 @@ def test_generated_code_matches_protos(tmp_path):
     for path in generated:
         relative = path.relative_to(tmp_path)
         assert filecmp.cmp(path, committed / relative, shallow=False), f"{relative} is stale: run python -m specserve.rpc.codegen"
+
+
+@pytest.mark.parametrize("mode", ["greedy", "T=1", "T=1.2 top-p"])
+def test_pipelined_tokens_equal_sequential(models, workers, mode, monkeypatch):
+    """Prefetching the next block on the all-accepted branch changes timing, never tokens."""
+    from specserve.rpc import remote
+
+    target = models[0]
+    close_draft = perturbed_copy(target, 0.05)  # accepts whole blocks often enough to exercise the hit path
+    servicer = DraftWorkerServicer(lambda: ModelProposer(close_draft, VOCAB, TOP_K_Q), VOCAB)
+    server, channel = _serve(servicer, workers_pb2_grpc.add_DraftWorkerServicer_to_server)
+    draft_stub = workers_pb2_grpc.DraftWorkerStub(channel)
+    target_stub = workers[1]["target"]
+    params = SamplingParams(**MODES[mode], ignore_eos=True)
+    proxies = []
+    original = remote.RemoteProposer.__init__
+
+    def record(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        proxies.append(self)
+
+    monkeypatch.setattr(remote.RemoteProposer, "__init__", record)
+    try:
+        runs = {
+            pipelined: remote_generate(
+                draft_stub, target_stub, PROMPT, params, 60, make_controller(2), VOCAB, set(), pipelined=pipelined
+            )
+            for pipelined in (False, True)
+        }
+    finally:
+        channel.close()
+        server.stop(grace=1).wait()
+    expected = SpeculativeDecoder(target, close_draft, gamma=2, draft_top_k=TOP_K_Q).generate(PROMPT, params, 60)
+    assert runs[True][0] == runs[False][0] == expected.token_ids
+    sequential, pipelined = proxies
+    assert sequential.prefetch_hits == sequential.prefetch_misses == 0
+    assert pipelined.prefetch_misses > 0
+    if mode != "T=1.2 top-p":  # at high temperature the bonus guess rarely matches
+        assert pipelined.prefetch_hits > 0  # the pre-drafted block was used
+    assert len(servicer.sessions) == 0 and len(workers[0]["target"].sessions) == 0

@@ -62,8 +62,14 @@ def speculate(
     eos_ids: set[int],
     stats: GenerationStats,
     hit_stop: Callable[[list[int]], bool] | None = None,
+    pipelined: bool = False,
 ) -> Iterator[tuple[list[int], str | None]]:
-    """Yield (new tokens, finish reason or None) once per round; releases both sides at the end."""
+    """Yield (new tokens, finish reason or None) once per round; releases both sides at the end.
+
+    pipelined: before each verify, ask the proposer to prefetch the next block
+    on the all-accepted branch (γ chosen now, one round early). With
+    position-keyed randomness the tokens are the same as without pipelining.
+    """
     context = list(prompt_ids)
     produced = 0
     try:
@@ -77,6 +83,9 @@ def speculate(
             remaining = max_new_tokens - produced
             proposal, g = draft_block(proposer, controller, context, remaining, params, rng, vocab)
             t_drafted = time.perf_counter()
+            after = remaining - len(proposal) - 1  # tokens still wanted if this block is fully accepted
+            if pipelined and proposer is not None and not proposer.free and len(proposal) and after > 0:
+                proposer.prefetch(context, proposal, controller.choose(after), params, rng)
             verdict = verifier.verify(context, proposal, params, rng)
             t_verified = time.perf_counter()
             draft_s, verify_s = t_drafted - t_round, t_verified - t_drafted

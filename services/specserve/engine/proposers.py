@@ -53,6 +53,12 @@ class Proposer(ABC):
     def commit(self, committed: list[int]) -> None:  # noqa: B027 - optional
         """The verifier settled on `committed`: drop cached draft tokens that were rejected."""
 
+    def prefetch(self, context: list[int], proposal: Proposal, gamma: int, params: SamplingParams, rng: PositionRNG) -> None:  # noqa: B027
+        """Start drafting the next block on the all-accepted branch while the target verifies `proposal`.
+
+        Only a proposer that runs elsewhere (a remote worker) can overlap; local ones ignore it.
+        """
+
     def release(self) -> None:  # noqa: B027 - optional
         """Free per-session state."""
 

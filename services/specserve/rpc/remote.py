@@ -24,20 +24,22 @@ class _SessionProxy:
         self.session_id = session_id
         self.sampling = sampling_to_proto(params, seed)
         self.vocab = vocab
-        self.sent = 0  # committed tokens the worker already holds
+        self.worker_tokens: list[int] = []  # the token list the worker holds for this session
 
-    def _update(self, context: list[int]) -> workers_pb2.SessionUpdate:
-        update = workers_pb2.SessionUpdate(
-            session_id=self.session_id, base_length=self.sent, append=context[self.sent :]
-        )
-        self.sent = len(context)
-        return update
+    def _update(self, tokens: list[int]) -> workers_pb2.SessionUpdate:
+        """Keep the common prefix with what the worker holds, append the rest (commit and rollback in one)."""
+        held = self.worker_tokens
+        base = min(len(held), len(tokens))
+        if held[:base] != tokens[:base]:
+            base = next(i for i, (a, b) in enumerate(zip(held, tokens)) if a != b)
+        self.worker_tokens = list(tokens)
+        return workers_pb2.SessionUpdate(session_id=self.session_id, base_length=base, append=tokens[base:])
 
     def prefill(self, prompt: list[int]) -> None:
         self.stub.Prefill(
             workers_pb2.PrefillRequest(session_id=self.session_id, prompt_ids=prompt, sampling=self.sampling)
         )
-        self.sent = len(prompt)
+        self.worker_tokens = list(prompt)
 
     def release(self) -> None:
         self.stub.Release(workers_pb2.ReleaseRequest(session_id=self.session_id))
@@ -50,10 +52,38 @@ class RemoteProposer(_SessionProxy, Proposer):
         super().__init__(stub, session_id, params, seed, vocab)
         self.free = free
         self.name = "remote"
+        self._prefetched = None  # (branch context, gamma, future of ProposeReply)
+        self.prefetch_hits = 0
+        self.prefetch_misses = 0
+
+    def _proposal(self, reply, skip: int = 0) -> Proposal:
+        return Proposal(list(reply.tokens)[skip:], q_from_wire(reply.q[skip:], self.vocab), reply.key or None)
+
+    def prefetch(self, context, proposal, gamma, params, rng) -> None:
+        # Draft the bonus position too (a guess of the target's bonus token), then γ tokens after it.
+        branch = context + proposal.tokens
+        request = workers_pb2.ProposeRequest(update=self._update(branch), gamma=gamma + 1)
+        self._prefetched = (branch, gamma, self.stub.Propose.future(request))
 
     def propose(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG) -> Proposal:
+        if self._prefetched is not None:
+            branch, pre_gamma, future = self._prefetched
+            self._prefetched = None
+            reply = future.result()
+            guess = reply.tokens[0] if reply.tokens else None
+            if context == branch + [guess] and gamma <= pre_gamma:
+                # The worker holds `branch` as committed; the next update appends the guess and what follows.
+                self.prefetch_hits += 1
+                return self._proposal(reply, skip=1).truncate(gamma)
+            self.prefetch_misses += 1
         reply = self.stub.Propose(workers_pb2.ProposeRequest(update=self._update(context), gamma=gamma))
-        return Proposal(list(reply.tokens), q_from_wire(reply.q, self.vocab), reply.key or None)
+        return self._proposal(reply)
+
+    def release(self) -> None:
+        if self._prefetched is not None:
+            self._prefetched[2].cancel()
+            self._prefetched = None
+        super().release()
 
 
 class RemoteVerifier(_SessionProxy):
@@ -77,6 +107,7 @@ def remote_generate(
     eos_ids: set[int],
     draft_is_free: bool = False,
     stats: GenerationStats | None = None,
+    pipelined: bool = False,
 ) -> tuple[list[int], str, GenerationStats]:
     """Run one session over gRPC workers; returns (new tokens, finish reason, stats). Both sessions are released."""
     rng = PositionRNG(params.seed)  # fixes the seed both workers key their randomness on
@@ -88,7 +119,8 @@ def remote_generate(
     tokens: list[int] = []
     finish = "length"
     for new, reason in speculate(
-        prompt_ids, proposer, verifier, controller, params, rng, max_new_tokens, vocab, eos_ids, stats
+        prompt_ids, proposer, verifier, controller, params, rng, max_new_tokens, vocab, eos_ids, stats,
+        pipelined=pipelined,
     ):
         tokens.extend(new)
         finish = reason or finish
