@@ -58,7 +58,10 @@ def test_draft_and_target_land_where_the_config_says(cluster, tmp_path):
 
 
 def test_role_resources_map_to_ray_options():
-    options = RoleResources(num_gpus=4, accelerator_type="H100").actor_options()
-    assert options == {"num_cpus": 0.5, "num_gpus": 4, "accelerator_type": "H100"}
+    options = RoleResources(num_gpus=4, accelerator_type="H100", torch_threads=3).actor_options()
+    assert options == {
+        "num_cpus": 0.5, "num_gpus": 4, "accelerator_type": "H100",
+        "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "3"}},
+    }
     with pytest.raises(ValueError, match="num_gpus"):
         RoleResources(num_gpus=-1)

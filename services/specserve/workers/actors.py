@@ -82,13 +82,13 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None):
     target_spec = config.target if target is None else target
     draft_spec = config.draft if draft is None else draft
     target_actor = _remote(TargetWorkerActor, config.target_resources).remote(
-        target_spec, config.dtype, config.target_resources.torch_threads
+        target_spec, config.dtype, config.target_resources.threads()
     )
     vocab = ray.get(target_actor.info.remote())["vocab"]
     draft_actor = None
     if draft_spec != "none":
         draft_actor = _remote(DraftWorkerActor, config.draft_resources).remote(
-            draft_spec, vocab, config.dtype, config.draft_top_k, config.draft_resources.torch_threads
+            draft_spec, vocab, config.dtype, config.draft_top_k, config.draft_resources.threads()
         )
     return target_actor, draft_actor
 
