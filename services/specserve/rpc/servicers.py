@@ -105,17 +105,31 @@ def _rpc(method):
     return wrapper
 
 
-class DraftWorkerServicer(workers_pb2_grpc.DraftWorkerServicer):
-    def __init__(self, new_proposer: Callable[[], Proposer], vocab: int):
-        self.new_proposer = new_proposer
-        self.sessions = SessionTable(vocab)
+class _SessionService:
+    """Prefill and Release, the same for both workers; subclasses say which engine a session gets."""
+
+    sessions: SessionTable
+
+    def new_engine(self):
+        raise NotImplementedError
 
     @_rpc
     def Prefill(self, request, context):
-        session = self.sessions.open(request, self.new_proposer())
+        session = self.sessions.open(request, self.new_engine())
         with session.lock:
             session.engine.prefill(session.tokens)
         return workers_pb2.PrefillReply(cached_tokens=len(session.tokens))
+
+    @_rpc
+    def Release(self, request, context):
+        released = self.sessions.close(request.session_id)
+        return workers_pb2.ReleaseReply(released=released, active_sessions=len(self.sessions))
+
+
+class DraftWorkerServicer(_SessionService, workers_pb2_grpc.DraftWorkerServicer):
+    def __init__(self, new_proposer: Callable[[], Proposer], vocab: int):
+        self.new_engine = new_proposer
+        self.sessions = SessionTable(vocab)
 
     @_rpc
     def Propose(self, request, context):
@@ -137,23 +151,14 @@ class DraftWorkerServicer(workers_pb2_grpc.DraftWorkerServicer):
             session.engine.commit(tokens)
         return workers_pb2.CommitReply(committed_length=len(tokens))
 
-    @_rpc
-    def Release(self, request, context):
-        released = self.sessions.close(request.session_id)
-        return workers_pb2.ReleaseReply(released=released, active_sessions=len(self.sessions))
 
-
-class TargetWorkerServicer(workers_pb2_grpc.TargetWorkerServicer):
+class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerServicer):
     def __init__(self, model, vocab: int):
         self.model = model
         self.sessions = SessionTable(vocab)
 
-    @_rpc
-    def Prefill(self, request, context):
-        session = self.sessions.open(request, TargetVerifier(self.model, self.sessions.vocab))
-        with session.lock:
-            session.engine.prefill(session.tokens)
-        return workers_pb2.PrefillReply(cached_tokens=len(session.tokens))
+    def new_engine(self) -> TargetVerifier:
+        return TargetVerifier(self.model, self.sessions.vocab)
 
     @_rpc
     def Verify(self, request, context):
@@ -169,8 +174,3 @@ class TargetWorkerServicer(workers_pb2_grpc.TargetWorkerServicer):
             n_accepted=verdict.n_accepted, next_token=verdict.next_token,
             accept_probs=verdict.accept_probs, betas=verdict.betas, verify_time_s=elapsed,
         )
-
-    @_rpc
-    def Release(self, request, context):
-        released = self.sessions.close(request.session_id)
-        return workers_pb2.ReleaseReply(released=released, active_sessions=len(self.sessions))
