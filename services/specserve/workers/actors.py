@@ -57,7 +57,7 @@ class DraftWorkerActor(_GrpcActor):
                 raise ValueError(f"draft vocab size {loaded.vocab_size} != target vocab size {vocab}")
             new_proposer = lambda: ModelProposer(loaded.model, vocab, top_k_q, name=loaded.name)  # noqa: E731
             self.free = False
-        self._start(DraftWorkerServicer(new_proposer, vocab), workers_pb2_grpc.add_DraftWorkerServicer_to_server, threads)
+        self._start(DraftWorkerServicer(new_proposer, vocab, threads), workers_pb2_grpc.add_DraftWorkerServicer_to_server, threads)
 
     def is_free(self) -> bool:
         return self.free
@@ -68,7 +68,7 @@ class TargetWorkerActor(_GrpcActor):
         loaded = load_model(target, dtype)
         self.vocab = loaded.vocab_size
         self.eos_ids = loaded.eos_ids
-        self._start(TargetWorkerServicer(loaded.model, self.vocab), workers_pb2_grpc.add_TargetWorkerServicer_to_server, threads)
+        self._start(TargetWorkerServicer(loaded.model, self.vocab, threads), workers_pb2_grpc.add_TargetWorkerServicer_to_server, threads)
 
     def info(self) -> dict[str, Any]:
         return {"vocab": self.vocab, "eos_ids": sorted(self.eos_ids)}
