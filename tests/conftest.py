@@ -46,3 +46,24 @@ def perturbed_copy(model, noise: float, seed: int = 123):
 def tiny_pair():
     """(target, draft): two different random models over the same 8-token vocabulary."""
     return tiny_llama(0), tiny_llama(1)
+
+
+def save_tokenized_pair(root, noise: float = 0.3):
+    """A tiny random target and a close draft saved with the embedded model's tokenizer (vocab 49152).
+
+    Real tokenizer and chat template, millisecond forwards: what the CLI and serving tests need.
+    """
+    from transformers import AutoTokenizer
+
+    from specserve.models import embedded
+
+    tokenizer = AutoTokenizer.from_pretrained(str(embedded.converted_dir(embedded.embedded_gguf_path())))
+    target = tiny_llama(0, vocab=len(tokenizer), layers=2, hidden=32, scale=8, dtype=torch.float32)
+    target.config.eos_token_id = tokenizer.eos_token_id
+    draft = perturbed_copy(target, noise)
+    for name, model in (("target", target), ("draft", draft)):
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.eos_token_id
+        model.save_pretrained(str(root / name))
+        tokenizer.save_pretrained(str(root / name))
+    return root

@@ -5,30 +5,16 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from transformers import AutoTokenizer
 
 from specserve.cli import main
-from specserve.models import embedded
-from tests.conftest import perturbed_copy, tiny_llama
+from tests.conftest import save_tokenized_pair
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    """A tiny random target and a close draft, saved with the embedded model's tokenizer (vocab 49152)."""
-    root = tmp_path_factory.mktemp("models")
-    tokenizer = AutoTokenizer.from_pretrained(str(embedded.converted_dir(embedded.embedded_gguf_path())))
-    target = tiny_llama(0, vocab=len(tokenizer), layers=2, hidden=32, scale=8, dtype=torch.float32)
-    target.config.eos_token_id = tokenizer.eos_token_id
-    draft = perturbed_copy(target, 0.3)
-    for name, model in (("target", target), ("draft", draft)):
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
-        model.generation_config.pad_token_id = tokenizer.eos_token_id
-        model.save_pretrained(str(root / name))
-        tokenizer.save_pretrained(str(root / name))
-    return root
+    return save_tokenized_pair(tmp_path_factory.mktemp("models"))
 
 
 def test_generate_json(model_dirs, capsys):

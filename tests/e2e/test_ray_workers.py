@@ -50,6 +50,7 @@ def test_ray_workers_serve_the_same_tokens_as_in_process(local_ray, model_dirs, 
     config = WorkersConfig(
         target=str(model_dirs / "target"),
         draft=str(model_dirs / "draft") if draft == "model" else "ngram",
+        ngram_worker=True,
         dtype="float32",
         draft_top_k=4,
         target_resources=RoleResources(torch_threads=1),

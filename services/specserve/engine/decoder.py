@@ -21,13 +21,11 @@ import torch
 
 from specserve.engine.profile import draft_step_time, verify_profile
 from specserve.engine.loop import speculate
+from specserve.engine.prompts import Prompt, PromptCodec, cut_at_stop
 from specserve.engine.proposers import ModelProposer, NgramProposer, Proposer, TargetVerifier
 from specserve.engine.stats import GenerationStats
 from specserve.models import LoadedModel, load_model
 from specserve.spec import PositionRNG, SamplingParams, make_controller
-
-Prompt = str | list[int] | list[dict[str, str]]
-
 
 @dataclass
 class GenerationResult:
@@ -91,6 +89,7 @@ class SpeculativeDecoder:
         self.eos_ids = self.target.eos_ids
         if self.target.tokenizer is None and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.codec = PromptCodec(self.tokenizer, self.target.vocab_size, self.target.max_positions)
         self._profile: tuple[dict[int, float], float] | None = None
         self._last_auto = None  # the latest request's AutoGamma, to warm-start the next one
 
@@ -127,34 +126,10 @@ class SpeculativeDecoder:
 
     # -- prompts -------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            return self._require_tokenizer("a text prompt").encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            tok = self._require_tokenizer("chat messages")
-            for i, message in enumerate(prompt):
-                if not {"role", "content"} <= set(message):
-                    raise ValueError(f"messages[{i}] must have 'role' and 'content'")
-            text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-            return tok.encode(text, add_special_tokens=False)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            vocab = self.target.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
-            return list(prompt)
-        raise ValueError("prompt must be a non-empty string, a list of token ids, or a list of chat messages")
-
-    def _require_tokenizer(self, what: str):
-        if self.tokenizer is None:
-            raise ValueError(f"{what} needs a tokenizer; pass token ids, or load the target by name/path")
-        return self.tokenizer
+        return self.codec.encode(prompt)
 
     def decode(self, token_ids: list[int]) -> str | None:
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.codec.decode(token_ids)
 
     # -- generation ------------------------------------------------------------
     def generate(
@@ -179,9 +154,8 @@ class SpeculativeDecoder:
         stats.new_tokens = len(tokens)
         text = self.decode(tokens)
         if text is not None and params.stop:
-            cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                text, finish = text[:cut], "stop"
+            text, stopped = cut_at_stop(text, params.stop)
+            finish = "stop" if stopped else finish
         return GenerationResult(tokens, text, finish, len(prompt_ids), stats)
 
     def rounds(
@@ -195,11 +169,9 @@ class SpeculativeDecoder:
         """Yield (new tokens, finish reason or None) once per round."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        limit = self.target.max_positions
-        if limit is not None:
-            if len(prompt_ids) >= limit:
-                raise ValueError(f"prompt has {len(prompt_ids)} tokens; the target's context is {limit}")
-            max_new_tokens = min(max_new_tokens, limit - len(prompt_ids))
+        room = self.codec.check_length(prompt_ids)
+        if room is not None:
+            max_new_tokens = min(max_new_tokens, room)
         stats = stats if stats is not None else GenerationStats()
         controller = self.controller(gamma)
         stats.controller = controller.name

@@ -5,7 +5,14 @@ nothing about how tokens are accepted (that is `spec/`) or served.
 """
 
 from specserve.models.kv import CachedSequence
-from specserve.models.loading import LoadedModel, default_device, default_dtype, load_model, resolve_dtype
+from specserve.models.loading import (
+    LoadedModel,
+    default_device,
+    default_dtype,
+    load_model,
+    load_tokenizer,
+    resolve_dtype,
+)
 from specserve.models.ngram import match_ngram, propose_ngram
 
 __all__ = [
@@ -14,6 +21,7 @@ __all__ = [
     "default_device",
     "default_dtype",
     "load_model",
+    "load_tokenizer",
     "match_ngram",
     "propose_ngram",
     "resolve_dtype",

@@ -89,7 +89,7 @@ def load_model(spec: Any, dtype: str | torch.dtype | None = None, device: str | 
     dtype None keeps an already-loaded model's dtype and picks `default_dtype`
     for models loaded here.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+    from transformers import AutoModelForCausalLM, PreTrainedModel
 
     torch_dtype = resolve_dtype(dtype)
     if isinstance(spec, PreTrainedModel):
@@ -104,28 +104,45 @@ def load_model(spec: Any, dtype: str | torch.dtype | None = None, device: str | 
 
     device = device or default_device()
     torch_dtype = torch_dtype or default_dtype(device)
-    name = str(spec)
-    if name == "embedded":
-        path, name = embedded.converted_dir(embedded.embedded_gguf_path()), "SmolLM2-135M-Instruct"
-    elif name.endswith(".gguf"):
-        gguf = pathlib.Path(name).expanduser()
-        if not gguf.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {gguf}")
-        path = embedded.converted_dir(gguf)
-    else:
-        path = pathlib.Path(name).expanduser()
-        if not path.exists():
-            if name.startswith((".", "/", "~")) or name.count("/") > 1:
-                raise FileNotFoundError(f"model directory not found: {path}")
-            path = name  # a hub id; works only where the hub (or its cache) is reachable
+    path, name = resolve_model_path(spec)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
     except OSError as exc:
         raise ValueError(
             f"could not load model {name!r}: {exc}. Pass a local directory or .gguf file when offline."
         ) from exc
+    return LoadedModel(model.to(device).eval(), _tokenizer_at(path), name)
+
+
+def resolve_model_path(spec: str | pathlib.Path) -> tuple[str | pathlib.Path, str]:
+    """(directory or hub id to load from, display name); converts a GGUF once into the cache."""
+    name = str(spec)
+    if name == "embedded":
+        return embedded.converted_dir(embedded.embedded_gguf_path()), "SmolLM2-135M-Instruct"
+    if name.endswith(".gguf"):
+        gguf = pathlib.Path(name).expanduser()
+        if not gguf.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {gguf}")
+        return embedded.converted_dir(gguf), name
+    path = pathlib.Path(name).expanduser()
+    if not path.exists():
+        if name.startswith((".", "/", "~")) or name.count("/") > 1:
+            raise FileNotFoundError(f"model directory not found: {path}")
+        return name, name  # a hub id; works only where the hub (or its cache) is reachable
+    return path, name
+
+
+def _tokenizer_at(path):
+    from transformers import AutoTokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError):
-        tokenizer = None
-    return LoadedModel(model.to(device).eval(), tokenizer, name)
+        return None
+
+
+def load_tokenizer(spec: Any):
+    """The tokenizer of a model spec without loading its weights (None when the model has none)."""
+    if not isinstance(spec, (str, pathlib.Path)):
+        return None
+    return _tokenizer_at(resolve_model_path(spec)[0])

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import ray
 
+from specserve.engine.profile import draft_step_time, verify_profile
 from specserve.engine.proposers import ModelProposer, NgramProposer
 from specserve.models import load_model
 from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
@@ -57,27 +58,50 @@ class DraftWorkerActor(_GrpcActor):
                 raise ValueError(f"draft vocab size {loaded.vocab_size} != target vocab size {vocab}")
             new_proposer = lambda: ModelProposer(loaded.model, vocab, top_k_q, name=loaded.name)  # noqa: E731
             self.free = False
+        self.vocab = vocab
         self._start(DraftWorkerServicer(new_proposer, vocab, threads), workers_pb2_grpc.add_DraftWorkerServicer_to_server, threads)
 
     def is_free(self) -> bool:
         return self.free
 
+    def step_time(self) -> float:
+        """Seconds per drafted token (0 for a free draft), measured on the worker's compute thread."""
+        if self.free:
+            return 0.0
+        return self.servicer._run(draft_step_time, self.servicer.new_engine(), self.vocab)
+
 
 class TargetWorkerActor(_GrpcActor):
     def __init__(self, target: Any, dtype: str | None = None, threads: int | None = None):
         loaded = load_model(target, dtype)
+        self.loaded = loaded
         self.vocab = loaded.vocab_size
         self.eos_ids = loaded.eos_ids
+        self._profile: dict[int, float] = {}
         self._start(TargetWorkerServicer(loaded.model, self.vocab, threads), workers_pb2_grpc.add_TargetWorkerServicer_to_server, threads)
 
     def info(self) -> dict[str, Any]:
-        return {"vocab": self.vocab, "eos_ids": sorted(self.eos_ids)}
+        return {
+            "vocab": self.vocab,
+            "eos_ids": sorted(self.eos_ids),
+            "max_positions": self.loaded.max_positions,
+            "name": self.loaded.name,
+            "dtype": str(self.loaded.dtype).removeprefix("torch."),
+            "device": str(self.loaded.device),
+        }
+
+    def verify_profile(self, max_positions: int) -> dict[int, float]:
+        """Seconds per target forward over n = 1..max_positions new tokens (measured once, on the compute thread)."""
+        if len(self._profile) < max_positions:
+            self._profile = self.servicer._run(verify_profile, self.loaded.model, self.vocab, max_positions)
+        return {n: t for n, t in self._profile.items() if n <= max_positions}
 
 
 def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None):
     """Create the target and draft actors with the configured placement; returns (target, draft | None).
 
-    `target`/`draft` override the config's model specs (tests pass loaded tiny models).
+    `target`/`draft` override the config's model specs (tests pass loaded tiny models). The n-gram
+    draft gets no actor unless `config.ngram_worker`: the coordinator drafts it from the tokens it holds.
     """
     target_spec = config.target if target is None else target
     draft_spec = config.draft if draft is None else draft
@@ -86,7 +110,7 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None):
     )
     vocab = ray.get(target_actor.info.remote())["vocab"]
     draft_actor = None
-    if draft_spec != "none":
+    if draft_spec != "none" and (draft_spec != "ngram" or config.ngram_worker):
         draft_actor = _remote(DraftWorkerActor, config.draft_resources).remote(
             draft_spec, vocab, config.dtype, config.draft_top_k, config.draft_resources.threads()
         )

@@ -50,5 +50,8 @@ class WorkersConfig(BaseModel):
     draft_top_k: int = Field(
         64, ge=1, description="A model draft samples from (and ships) its top-k q; exact for any k."
     )
+    ngram_worker: bool = Field(
+        False, description="Run the n-gram draft as a DraftWorker actor instead of inside the coordinator."
+    )
     draft_resources: RoleResources = Field(default_factory=RoleResources)
     target_resources: RoleResources = Field(default_factory=RoleResources)

@@ -1,0 +1,231 @@
+"""The coordinator: runs generation sessions against the workers over gRPC.
+
+One `Coordinator` (a Ray actor in serving) drives many sessions at once.
+Each session is the engine's own speculation loop (`engine.loop.speculate`)
+over remote proxies: Prefill on both workers, then rounds of Propose →
+Verify → commit, with the γ controller fed each round by the acceptance
+and the wall time of the draft and verify calls as seen from here (so gRPC
+and queueing are part of the cost it optimises). With `pipelined`, the
+draft worker drafts block k+1 on the all-accepted branch while the target
+verifies block k; the controller's cost model then takes max(draft, verify).
+
+Sessions run on threads (the gRPC calls release the GIL) and hand their
+tokens to asyncio, so the actor's event loop stays free for new requests
+and cancellations. Cancelling a session, or the consumer going away, ends
+it after the current round and releases both workers' KV caches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from specserve.engine.loop import speculate
+from specserve.engine.proposers import NgramProposer
+from specserve.engine.stats import GenerationStats
+from specserve.rpc.remote import RemoteProposer, RemoteVerifier
+from specserve.spec import AutoGamma, PositionRNG, SamplingParams, make_controller
+from specserve.v1 import workers_pb2_grpc
+
+
+@dataclass
+class SessionRequest:
+    """A validated, tokenized request (the ingress builds it)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    gamma: int | str | None = None  # None = the coordinator's default
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class Chunk:
+    """One round's new tokens with the session's statistics so far; the last chunk has a finish reason."""
+
+    tokens: list[int]
+    finish_reason: str | None = None
+    stats: dict[str, Any] | None = None
+
+
+class Coordinator:
+    """Sessions over a TargetWorker and a draft.
+
+    draft: "ngram" (prompt lookup run here: it needs only the committed
+    tokens, so a worker hop would only add latency), "remote" (a DraftWorker
+    at `draft_address`; `draft_free` when that worker is an n-gram draft) or
+    "none" (plain target decoding through the same path).
+    """
+
+    def __init__(
+        self,
+        target_address: str,
+        vocab: int,
+        eos_ids: list[int],
+        *,
+        draft: str = "ngram",
+        draft_address: str | None = None,
+        draft_free: bool = False,
+        gamma: int | str = "auto",
+        gamma_max: int = 8,
+        pipelined: bool = True,
+        verify_profile: dict[int, float] | None = None,
+        draft_step_s: float | None = None,
+        max_sessions: int = 64,
+    ):
+        if draft not in ("ngram", "remote", "none"):
+            raise ValueError(f"draft must be 'ngram', 'remote' or 'none', got {draft!r}")
+        if draft == "remote" and not draft_address:
+            raise ValueError("draft='remote' needs draft_address")
+        make_controller(gamma, gamma_max)  # validate early
+        self.vocab = vocab
+        self.eos_ids = set(eos_ids)
+        self.draft = draft
+        self.draft_free = draft_free or draft == "ngram"
+        self.gamma = gamma
+        self.gamma_max = gamma_max
+        self.pipelined = pipelined and draft == "remote" and not self.draft_free
+        self.verify_profile = {int(n): t for n, t in (verify_profile or {}).items()}
+        self.draft_step_s = 0.0 if self.draft_free else draft_step_s
+        self._target = workers_pb2_grpc.TargetWorkerStub(grpc.insecure_channel(target_address))
+        self._draft = (
+            workers_pb2_grpc.DraftWorkerStub(grpc.insecure_channel(draft_address)) if draft == "remote" else None
+        )
+        self._pool = ThreadPoolExecutor(max_sessions, thread_name_prefix="specserve-session")
+        self._sessions: dict[str, threading.Event] = {}
+        self._last_auto: AutoGamma | None = None
+        self.max_sessions = max_sessions
+
+    # -- control -------------------------------------------------------------
+    def active_sessions(self) -> int:
+        return len(self._sessions)
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a session after its current round; its worker caches are released. False if unknown."""
+        event = self._sessions.get(request_id)
+        if event is None:
+            return False
+        event.set()
+        return True
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "draft": self.draft, "gamma": self.gamma, "gamma_max": self.gamma_max, "pipelined": self.pipelined,
+            "active_sessions": self.active_sessions(), "max_sessions": self.max_sessions,
+        }
+
+    def controller(self, gamma: int | str | None):
+        gamma = self.gamma if gamma is None else gamma
+        if self.draft == "none":
+            gamma = 0
+        controller = make_controller(gamma, self.gamma_max, self.verify_profile or None, self.draft_step_s, self.pipelined)
+        if isinstance(controller, AutoGamma):
+            if self._last_auto is not None:
+                controller.warm_start(self._last_auto)  # acceptance and costs learned on earlier requests
+            self._last_auto = controller
+        return controller
+
+    # -- sessions --------------------------------------------------------------
+    def _rounds(self, request: SessionRequest, stats: GenerationStats):
+        params, rng = request.params, PositionRNG(request.params.seed)
+        sid = request.request_id
+        proposer = None
+        if self.draft == "ngram":
+            proposer = NgramProposer(self.vocab)
+        elif self.draft == "remote":
+            proposer = RemoteProposer(self._draft, sid, params, rng.seed, self.vocab, self.draft_free)
+        verifier = RemoteVerifier(self._target, sid, params, rng.seed, self.vocab)
+        controller = self.controller(request.gamma)
+        stats.controller = controller.name
+        return speculate(
+            request.prompt_ids, proposer, verifier, controller, params, rng, request.max_tokens, self.vocab,
+            self.eos_ids, stats, pipelined=self.pipelined,
+        )
+
+    async def generate(self, request: SessionRequest) -> AsyncIterator[Chunk]:
+        """Yield one `Chunk` per round. Raises ValueError / grpc.RpcError from the workers unchanged."""
+        if request.request_id in self._sessions:
+            raise ValueError(f"request_id: {request.request_id!r} is already running")
+        if len(self._sessions) >= self.max_sessions:
+            raise RuntimeError(f"too many concurrent sessions (max_sessions={self.max_sessions})")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+        self._sessions[request.request_id] = cancel
+        stats = GenerationStats()
+
+        def emit(item) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def drive() -> None:  # one thread per session; the generator never leaves it
+            t0 = time.perf_counter()
+            produced = 0
+            rounds = None
+            try:
+                rounds = self._rounds(request, stats)
+                for new, reason in rounds:
+                    produced += len(new)
+                    if reason is not None:
+                        stats.total_time_s, stats.new_tokens = time.perf_counter() - t0, produced
+                        emit(Chunk(new, reason, stats.to_dict()))
+                        break
+                    emit(Chunk(new, None, stats.to_dict()))
+                    if cancel.is_set():
+                        break
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                emit(exc)
+            finally:
+                if rounds is not None:
+                    try:
+                        rounds.close()  # runs speculate's finally: Release on both workers
+                    except Exception:  # noqa: BLE001 - the session is over either way
+                        pass
+                emit(None)
+
+        self._pool.submit(drive)
+        try:
+            while True:
+                item = await queue.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            cancel.set()
+            self._sessions.pop(request.request_id, None)
+
+
+def start_coordinator(config, target_actor, draft_actor=None, *, gamma="auto", gamma_max: int = 8, pipelined=True,
+                      max_sessions: int = 64):
+    """Create the coordinator actor for started workers, calibrating the γ cost model on them."""
+    import ray
+
+    info = ray.get(target_actor.info.remote())
+    draft_mode, draft_address, free, step = "none", None, False, None
+    if draft_actor is not None:
+        draft_mode = "remote"
+        draft_address, free, step = ray.get(
+            [draft_actor.address.remote(), draft_actor.is_free.remote(), draft_actor.step_time.remote()]
+        )
+    elif config.draft == "ngram":
+        draft_mode, free = "ngram", True
+    profile = None
+    if gamma == "auto" and draft_mode != "none":
+        profile = ray.get(target_actor.verify_profile.remote(gamma_max + 1))
+    actor = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=max(1000, 4 * max_sessions))
+    return actor.remote(
+        ray.get(target_actor.address.remote()), info["vocab"], info["eos_ids"],
+        draft=draft_mode, draft_address=draft_address, draft_free=free, gamma=gamma, gamma_max=gamma_max,
+        pipelined=pipelined, verify_profile=profile, draft_step_s=step, max_sessions=max_sessions,
+    )

@@ -1,0 +1,277 @@
+"""The Ray Serve application: OpenAI-compatible HTTP and the `Generator` gRPC service.
+
+    serve run specserve.serve:build_app            # or `specserve serve`
+    import_path: specserve.serve:build_app         # Serve YAML / KubeRay serveConfigV2
+
+One ingress deployment validates and tokenizes requests (both front ends
+share `protocol.prepare`), then streams one session from the coordinator
+actor, which talks to the draft and target workers over gRPC. The ingress
+starts those actors when its replica starts, so they live and die with it.
+A Serve handle is only used by Serve itself to reach this ingress; the
+per-round traffic never passes through Serve.
+"""
+
+# No `from __future__ import annotations`: FastAPI must see the real body types through Serve's ingress.
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import ray
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+
+from specserve.coordinator import SessionRequest, start_coordinator
+from specserve.engine.prompts import PromptCodec, PromptError
+from specserve.models import load_tokenizer
+from specserve.serve.config import AppConfig
+from specserve.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationInput,
+    openai_error,
+    prepare,
+    stats_summary,
+    usage,
+)
+from specserve.v1 import generator_pb2
+from specserve.workers.actors import start_workers
+
+GRPC_SERVICER_FUNCTION = "specserve.v1.generator_pb2_grpc.add_GeneratorServicer_to_server"
+
+api = FastAPI(title="specserve", description="Lossless speculative decoding, OpenAI-compatible.")
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError):
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    param = ".".join(loc) or None
+    return JSONResponse(openai_error(f"{param}: {first['msg']}" if param else first["msg"], param), status_code=400)
+
+
+@dataclass
+class Event:
+    text: str  # new text safe to show
+    token_ids: list[int]
+    finish_reason: str | None
+    completion_tokens: int
+    stats: dict[str, Any] | None
+
+
+class _WorkerError(Exception):
+    def __init__(self, message: str, bad_input: bool):
+        super().__init__(message)
+        self.bad_input = bad_input
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+@serve.ingress(api)
+class SpecServe:
+    def __init__(self, config: "dict[str, Any] | None" = None):
+        self.config = AppConfig(**(config or {}))
+        cfg = self.config
+        self.target, self.draft = start_workers(cfg)
+        self.coordinator = start_coordinator(
+            cfg, self.target, self.draft, gamma=cfg.gamma, gamma_max=cfg.gamma_max, pipelined=cfg.pipelined,
+            max_sessions=cfg.max_sessions,
+        )
+        info = ray.get(self.target.info.remote())
+        self.info = info
+        self.model_name = cfg.model_name or info["name"]
+        self.codec = PromptCodec(load_tokenizer(cfg.target), info["vocab"], info["max_positions"])
+        self.created = int(time.time())
+
+    # -- the shared session path ----------------------------------------------
+    def _prepare(self, inp: GenerationInput, field_prefix: str = "") -> SessionRequest:
+        return prepare(inp, self.codec, self.model_name, self.config.default_max_tokens, field_prefix)
+
+    async def _events(self, request: SessionRequest) -> AsyncIterator[Event]:
+        """One Event per round; ends the coordinator session when the consumer stops early (disconnect, stop string)."""
+        text = self.codec.stream(request.params.stop)
+        produced, finished = 0, False
+        try:
+            async for ref in self.coordinator.generate.options(num_returns="streaming").remote(request):
+                try:
+                    chunk = await ref
+                except ray.exceptions.RayTaskError as exc:
+                    cause = exc.as_instanceof_cause()
+                    bad = isinstance(cause, ValueError) or (
+                        isinstance(cause, grpc.RpcError) and cause.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    )
+                    raise _WorkerError(str(getattr(cause, "args", [cause])[0]) if bad else str(exc), bad) from None
+                produced += len(chunk.tokens)
+                final = chunk.finish_reason is not None
+                delta = text.push(chunk.tokens, final)
+                reason = "stop" if text.stopped else chunk.finish_reason
+                finished = reason is not None
+                yield Event(delta, chunk.tokens, reason, produced, chunk.stats)
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.coordinator.cancel.remote(request.request_id)
+
+    async def _collect(self, request: SessionRequest) -> Event:
+        text, tokens, last = [], [], None
+        async for event in self._events(request):
+            text.append(event.text)
+            tokens.extend(event.token_ids)
+            last = event
+        return Event("".join(text), tokens, last.finish_reason, last.completion_tokens, last.stats)
+
+    # -- HTTP -------------------------------------------------------------------
+    @api.get("/health")
+    async def health(self):
+        try:
+            state = await self.coordinator.describe.remote()
+        except Exception as exc:  # noqa: BLE001 - report, do not crash the probe
+            return JSONResponse({"status": "unavailable", "error": str(exc)}, status_code=503)
+        return {"status": "ok", "model": self.model_name, "target": self.info, **state}
+
+    @api.get("/v1/models")
+    async def models(self):
+        return {"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specserve"}
+        ]}
+
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest):
+        return await self._openai(body, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest):
+        return await self._openai(body, chat=True)
+
+    async def _openai(self, body, chat: bool):
+        try:
+            request = self._prepare(body.to_input())
+        except PromptError as exc:
+            code = "model_not_found" if exc.field == "model" else None
+            return JSONResponse(openai_error(str(exc), exc.field, code), status_code=400)
+        rid = ("chatcmpl-" if chat else "cmpl-") + request.request_id
+        prompt_tokens = len(request.prompt_ids)
+        if body.stream:
+            return StreamingResponse(self._sse(request, rid, chat, prompt_tokens), media_type="text/event-stream")
+        try:
+            event = await self._collect(request)
+        except _WorkerError as exc:
+            status = 400 if exc.bad_input else 500
+            return JSONResponse(openai_error(str(exc), None, kind="invalid_request_error" if exc.bad_input
+                                             else "server_error"), status_code=status)
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": event.text}, "finish_reason": event.finish_reason}
+            if chat else {"index": 0, "text": event.text, "logprobs": None, "finish_reason": event.finish_reason}
+        )
+        return {
+            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": self.model_name, "choices": [choice],
+            "usage": usage(prompt_tokens, event.completion_tokens), "specserve": stats_summary(event.stats),
+        }
+
+    async def _sse(self, request: SessionRequest, rid: str, chat: bool, prompt_tokens: int):
+        created, first = int(time.time()), True
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        try:
+            async for event in self._events(request):
+                if chat:
+                    delta = {"content": event.text}
+                    if first:
+                        delta["role"] = "assistant"
+                    choice = {"index": 0, "delta": delta, "finish_reason": event.finish_reason}
+                else:
+                    choice = {"index": 0, "text": event.text, "logprobs": None, "finish_reason": event.finish_reason}
+                first = False
+                payload = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
+                if event.finish_reason is not None:
+                    payload["usage"] = usage(prompt_tokens, event.completion_tokens)
+                    payload["specserve"] = stats_summary(event.stats)
+                yield f"data: {json.dumps(payload)}\n\n"
+        except _WorkerError as exc:
+            yield f"data: {json.dumps(openai_error(str(exc), None))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    # -- gRPC (method names = rpc names of specserve.v1.Generator) ----------------
+    def _grpc_request(self, message: generator_pb2.GenerateRequest) -> SessionRequest:
+        kind = message.WhichOneof("input")
+        if kind == "prompt":
+            prompt, field_name = message.prompt, "prompt"
+        elif kind == "messages":
+            prompt = [{"role": m.role, "content": m.content} for m in message.messages.messages]
+            field_name = "messages"
+            if not prompt:
+                raise PromptError("messages", "must not be empty")
+        else:
+            raise PromptError("prompt", "set either prompt or messages")
+        s = message.sampling
+        sampling: dict[str, Any] = {"top_k": s.top_k, "stop": list(s.stop), "ignore_eos": s.ignore_eos}
+        for name in ("temperature", "top_p", "seed"):
+            if s.HasField(name):
+                sampling[name] = getattr(s, name)
+        max_tokens = None if message.max_tokens == 0 else message.max_tokens
+        inp = GenerationInput(prompt, field_name, message.model or None, max_tokens, sampling, message.gamma or None)
+        return self._prepare(inp, field_prefix="sampling.")
+
+    @staticmethod
+    def _grpc_fail(context, code: grpc.StatusCode, details: str) -> None:
+        context.set_code(code)
+        context.set_details(details)
+
+    def _grpc_response(self, event: Event, request: SessionRequest) -> generator_pb2.GenerateResponse:
+        response = generator_pb2.GenerateResponse(
+            text=event.text, token_ids=event.token_ids, finish_reason=event.finish_reason or "",
+            prompt_tokens=len(request.prompt_ids), completion_tokens=event.completion_tokens,
+        )
+        if event.finish_reason is not None:
+            stats = stats_summary(event.stats)
+            stats.pop("controller", None)
+            response.stats.CopyFrom(generator_pb2.SpeculationStats(**stats))
+        return response
+
+    async def Generate(self, request: generator_pb2.GenerateRequest, grpc_context=None):
+        try:
+            session = self._grpc_request(request)
+            event = await self._collect(session)
+        except PromptError as exc:
+            self._grpc_fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return generator_pb2.GenerateResponse()
+        except _WorkerError as exc:
+            code = grpc.StatusCode.INVALID_ARGUMENT if exc.bad_input else grpc.StatusCode.INTERNAL
+            self._grpc_fail(grpc_context, code, str(exc))
+            return generator_pb2.GenerateResponse()
+        return self._grpc_response(event, session)
+
+    async def GenerateStream(self, request: generator_pb2.GenerateRequest, grpc_context=None):
+        # A stream carries its status only with a message or an exception: set the code, then raise
+        # (Serve's proxy keeps a code the deployment set before raising).
+        try:
+            session = self._grpc_request(request)
+        except PromptError as exc:
+            self._grpc_fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise
+        try:
+            async for event in self._events(session):
+                yield self._grpc_response(event, session)
+        except _WorkerError as exc:
+            code = grpc.StatusCode.INVALID_ARGUMENT if exc.bad_input else grpc.StatusCode.INTERNAL
+            self._grpc_fail(grpc_context, code, str(exc))
+            raise
+
+    # -- introspection (tests, bench) ----------------------------------------------
+    async def worker_sessions(self) -> dict[str, int]:
+        counts = {"target": await self.target.active_sessions.remote(),
+                  "coordinator": await self.coordinator.active_sessions.remote()}
+        if self.draft is not None:
+            counts["draft"] = await self.draft.active_sessions.remote()
+        return counts
+
+
+def build_app(args: dict[str, Any] | None = None):
+    """Serve application builder (`import_path: specserve.serve:build_app`); args are `AppConfig` fields."""
+    config = AppConfig(**(args or {}))  # validate before Serve starts a replica
+    return SpecServe.bind(config.model_dump())
+

@@ -1,0 +1,260 @@
+"""The Serve application end to end: real local Ray, real HTTP (openai client, raw SSE with requests) and a real gRPC stub.
+
+Two applications run side by side on the same tiny model pair (real tokenizer): one with pipelined
+drafting, one sequential. Served tokens must equal the in-process engine's for the same seed and
+fixed γ, and greedy output must equal target-only greedy decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import grpc
+import openai
+import pytest
+import ray
+import requests
+from ray import serve
+from ray.serve.config import gRPCOptions, HTTPOptions
+
+from specserve import SamplingParams, SpeculativeDecoder
+from specserve.serve import GRPC_SERVICER_FUNCTION, build_app
+from specserve.v1 import generator_pb2, generator_pb2_grpc
+from tests.conftest import save_tokenized_pair
+
+pytestmark = pytest.mark.slow
+
+APPS = {"pipelined": "/", "sequential": "/sequential"}
+PROMPT = "Write a short poem about the sea."
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = save_tokenized_pair(tmp_path_factory.mktemp("serve-models"), noise=0.05)
+    http_port, grpc_port = _free_port(), _free_port()
+    ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False)
+    serve.start(
+        http_options=HTTPOptions(host="127.0.0.1", port=http_port),
+        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER_FUNCTION]),
+    )
+    args = {"target": str(root / "target"), "draft": str(root / "draft"), "dtype": "float32", "gamma": 3,
+            "model_name": "tiny", "target_resources": {"torch_threads": 1}, "draft_resources": {"torch_threads": 1}}
+    for name, prefix in APPS.items():
+        serve.run(build_app({**args, "pipelined": name == "pipelined"}), name=name, route_prefix=prefix)
+    yield {"root": root, "http": f"http://127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}"}
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local(server):
+    root = server["root"]
+    return {
+        "spec": SpeculativeDecoder(str(root / "target"), str(root / "draft"), gamma=3, dtype="float32", draft_top_k=64),
+        "plain": SpeculativeDecoder(str(root / "target"), None, dtype="float32"),
+    }
+
+
+def client(server, app="pipelined") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server["http"] + APPS[app].rstrip("/") + "/v1", api_key="unused", max_retries=0)
+
+
+def grpc_stub(server):
+    return generator_pb2_grpc.GeneratorStub(grpc.insecure_channel(server["grpc"]))
+
+
+def metadata(app="pipelined"):
+    return (("application", app),)
+
+
+def sessions(app="pipelined") -> dict[str, int]:
+    return serve.get_app_handle(app).worker_sessions.remote().result()
+
+
+def wait_for_no_sessions(app="pipelined", timeout=30.0) -> dict[str, int]:
+    deadline = time.time() + timeout
+    while True:
+        counts = sessions(app)
+        if not any(counts.values()) or time.time() > deadline:
+            return counts
+        time.sleep(0.2)
+
+
+def test_models_and_health(server):
+    assert [m.id for m in client(server).models.list().data] == ["tiny"]
+    health = requests.get(server["http"] + "/health").json()
+    assert health["status"] == "ok" and health["draft"] == "remote" and health["pipelined"] is True
+
+
+@pytest.mark.parametrize("app", list(APPS))
+def test_seeded_served_output_equals_in_process(server, local, app):
+    """T=1 with a seed, fixed γ=3: HTTP (completions + chat), pipelined or not, equals the in-process engine."""
+    c = client(server, app)
+    params = dict(temperature=1.0, top_p=0.9, seed=11)
+    expected = local["spec"].generate(PROMPT, SamplingParams(**params), 24)
+    served = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, **params)
+    assert served.choices[0].text == expected.text
+    assert served.usage.completion_tokens == len(expected.token_ids)
+    messages = [{"role": "user", "content": PROMPT}]
+    expected = local["spec"].generate(messages, SamplingParams(**params), 24)
+    chat = c.chat.completions.create(model="tiny", messages=messages, max_tokens=24, **params)
+    assert chat.choices[0].message.content == expected.text
+    streamed = c.chat.completions.create(model="tiny", messages=messages, max_tokens=24, stream=True, **params)
+    chunks = list(streamed)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+    stats = chunks[-1].model_extra["specserve"]
+    assert stats["rounds"] >= 1 and stats["gamma_history"][0] == 3
+
+
+def test_greedy_served_equals_target_only(server, local):
+    expected = local["plain"].generate(PROMPT, SamplingParams(temperature=0.0), 32)
+    served = client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=32, temperature=0)
+    assert served.choices[0].text == expected.text
+    stats = served.model_extra["specserve"]
+    assert stats["accepted"] > 0  # the draft did work, and the output is still the target's
+    stream = client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=32, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream) == expected.text
+
+
+def test_grpc_unary_and_stream(server, local):
+    stub = grpc_stub(server)
+    sampling = generator_pb2.SamplingParams(temperature=0.0)
+    request = generator_pb2.GenerateRequest(prompt=PROMPT, max_tokens=20, sampling=sampling, model="tiny")
+    expected = local["plain"].generate(PROMPT, SamplingParams(temperature=0.0), 20)
+    reply = stub.Generate(request, metadata=metadata())
+    assert list(reply.token_ids) == expected.token_ids and reply.text == expected.text
+    assert reply.finish_reason == expected.finish_reason and reply.stats.rounds >= 1
+    assert reply.completion_tokens == len(expected.token_ids) and reply.prompt_tokens > 0
+    parts = list(stub.GenerateStream(request, metadata=metadata("sequential")))
+    assert [t for p in parts for t in p.token_ids] == expected.token_ids
+    assert "".join(p.text for p in parts) == expected.text
+    assert parts[-1].finish_reason and parts[-1].stats.rounds == len(parts)
+    chat = generator_pb2.GenerateRequest(
+        messages=generator_pb2.ChatMessages(messages=[generator_pb2.ChatMessage(role="user", content=PROMPT)]),
+        max_tokens=12, sampling=generator_pb2.SamplingParams(temperature=1.0, seed=5), gamma="3",
+    )
+    messages = [{"role": "user", "content": PROMPT}]
+    expected = local["spec"].generate(messages, SamplingParams(temperature=1.0, seed=5), 12)
+    assert list(stub.Generate(chat, metadata=metadata()).token_ids) == expected.token_ids
+
+
+def test_raw_sse(server):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True}
+    with requests.post(server["http"] + "/v1/completions", json=body, timeout=60, stream=True) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in response.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    payloads = [json.loads(e) for e in events[:-1]]
+    assert all(p["object"] == "text_completion" for p in payloads)
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+    assert payloads[-1]["usage"]["completion_tokens"] == 12
+    assert payloads[-1]["specserve"]["rounds"] == len(payloads)
+
+
+LONG = "word " * 600  # the tiny target's context is 512 positions
+
+BAD_HTTP = [
+    ("prompt", dict(prompt="")),
+    ("max_tokens", dict(max_tokens=-1)),
+    ("temperature", dict(temperature=-0.5)),
+    ("top_p", dict(top_p=0.0)),
+    ("top_p", dict(top_p=1.5)),
+    ("model", dict(model="gpt-4")),
+    ("prompt", dict(prompt=LONG)),
+    ("gamma", dict(gamma="sometimes")),
+]
+
+
+@pytest.mark.parametrize(("field", "change"), BAD_HTTP)
+def test_bad_http_requests_name_the_field(server, field, change):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, **change}
+    response = requests.post(server["http"] + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and field in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+def test_bad_chat_requests_and_openai_client_errors(server):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model="tiny", messages=[], max_tokens=4)
+    assert info.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=-1)
+    assert info.value.body["param"] == "temperature"
+    response = requests.post(server["http"] + "/v1/chat/completions", json={"model": "tiny"}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+
+
+BAD_GRPC = [
+    ("prompt", dict(prompt="")),
+    ("prompt", dict()),
+    ("max_tokens", dict(prompt=PROMPT, max_tokens=-3)),
+    ("sampling.temperature", dict(prompt=PROMPT, sampling=generator_pb2.SamplingParams(temperature=-1))),
+    ("sampling.top_p", dict(prompt=PROMPT, sampling=generator_pb2.SamplingParams(top_p=1.5))),
+    ("sampling.top_p", dict(prompt=PROMPT, sampling=generator_pb2.SamplingParams(top_p=0.0))),
+    ("model", dict(prompt=PROMPT, model="nope")),
+    ("prompt", dict(prompt=LONG)),
+]
+
+
+@pytest.mark.parametrize(("field", "kwargs"), BAD_GRPC)
+def test_bad_grpc_requests_are_invalid_argument(server, field, kwargs):
+    stub = grpc_stub(server)
+    for call in (stub.Generate, lambda r, metadata: list(stub.GenerateStream(r, metadata=metadata))):
+        with pytest.raises(grpc.RpcError) as info:
+            call(generator_pb2.GenerateRequest(**kwargs), metadata=metadata())
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith(field + ":")
+
+
+def test_bad_request_does_not_disturb_a_running_one(server, local):
+    stub = grpc_stub(server)
+    request = generator_pb2.GenerateRequest(prompt=PROMPT, max_tokens=30, sampling=generator_pb2.SamplingParams(
+        temperature=1.0, seed=3))
+    stream = stub.GenerateStream(request, metadata=metadata())
+    first = next(stream)
+    bad = requests.post(server["http"] + "/v1/completions", json={"prompt": PROMPT, "top_p": 2}, timeout=60)
+    assert bad.status_code == 400
+    tokens = list(first.token_ids) + [t for part in stream for t in part.token_ids]
+    assert tokens == local["spec"].generate(PROMPT, SamplingParams(temperature=1.0, seed=3), 30).token_ids
+
+
+def test_cancelled_streams_free_both_workers(server):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "temperature": 1.0, "ignore_eos": True,
+            "stream": True}
+    with requests.post(server["http"] + "/v1/completions", json=body, timeout=60, stream=True) as response:
+        lines = response.iter_lines(decode_unicode=True)
+        assert next(lines).startswith("data: ")
+        assert sessions()["target"] == 1 and sessions()["draft"] == 1
+    # the client hung up after the first chunk
+    assert wait_for_no_sessions() == {"target": 0, "draft": 0, "coordinator": 0}
+
+    stub = grpc_stub(server)
+    request = generator_pb2.GenerateRequest(prompt=PROMPT, max_tokens=400, sampling=generator_pb2.SamplingParams(
+        ignore_eos=True))
+    call = stub.GenerateStream(request, metadata=metadata("sequential"))
+    next(call)
+    assert sessions("sequential")["target"] == 1
+    call.cancel()
+    assert wait_for_no_sessions("sequential") == {"target": 0, "draft": 0, "coordinator": 0}
+
+
+def test_stop_string_ends_the_session(server, local):
+    expected = local["plain"].generate(PROMPT, SamplingParams(temperature=0.0), 40).text
+    stop = expected[len(expected) // 2 : len(expected) // 2 + 3]
+    served = client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop])
+    assert served.choices[0].finish_reason == "stop"
+    assert served.choices[0].text == expected[: expected.find(stop)]
+    assert wait_for_no_sessions() == {"target": 0, "draft": 0, "coordinator": 0}
