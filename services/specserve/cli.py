@@ -1,4 +1,4 @@
-"""`specserve` command line: generate text, run the benchmark."""
+"""`specserve` command line: generate text, serve, run the benchmark."""
 
 from __future__ import annotations
 
@@ -44,6 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--gammas", default="1,2,3,4,5,6,7,8", help="fixed γ values to run")
     bench.add_argument("--repeats", type=int, default=1, help="runs per prompt and method; the fastest counts")
     bench.add_argument("--quick", action="store_true", help="one prompt per workload, γ ∈ {2,4}, 48 tokens")
+    srv = sub.add_parser("serve", help="serve over HTTP (OpenAI-compatible) and gRPC on Ray Serve")
+    srv.add_argument("--config", default=None, help="a Serve config file, e.g. cluster/local-cpu.yaml "
+                     "(then the model/port flags are ignored)")
+    _add_model_args(srv)
+    srv.add_argument("--gamma", type=_gamma, default="auto", help="default γ: int, 'auto' or 'heuristic'")
+    srv.add_argument("--no-pipeline", action="store_true", help="do not overlap drafting with verification")
+    srv.add_argument("--model-name", default=None, help="model id clients pass (default: the target's name)")
+    srv.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 to listen on all interfaces)")
+    srv.add_argument("--http-port", type=int, default=8000)
+    srv.add_argument("--grpc-port", type=int, default=9000)
+    srv.add_argument("--address", default=None, help="Ray cluster address (default: start a local Ray)")
     return parser
 
 
@@ -91,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "serve":
+        from specserve.serve.run import serve_main
+
+        return serve_main(args)
     from specserve.bench.run import run_bench
 
     return run_bench(args)

@@ -83,11 +83,14 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
         raise ValueError(f"dtype must be one of {sorted(set(DTYPES))} or None, got {dtype!r}") from None
 
 
-def load_model(spec: Any, dtype: str | torch.dtype | None = None, device: str | None = None) -> LoadedModel:
+def load_model(
+    spec: Any, dtype: str | torch.dtype | None = None, device: str | None = None, device_map: Any = None
+) -> LoadedModel:
     """Load a causal LM from any accepted spec.
 
     dtype None keeps an already-loaded model's dtype and picks `default_dtype`
-    for models loaded here.
+    for models loaded here. device_map (e.g. "auto") shards the layers over
+    the visible GPUs with accelerate instead of moving the model to `device`.
     """
     from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -106,12 +109,14 @@ def load_model(spec: Any, dtype: str | torch.dtype | None = None, device: str | 
     torch_dtype = torch_dtype or default_dtype(device)
     path, name = resolve_model_path(spec)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, device_map=device_map)
     except OSError as exc:
         raise ValueError(
             f"could not load model {name!r}: {exc}. Pass a local directory or .gguf file when offline."
         ) from exc
-    return LoadedModel(model.to(device).eval(), _tokenizer_at(path), name)
+    if device_map is None:
+        model = model.to(device)
+    return LoadedModel(model.eval(), _tokenizer_at(path), name)
 
 
 def resolve_model_path(spec: str | pathlib.Path) -> tuple[str | pathlib.Path, str]:

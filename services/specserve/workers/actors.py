@@ -73,7 +73,11 @@ class DraftWorkerActor(_GrpcActor):
 
 class TargetWorkerActor(_GrpcActor):
     def __init__(self, target: Any, dtype: str | None = None, threads: int | None = None):
-        loaded = load_model(target, dtype)
+        import torch
+
+        # A target that owns several GPUs shards its layers over them (accelerate device_map).
+        device_map = "auto" if torch.cuda.device_count() > 1 else None
+        loaded = load_model(target, dtype, device_map=device_map)
         self.loaded = loaded
         self.vocab = loaded.vocab_size
         self.eos_ids = loaded.eos_ids

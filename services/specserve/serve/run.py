@@ -1,0 +1,133 @@
+"""`specserve serve`: start Ray (local unless --address), the Serve proxies and the specserve application.
+
+Either from flags (the embedded default needs none) or from a Serve config
+file such as `cluster/local-cpu.yaml` (validated with Ray's own schema).
+Blocks until Ctrl-C / SIGTERM, then shuts down what it started.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import signal
+import sys
+import threading
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from specserve.serve.app import GRPC_SERVICER_FUNCTION
+from specserve.serve.config import AppConfig
+
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_GRPC_PORT = 9000
+
+
+def load_serve_config(path: str | pathlib.Path) -> dict[str, Any]:
+    """A Serve config file, validated with Ray's ServeDeploySchema and each specserve app's args with AppConfig."""
+    from ray.serve.schema import ServeDeploySchema
+
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    raw = yaml.safe_load(path.read_text()) or {}
+    schema = ServeDeploySchema.model_validate(raw) if hasattr(ServeDeploySchema, "model_validate") else \
+        ServeDeploySchema.parse_obj(raw)
+    for app in schema.applications:
+        if app.import_path.startswith("specserve.serve"):
+            try:
+                AppConfig(**(app.args or {}))
+            except ValidationError as exc:
+                raise ValueError(f"{path}: application {app.name!r} args: {exc}") from None
+    return raw
+
+
+def config_from_flags(args) -> dict[str, Any]:
+    app_args: dict[str, Any] = {"target": args.target, "draft": args.draft, "gamma": args.gamma,
+                                "gamma_max": args.gamma_max, "pipelined": not args.no_pipeline}
+    if args.dtype:
+        app_args["dtype"] = args.dtype
+    if args.model_name:
+        app_args["model_name"] = args.model_name
+    return {
+        "http_options": {"host": args.host, "port": args.http_port},
+        "grpc_options": {"port": args.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER_FUNCTION]},
+        "applications": [{"name": "specserve", "route_prefix": "/", "import_path": "specserve.serve:build_app",
+                          "args": app_args}],
+    }
+
+
+def start(config: dict[str, Any]) -> list[str]:
+    """serve.start + deploy every application of a Serve config dict (Ray must be initialised). Returns app names."""
+    from ray import serve
+    from ray._common.utils import import_attr
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    http = dict(config.get("http_options") or {})
+    grpc_opts = dict(config.get("grpc_options") or {})
+    grpc_opts.setdefault("port", DEFAULT_GRPC_PORT)
+    functions = list(grpc_opts.get("grpc_servicer_functions") or [])
+    if GRPC_SERVICER_FUNCTION not in functions:
+        functions.append(GRPC_SERVICER_FUNCTION)
+    grpc_opts["grpc_servicer_functions"] = functions
+    serve.start(http_options=HTTPOptions(**http), grpc_options=gRPCOptions(**grpc_opts))
+    names = []
+    for app in config.get("applications", []):
+        target = import_attr(app["import_path"])
+        application = target(app.get("args") or {}) if callable(target) and not hasattr(target, "_bound_deployment") \
+            else target
+        name = app.get("name", "default")
+        print(f"[specserve] deploying {name!r} ({app['import_path']}); loading models and calibrating ...",
+              flush=True)
+        serve.run(application, name=name, route_prefix=app.get("route_prefix", "/"))
+        names.append(name)
+    return names
+
+
+def usage_text(config: dict[str, Any]) -> str:
+    http = config.get("http_options") or {}
+    host = http.get("host", "127.0.0.1")
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    port = http.get("port", DEFAULT_HTTP_PORT)
+    grpc_port = (config.get("grpc_options") or {}).get("port", DEFAULT_GRPC_PORT)
+    base = f"http://{host}:{port}"
+    return f"""
+[specserve] serving. Try:
+  curl {base}/health
+  curl {base}/v1/completions -H 'Content-Type: application/json' \\
+       -d '{{"prompt": "The capital of France is", "max_tokens": 32, "temperature": 0}}'
+  python -c "import openai; c = openai.OpenAI(base_url='{base}/v1', api_key='-'); \\
+print(c.chat.completions.create(model=c.models.list().data[0].id, \\
+messages=[{{'role': 'user', 'content': 'Hi!'}}]).choices[0].message.content)"
+  gRPC: specserve.v1.Generator/Generate and /GenerateStream on {host}:{grpc_port} (protos/specserve/v1/generator.proto)
+Ctrl-C stops the server.
+"""
+
+
+def serve_main(args) -> int:
+    import ray
+    from ray import serve
+
+    try:
+        config = load_serve_config(args.config) if args.config else config_from_flags(args)
+        if not args.config:
+            AppConfig(**config["applications"][0]["args"])
+    except (ValueError, FileNotFoundError, ValidationError, yaml.YAMLError) as exc:
+        print(f"specserve: {exc}", file=sys.stderr)
+        return 2
+    ray.init(address=args.address or "local", include_dashboard=False)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        start(config)
+        print(usage_text(config), flush=True)
+        stop.wait()
+    except Exception as exc:  # noqa: BLE001 - report the failure, then clean up
+        print(f"specserve: serving failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        print("[specserve] shutting down", flush=True)
+        serve.shutdown()
+        ray.shutdown()
+    return 0

@@ -1,0 +1,41 @@
+"""The Serve config files in cluster/ validate against Ray's schema and specserve's AppConfig."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from specserve.cli import build_parser
+from specserve.serve.run import config_from_flags, load_serve_config
+
+CLUSTER = pathlib.Path(__file__).resolve().parents[2] / "cluster"
+
+
+@pytest.mark.parametrize("name", ["local-cpu.yaml", "gpu-node.yaml", "heterogeneous.yaml"])
+def test_cluster_config_is_valid(name):
+    config = load_serve_config(CLUSTER / name)
+    app = config["applications"][0]
+    assert app["import_path"] == "specserve.serve:build_app"
+    assert "specserve.v1.generator_pb2_grpc.add_GeneratorServicer_to_server" in \
+        config["grpc_options"]["grpc_servicer_functions"]
+
+
+def test_broken_config_names_the_problem(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((CLUSTER / "local-cpu.yaml").read_text().replace("gamma: auto", "gamma: sometimes"))
+    with pytest.raises(ValueError, match="gamma"):
+        load_serve_config(bad)
+    bad.write_text((CLUSTER / "local-cpu.yaml").read_text().replace("num_cpus: 1", "num_cpus: -1"))
+    with pytest.raises(ValueError, match="num_cpus"):
+        load_serve_config(bad)
+    with pytest.raises(FileNotFoundError):
+        load_serve_config(tmp_path / "missing.yaml")
+
+
+def test_flags_make_the_same_shape_of_config():
+    args = build_parser().parse_args(["serve", "--gamma", "3", "--http-port", "8100", "--no-pipeline"])
+    config = config_from_flags(args)
+    assert config["http_options"]["port"] == 8100 and config["grpc_options"]["port"] == 9000
+    assert config["applications"][0]["args"]["gamma"] == 3
+    assert config["applications"][0]["args"]["pipelined"] is False
