@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--gammas", default="1,2,3,4,5,6,7,8", help="fixed γ values to run")
     bench.add_argument("--repeats", type=int, default=1, help="runs per prompt and method; the fastest counts")
     bench.add_argument("--quick", action="store_true", help="one prompt per workload, γ ∈ {2,4}, 48 tokens")
+    bench.add_argument("--served", action="store_true",
+                       help="measure the served path (Ray Serve + gRPC workers) against the in-process engine")
+    bench.add_argument("--served-gamma", default="3", help="γ for --served (fixed, so both paths emit the same tokens)")
     srv = sub.add_parser("serve", help="serve over HTTP (OpenAI-compatible) and gRPC on Ray Serve")
     srv.add_argument("--config", default=None, help="a Serve config file, e.g. cluster/local-cpu.yaml "
                      "(then the model/port flags are ignored)")
@@ -106,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         from specserve.serve.run import serve_main
 
         return serve_main(args)
+    if args.served:
+        from specserve.bench.served import run_served_bench
+
+        return run_served_bench(args)
     from specserve.bench.run import run_bench
 
     return run_bench(args)

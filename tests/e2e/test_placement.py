@@ -1,8 +1,9 @@
 """Placement on a simulated heterogeneous cluster (`ray.cluster_utils.Cluster` on one machine).
 
-A "small GPU" node and a "large GPU" node are modelled with custom
+A "small GPU" node and two "large GPU" nodes are modelled with custom
 resources; the config decides where each worker goes, and the actors' node
-ids must say Ray put them there. A generation then runs across the nodes.
+ids must say Ray put them there. A generation then runs across the nodes,
+including a target split into two pipeline stages on the two large nodes.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def cluster():
     nodes = {
         "small": cluster.add_node(num_cpus=1, resources={"small_gpu": 1}),
         "large": cluster.add_node(num_cpus=1, resources={"large_gpu": 2}),
+        "large2": cluster.add_node(num_cpus=1, resources={"large_gpu": 2}),
     }
     ray.init(address=cluster.address, log_to_driver=False)
     yield nodes
@@ -65,3 +67,43 @@ def test_role_resources_map_to_ray_options():
     }
     with pytest.raises(ValueError, match="num_gpus"):
         RoleResources(num_gpus=-1)
+
+
+def test_two_stage_target_matches_the_unsharded_one(cluster, tmp_path):
+    """Layers split over two stage actors on the two large-GPU nodes: same greedy and seeded tokens."""
+    target = tiny_llama(0, vocab=64, layers=4, hidden=32, scale=8, dtype=torch.float32)
+    target.save_pretrained(str(tmp_path / "target"))
+    perturbed_copy(target, 0.3).save_pretrained(str(tmp_path / "draft"))
+    stage = RoleResources(num_cpus=0.5, resources={"large_gpu": 2}, torch_threads=1)
+    config = WorkersConfig(
+        target=str(tmp_path / "target"),
+        draft=str(tmp_path / "draft"),
+        dtype="float32",
+        draft_top_k=4,
+        draft_resources=RoleResources(num_cpus=0.5, resources={"small_gpu": 1}, torch_threads=1),
+        target_resources=RoleResources(num_cpus=0.25, torch_threads=1),
+        target_stages=[stage, stage],
+    )
+    target_actor, draft_actor = start_workers(config)
+    stages = ray.get(target_actor.__ray_call__.remote(lambda self: self.stages))
+    try:
+        assert ray.get([s.layers.remote() for s in stages]) == [(0, 2), (2, 4)]
+        stage_nodes = ray.get([s.node_id.remote() for s in stages])
+        assert sorted(stage_nodes) == sorted([cluster["large"].node_id, cluster["large2"].node_id])
+        assert ray.get(draft_actor.node_id.remote()) == cluster["small"].node_id
+        assert ray.get(target_actor.info.remote())["stages"] == 2
+
+        greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+        plain = SpeculativeDecoder(config.target, None, dtype="float32")
+        tokens, stats = served(target_actor, draft_actor, greedy)
+        assert tokens == plain.generate(PROMPT, greedy, 30).token_ids
+        assert stats.accepted > 0
+        seeded = SamplingParams(temperature=1.0, seed=9, ignore_eos=True)
+        local = SpeculativeDecoder(config.target, config.draft, gamma=3, dtype="float32", draft_top_k=4)
+        assert served(target_actor, draft_actor, seeded)[0] == local.generate(PROMPT, seeded, 30).token_ids
+        profile = ray.get(target_actor.verify_profile.remote(4))
+        assert sorted(profile) == [1, 2, 3, 4] and all(t > 0 for t in profile.values())
+        assert ray.get([s.active_sessions.remote() for s in stages]) == [0, 0]  # sessions released in every stage
+    finally:
+        for actor in (target_actor, draft_actor, *stages):
+            ray.kill(actor)

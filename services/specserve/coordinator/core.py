@@ -45,6 +45,9 @@ class SessionRequest:
     max_tokens: int
     gamma: int | str | None = None  # None = the coordinator's default
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # False: one chunk at the end. Each streamed chunk costs the ingress work while the target computes the
+    # next round, which on a small CPU slows that forward; a non-streaming request need not pay it.
+    stream: bool = True
 
 
 @dataclass
@@ -169,15 +172,19 @@ class Coordinator:
             t0 = time.perf_counter()
             produced = 0
             rounds = None
+            held: list[int] = []  # tokens not yet handed over (all of them when not streaming)
             try:
                 rounds = self._rounds(request, stats)
                 for new, reason in rounds:
                     produced += len(new)
+                    held.extend(new)
                     if reason is not None:
                         stats.total_time_s, stats.new_tokens = time.perf_counter() - t0, produced
-                        emit(Chunk(new, reason, stats.to_dict()))
+                        emit(Chunk(held, reason, stats.to_dict()))
                         break
-                    emit(Chunk(new, None, stats.to_dict()))
+                    if request.stream:
+                        emit(Chunk(held, None, stats.to_dict()))
+                        held = []
                     if cancel.is_set():
                         break
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
@@ -192,8 +199,15 @@ class Coordinator:
 
         self._pool.submit(drive)
         try:
+            pending = None
             while True:
-                item = await queue.get()
+                item, pending = (pending, None) if pending is not None else (await queue.get(), None)
+                while isinstance(item, Chunk) and item.finish_reason is None and not queue.empty():
+                    after = queue.get_nowait()  # the consumer fell behind: hand over what is there in one chunk
+                    if not isinstance(after, Chunk):
+                        pending = after  # an error or the end: delivered after this chunk
+                        break
+                    item = Chunk(item.tokens + after.tokens, after.finish_reason, after.stats)
                 if item is None:
                     return
                 if isinstance(item, BaseException):

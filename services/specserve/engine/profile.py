@@ -15,11 +15,16 @@ import torch
 from specserve.models import CachedSequence
 
 
-def verify_profile(model, vocab: int, max_positions: int, context: int = 64, repeats: int = 3) -> dict[int, float]:
-    """Seconds for one cached forward over n new tokens after `context` tokens, n = 1..max_positions."""
+def verify_profile(
+    model, vocab: int, max_positions: int, context: int = 64, repeats: int = 3, sequence=None
+) -> dict[int, float]:
+    """Seconds for one cached forward over n new tokens after `context` tokens, n = 1..max_positions.
+
+    sequence: a TokenSequence to time instead of a local cache of `model` (e.g. a stage pipeline).
+    """
     gen = torch.Generator().manual_seed(0)
     base = torch.randint(0, vocab, (context + max_positions,), generator=gen).tolist()
-    seq = CachedSequence(model)
+    seq = sequence if sequence is not None else CachedSequence(model)
     seq.feed(base[:context])
     seq.feed(base[context : context + 2], keep_logits=2)  # warm-up: first calls take slower paths
 
@@ -34,6 +39,7 @@ def verify_profile(model, vocab: int, max_positions: int, context: int = 64, rep
     for _ in range(repeats + 1):  # round-robin, so drift on a shared machine hits every n alike
         for n in sizes:
             samples[n].append(step(n))
+    seq.release()
     return {n: statistics.median(times[1:]) for n, times in samples.items()}
 
 

@@ -132,8 +132,8 @@ class NgramProposer(Proposer):
 class TargetVerifier:
     """Scores context + proposal with ONE target forward over k+1 new positions and accepts a prefix."""
 
-    def __init__(self, model, vocab: int):
-        self.seq = CachedSequence(model)
+    def __init__(self, model, vocab: int, sequence=None):
+        self.seq = sequence if sequence is not None else CachedSequence(model)  # or a pipeline's StagedSequence
         self.vocab = vocab
 
     def prefill(self, prompt: list[int]) -> None:

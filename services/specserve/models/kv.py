@@ -14,13 +14,10 @@ import torch
 from transformers import DynamicCache
 
 
-class CachedSequence:
-    def __init__(self, model):
-        self.model = model
-        self.cache = DynamicCache(config=model.config)
-        self.tokens: list[int] = []  # tokens whose keys/values the cache holds, in order
-        self.forward_calls = 0
-        self.device = next(model.parameters()).device
+class TokenSequence:
+    """The token bookkeeping every cache shares: which tokens it holds, prefix reuse, one forward per call."""
+
+    tokens: list[int]
 
     def common_prefix(self, tokens: list[int]) -> int:
         n = min(len(self.tokens), len(tokens))
@@ -30,6 +27,36 @@ class CachedSequence:
         while i < n and self.tokens[i] == tokens[i]:
             i += 1
         return i
+
+    def rollback(self, length: int) -> None:
+        raise NotImplementedError
+
+    def feed(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+    def logits_after(self, tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
+        """Logits predicting the tokens after each of the last `keep_logits` prefixes of `tokens`.
+
+        Feeds at least the last token (logits come only from a forward), and
+        at least `keep_logits` tokens. Returns [keep_logits, vocab].
+        """
+        if not tokens:
+            raise ValueError("cannot compute logits after an empty sequence")
+        keep = min(self.common_prefix(tokens), len(tokens) - keep_logits)
+        self.rollback(keep)
+        return self.feed(tokens[keep:], keep_logits)
+
+
+class CachedSequence(TokenSequence):
+    def __init__(self, model):
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.tokens: list[int] = []  # tokens whose keys/values the cache holds, in order
+        self.forward_calls = 0
+        self.device = next(model.parameters()).device
 
     def rollback(self, length: int) -> None:
         """Keep the first `length` cached tokens."""
@@ -46,18 +73,6 @@ class CachedSequence:
         self.forward_calls += 1
         self.tokens.extend(new_tokens)
         return out.logits[0, -keep_logits:].float().cpu()
-
-    def logits_after(self, tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
-        """Logits predicting the tokens after each of the last `keep_logits` prefixes of `tokens`.
-
-        Feeds at least the last token (logits come only from a forward), and
-        at least `keep_logits` tokens. Returns [keep_logits, vocab].
-        """
-        if not tokens:
-            raise ValueError("cannot compute logits after an empty sequence")
-        keep = min(self.common_prefix(tokens), len(tokens) - keep_logits)
-        self.rollback(keep)
-        return self.feed(tokens[keep:], keep_logits)
 
     def release(self) -> None:
         self.cache = DynamicCache(config=self.model.config)

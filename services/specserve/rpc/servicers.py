@@ -173,13 +173,16 @@ class DraftWorkerServicer(_SessionService, workers_pb2_grpc.DraftWorkerServicer)
 
 
 class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerServicer):
-    def __init__(self, model, vocab: int, threads: int | None = None):
+    def __init__(self, model, vocab: int, threads: int | None = None, new_sequence: Callable | None = None):
+        """new_sequence: makes each session's KV cache (default: a local cache of `model`; a stage pipeline's)."""
         self.model = model
+        self.new_sequence = new_sequence
         self.sessions = SessionTable(vocab)
         self._init_compute(threads)
 
     def new_engine(self) -> TargetVerifier:
-        return TargetVerifier(self.model, self.sessions.vocab)
+        sequence = self.new_sequence() if self.new_sequence is not None else None
+        return TargetVerifier(self.model, self.sessions.vocab, sequence)
 
     @_rpc
     def Verify(self, request, context):

@@ -155,6 +155,7 @@ class SpecServe:
             return JSONResponse(openai_error(str(exc), exc.field, code), status_code=400)
         rid = ("chatcmpl-" if chat else "cmpl-") + request.request_id
         prompt_tokens = len(request.prompt_ids)
+        request.stream = body.stream or bool(request.params.stop)  # stop strings are checked as text arrives
         if body.stream:
             return StreamingResponse(self._sse(request, rid, chat, prompt_tokens), media_type="text/event-stream")
         try:
@@ -235,6 +236,7 @@ class SpecServe:
     async def Generate(self, request: generator_pb2.GenerateRequest, grpc_context=None):
         try:
             session = self._grpc_request(request)
+            session.stream = bool(session.params.stop)
             event = await self._collect(session)
         except PromptError as exc:
             self._grpc_fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))

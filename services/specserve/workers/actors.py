@@ -18,15 +18,27 @@ import ray
 from specserve.engine.profile import draft_step_time, verify_profile
 from specserve.engine.proposers import ModelProposer, NgramProposer
 from specserve.models import load_model
+from specserve.models.loading import resolve_model_path
 from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
 from specserve.v1 import workers_pb2_grpc
 from specserve.workers.config import RoleResources, WorkersConfig
+
+
+def _undo_worker_niceness() -> None:
+    """Ray starts workers at niceness 15 (`worker_niceness`). A model worker is the latency-critical process
+    of the node, so take back normal priority where the OS allows it (root / CAP_SYS_NICE); else keep 15."""
+    try:
+        if os.getpriority(os.PRIO_PROCESS, 0) > 0:
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except (PermissionError, OSError):
+        pass
 
 
 class _GrpcActor:
     def _start(self, servicer, add, threads: int | None) -> None:
         import torch
 
+        _undo_worker_niceness()
         torch.set_num_threads(threads or os.cpu_count() or 1)
         self.servicer = servicer
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
@@ -72,33 +84,67 @@ class DraftWorkerActor(_GrpcActor):
 
 
 class TargetWorkerActor(_GrpcActor):
-    def __init__(self, target: Any, dtype: str | None = None, threads: int | None = None):
+    """The target: loads the model and shards it over its GPUs, or fronts a pipeline of stage actors."""
+
+    def __init__(self, target: Any, dtype: str | None = None, threads: int | None = None, stages: list | None = None):
         import torch
 
-        # A target that owns several GPUs shards its layers over them (accelerate device_map).
-        device_map = "auto" if torch.cuda.device_count() > 1 else None
-        loaded = load_model(target, dtype, device_map=device_map)
-        self.loaded = loaded
-        self.vocab = loaded.vocab_size
-        self.eos_ids = loaded.eos_ids
         self._profile: dict[int, float] = {}
-        self._start(TargetWorkerServicer(loaded.model, self.vocab, threads), workers_pb2_grpc.add_TargetWorkerServicer_to_server, threads)
+        if stages:
+            from specserve.workers.stages import StagedSequence
+
+            self.stages = stages
+            self._info = describe_model(target)
+            self._info["stages"] = len(stages)
+            new_sequence = lambda: StagedSequence(stages)  # noqa: E731
+            model = None
+        else:
+            # A target that owns several GPUs shards its layers over them (accelerate device_map).
+            device_map = "auto" if torch.cuda.device_count() > 1 else None
+            loaded = load_model(target, dtype, device_map=device_map)
+            self._info = {
+                "vocab": loaded.vocab_size, "eos_ids": sorted(loaded.eos_ids), "max_positions": loaded.max_positions,
+                "name": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "device": str(loaded.device),
+                "stages": 1,
+            }
+            new_sequence, model = None, loaded.model
+        self.model = model
+        self.vocab = self._info["vocab"]
+        self._start(
+            TargetWorkerServicer(model, self.vocab, threads, new_sequence),
+            workers_pb2_grpc.add_TargetWorkerServicer_to_server, threads,
+        )
 
     def info(self) -> dict[str, Any]:
-        return {
-            "vocab": self.vocab,
-            "eos_ids": sorted(self.eos_ids),
-            "max_positions": self.loaded.max_positions,
-            "name": self.loaded.name,
-            "dtype": str(self.loaded.dtype).removeprefix("torch."),
-            "device": str(self.loaded.device),
-        }
+        return dict(self._info)
 
     def verify_profile(self, max_positions: int) -> dict[int, float]:
         """Seconds per target forward over n = 1..max_positions new tokens (measured once, on the compute thread)."""
         if len(self._profile) < max_positions:
-            self._profile = self.servicer._run(verify_profile, self.loaded.model, self.vocab, max_positions)
+            sequence = self.servicer.new_sequence() if self.servicer.new_sequence is not None else None
+            self._profile = self.servicer._run(verify_profile, self.model, self.vocab, max_positions, 64, 3, sequence)
         return {n: t for n, t in self._profile.items() if n <= max_positions}
+
+
+def describe_model(spec: Any) -> dict[str, Any]:
+    """vocab, eos ids, context and name from a model's config files, without loading its weights."""
+    from transformers import AutoConfig, GenerationConfig
+
+    path, name = resolve_model_path(spec)
+    config = AutoConfig.from_pretrained(str(path))
+    eos: set[int] = set()
+    sources = [config]
+    try:
+        sources.append(GenerationConfig.from_pretrained(str(path)))
+    except OSError:
+        pass
+    for source in sources:
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            eos.update(value if isinstance(value, list) else [value])
+    return {"vocab": int(config.vocab_size), "eos_ids": sorted(eos), "name": name, "dtype": None, "device": None,
+            "max_positions": getattr(config, "max_position_embeddings", None),
+            "num_layers": int(config.num_hidden_layers)}
 
 
 def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None):
@@ -109,8 +155,14 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None):
     """
     target_spec = config.target if target is None else target
     draft_spec = config.draft if draft is None else draft
+    stages = None
+    if config.target_stages:
+        from specserve.workers.stages import start_stages
+
+        layers = describe_model(target_spec)["num_layers"]
+        stages = start_stages(target_spec, config.dtype, config.target_stages, layers)
     target_actor = _remote(TargetWorkerActor, config.target_resources).remote(
-        target_spec, config.dtype, config.target_resources.threads()
+        target_spec, config.dtype, config.target_resources.threads(), stages
     )
     vocab = ray.get(target_actor.info.remote())["vocab"]
     draft_actor = None

@@ -55,3 +55,8 @@ class WorkersConfig(BaseModel):
     )
     draft_resources: RoleResources = Field(default_factory=RoleResources)
     target_resources: RoleResources = Field(default_factory=RoleResources)
+    target_stages: list[RoleResources] = Field(
+        default_factory=list,
+        description="Run the target as a pipeline of stage actors, one per entry (layers split evenly, in order); "
+        "the target worker then only fronts them. Empty = one target actor holding the whole model.",
+    )

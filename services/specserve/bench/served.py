@@ -1,0 +1,189 @@
+"""`specserve bench --served`: the served path (HTTP → Serve ingress → coordinator → gRPC workers on Ray)
+against the in-process engine, same prompts, same model, same fixed γ, greedy.
+
+In-process runs happen before Ray starts, while it runs (idle, in this
+driver) and again after it stops:
+a driver that hosts Ray's own threads decodes slower, and the served path
+should be compared with the engine at its best. Reports tokens/s of both,
+their ratio, the overhead per round in ms, and — for a model draft — the
+pipelined vs sequential ratio of the served path (two applications side by
+side). Writes served.json and served.png.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import socket
+import sys
+import time
+import urllib.request
+
+from specserve import SamplingParams, SpeculativeDecoder
+from specserve.bench.prompts import SUITE
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> tuple[dict, float]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=600) as response:
+        payload = json.loads(response.read())
+    return payload, time.perf_counter() - t0
+
+
+def _in_process(decoder, prompts, args, gamma, index: int = 0) -> dict[int, tuple[float, int, str]]:
+    """prompt index -> (best seconds, tokens, text)."""
+    best: dict[int, tuple[float, int, str]] = {}
+    for i, (_workload, ids) in enumerate(prompts, start=index):
+        decoder.generate(ids, GREEDY, 8, gamma=gamma)  # warm
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            result = decoder.generate(ids, GREEDY, args.max_new_tokens, gamma=gamma)
+            seconds = time.perf_counter() - t0
+            if i not in best or seconds < best[i][0]:
+                best[i] = (seconds, len(result.token_ids), result.text)
+    return best
+
+
+def run_served_bench(args) -> int:
+    import ray
+    from ray import serve
+    from ray.serve.config import HTTPOptions
+
+    from specserve.serve import build_app
+
+    if args.quick:
+        args.prompts, args.max_new_tokens = 1, 48
+    workloads = [w for w in args.workloads.split(",") if w]
+    unknown = set(workloads) - set(SUITE)
+    if unknown:
+        print(f"specserve bench: unknown workload(s) {sorted(unknown)}; choose from {sorted(SUITE)}", file=sys.stderr)
+        return 2
+    gamma = int(args.served_gamma) if str(args.served_gamma).isdigit() else args.served_gamma
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    draft = None if args.draft == "none" else args.draft
+    model_draft = draft not in (None, "ngram")
+    top_k = 64 if model_draft else 0  # the served draft worker ships its top-64 q
+    print(f"specserve bench --served: loading target={args.target} draft={args.draft} γ={gamma} ...", flush=True)
+    decoder = SpeculativeDecoder(args.target, draft, gamma=gamma, dtype=args.dtype, gamma_max=args.gamma_max,
+                                 draft_top_k=top_k)
+    prompts = [(w, decoder.encode([{"role": "user", "content": p}])) for w in workloads
+               for p in SUITE[w][: args.prompts]]
+
+    print("  in-process (before Ray) ...", flush=True)
+    before = _in_process(decoder, prompts, args, gamma)
+
+    apps = {"pipelined": "/"} if not model_draft else {"pipelined": "/", "sequential": "/sequential"}
+    port = _free_port()
+    served: dict[str, dict[int, tuple[float, int, str, int]]] = {name: {} for name in apps}
+    during: dict[int, tuple[float, int, str]] = {}  # in-process while Ray + Serve are up and idle
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
+        app_args = {"target": args.target, "draft": args.draft, "gamma": gamma, "gamma_max": args.gamma_max}
+        if args.dtype:
+            app_args["dtype"] = args.dtype
+        for name, prefix in apps.items():
+            print(f"  deploying the {name} application ...", flush=True)
+            serve.run(build_app({**app_args, "pipelined": name == "pipelined"}), name=name, route_prefix=prefix)
+        for i, (workload, ids) in enumerate(prompts):
+            for name, prefix in apps.items():
+                url = f"http://127.0.0.1:{port}{prefix.rstrip('/')}/v1/completions"
+                body = {"prompt": ids, "max_tokens": args.max_new_tokens, "temperature": 0}
+                _post(url, {**body, "max_tokens": 8})  # warm
+                for _ in range(args.repeats):
+                    payload, seconds = _post(url, body)
+                    tokens = payload["usage"]["completion_tokens"]
+                    rounds = payload["specserve"]["rounds"]
+                    if i not in served[name] or seconds < served[name][i][0]:
+                        served[name][i] = (seconds, tokens, payload["choices"][0]["text"], rounds)
+                    print(f"  {workload:8s} prompt {i} {name:10s} {tokens / seconds:6.1f} tok/s "
+                          f"(in-process {before[i][1] / before[i][0]:6.1f})", flush=True)
+            during.update(_in_process(decoder, [prompts[i]], args, gamma, index=i))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    print("  in-process (after Ray) ...", flush=True)
+    after = _in_process(decoder, prompts, args, gamma)
+    report = _report(args, gamma, workloads, prompts, before, after, during, served)
+    (out / "served.json").write_text(json.dumps(report, indent=2))
+    _plot(report, out / "served.png")
+    print(f"\nwrote {out / 'served.json'} and {out / 'served.png'}")
+    return 0
+
+
+def _report(args, gamma, workloads, prompts, before, after, during, served) -> dict:
+    report = {
+        "config": {"target": args.target, "draft": args.draft, "gamma": gamma, "max_new_tokens": args.max_new_tokens,
+                   "prompts": args.prompts, "repeats": args.repeats, "sampling": "greedy"},
+        "workloads": {},
+    }
+    print(f"\n{'workload':9s} {'in-proc':>8s} {'(ray up)':>8s} {'served':>8s} {'ratio':>6s} {'ms/round':>9s} "
+          f"{'same text':>9s}"
+          + ("  pipelined/sequential" if "sequential" in served else ""))
+    for workload in workloads:
+        idx = [i for i, (w, _) in enumerate(prompts) if w == workload]
+        best_local = {i: min(before[i], after[i], key=lambda r: r[0]) for i in idx}
+        local_s = sum(best_local[i][0] for i in idx)
+        local_tokens = sum(best_local[i][1] for i in idx)
+        row = {"in_process_tokens_per_s": local_tokens / local_s,
+               "in_process_before_ray_tokens_per_s": sum(before[i][1] for i in idx) / sum(before[i][0] for i in idx),
+               "in_process_after_ray_tokens_per_s": sum(after[i][1] for i in idx) / sum(after[i][0] for i in idx),
+               # the same engine in this (driver) process while Ray and Serve idle beside it: what Ray's
+               # background processes alone cost a CPU forward
+               "in_process_ray_up_tokens_per_s": sum(during[i][1] for i in idx) / sum(during[i][0] for i in idx)}
+        for name, results in served.items():
+            s = sum(results[i][0] for i in idx)
+            tokens = sum(results[i][1] for i in idx)
+            rounds = sum(results[i][3] for i in idx)
+            row[name] = {
+                "tokens_per_s": tokens / s,
+                "served_over_in_process": (tokens / s) / (local_tokens / local_s),
+                "rounds": rounds,
+                "overhead_ms_per_round": 1000 * (s - local_s * tokens / local_tokens) / rounds,
+                "same_text_as_in_process": all(results[i][2] == best_local[i][2] for i in idx),
+                "served_over_in_process_ray_up": (tokens / s) / row["in_process_ray_up_tokens_per_s"],
+            }
+        if "sequential" in served:
+            row["pipelined_over_sequential"] = row["pipelined"]["tokens_per_s"] / row["sequential"]["tokens_per_s"]
+        report["workloads"][workload] = row
+        p = row["pipelined"]
+        print(f"{workload:9s} {row['in_process_tokens_per_s']:8.1f} {row['in_process_ray_up_tokens_per_s']:8.1f} "
+              f"{p['tokens_per_s']:8.1f} "
+              f"{p['served_over_in_process']:6.2f} {p['overhead_ms_per_round']:9.1f} {str(p['same_text_as_in_process']):>9s}"
+              + (f"  {row['pipelined_over_sequential']:.2f}" if "sequential" in served else ""))
+    return report
+
+
+def _plot(report: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(report["workloads"])
+    series = {"in-process": [report["workloads"][w]["in_process_tokens_per_s"] for w in workloads]}
+    for name in ("pipelined", "sequential"):
+        if name in report["workloads"][workloads[0]]:
+            series[f"served ({name})"] = [report["workloads"][w][name]["tokens_per_s"] for w in workloads]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(series)
+    for k, (label, values) in enumerate(series.items()):
+        ax.bar([i + k * width for i in range(len(workloads))], values, width, label=label)
+    ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(workloads))], workloads)
+    ax.set_ylabel("tokens/s (greedy)")
+    ax.set_title(f"served vs in-process, γ={report['config']['gamma']}, draft={report['config']['draft']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
