@@ -49,7 +49,7 @@ def _in_process(decoder, prompts, args, gamma, index: int = 0) -> dict[int, tupl
             result = decoder.generate(ids, GREEDY, args.max_new_tokens, gamma=gamma)
             seconds = time.perf_counter() - t0
             if i not in best or seconds < best[i][0]:
-                best[i] = (seconds, len(result.token_ids), result.text)
+                best[i] = (seconds, len(result.token_ids), result.text, result.stats)
     return best
 
 
@@ -105,7 +105,7 @@ def run_served_bench(args) -> int:
                     tokens = payload["usage"]["completion_tokens"]
                     rounds = payload["specserve"]["rounds"]
                     if i not in served[name] or seconds < served[name][i][0]:
-                        served[name][i] = (seconds, tokens, payload["choices"][0]["text"], rounds)
+                        served[name][i] = (seconds, tokens, payload["choices"][0]["text"], rounds, payload["specserve"])
                     print(f"  {workload:8s} prompt {i} {name:10s} {tokens / seconds:6.1f} tok/s "
                           f"(in-process {before[i][1] / before[i][0]:6.1f})", flush=True)
             during.update(_in_process(decoder, [prompts[i]], args, gamma, index=i))
@@ -136,12 +136,17 @@ def _report(args, gamma, workloads, prompts, before, after, during, served) -> d
         best_local = {i: min(before[i], after[i], key=lambda r: r[0]) for i in idx}
         local_s = sum(best_local[i][0] for i in idx)
         local_tokens = sum(best_local[i][1] for i in idx)
+        local_rounds = sum(best_local[i][3].rounds for i in idx)
+        row_local_ms = {"round": 1000 * local_s / local_rounds,
+                        "verify": 1000 * sum(best_local[i][3].verify_time_s for i in idx) / local_rounds,
+                        "draft": 1000 * sum(best_local[i][3].draft_time_s for i in idx) / local_rounds}
         row = {"in_process_tokens_per_s": local_tokens / local_s,
                "in_process_before_ray_tokens_per_s": sum(before[i][1] for i in idx) / sum(before[i][0] for i in idx),
                "in_process_after_ray_tokens_per_s": sum(after[i][1] for i in idx) / sum(after[i][0] for i in idx),
                # the same engine in this (driver) process while Ray and Serve idle beside it: what Ray's
                # background processes alone cost a CPU forward
-               "in_process_ray_up_tokens_per_s": sum(during[i][1] for i in idx) / sum(during[i][0] for i in idx)}
+               "in_process_ray_up_tokens_per_s": sum(during[i][1] for i in idx) / sum(during[i][0] for i in idx),
+               "in_process_per_round_ms": row_local_ms}
         for name, results in served.items():
             s = sum(results[i][0] for i in idx)
             tokens = sum(results[i][1] for i in idx)
@@ -153,6 +158,14 @@ def _report(args, gamma, workloads, prompts, before, after, during, served) -> d
                 "overhead_ms_per_round": 1000 * (s - local_s * tokens / local_tokens) / rounds,
                 "same_text_as_in_process": all(results[i][2] == best_local[i][2] for i in idx),
                 "served_over_in_process_ray_up": (tokens / s) / row["in_process_ray_up_tokens_per_s"],
+                # where a served round's time goes (ms): the whole round as the client saw it, the verify call
+                # as the coordinator saw it, and the forward + acceptance as the target worker measured it
+                "per_round_ms": {
+                    "round": 1000 * s / rounds,
+                    "verify_call": 1000 * sum(results[i][4]["verify_time_s"] for i in idx) / rounds,
+                    "worker_verify": 1000 * sum(results[i][4]["worker_verify_time_s"] for i in idx) / rounds,
+                    "draft": 1000 * sum(results[i][4]["draft_time_s"] for i in idx) / rounds,
+                },
             }
         if "sequential" in served:
             row["pipelined_over_sequential"] = row["pipelined"]["tokens_per_s"] / row["sequential"]["tokens_per_s"]

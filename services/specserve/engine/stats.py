@@ -18,6 +18,7 @@ class GenerationStats:
     prefill_time_s: float = 0.0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    worker_verify_time_s: float = 0.0  # served: compute time the target worker reported (verify_time_s adds the wire)
     total_time_s: float = 0.0
     new_tokens: int = 0
     controller: str = ""

@@ -87,12 +87,15 @@ class RemoteProposer(_SessionProxy, Proposer):
 
 
 class RemoteVerifier(_SessionProxy):
-    """A TargetWorker session."""
+    """A TargetWorker session; `worker_time_s` sums the compute time the worker reported."""
+
+    worker_time_s = 0.0
 
     def verify(self, context: list[int], proposal: Proposal, params: SamplingParams, rng: PositionRNG) -> Verdict:
         reply = self.stub.Verify(
             workers_pb2.VerifyRequest(update=self._update(context), tokens=proposal.tokens, q=q_to_wire(proposal.q))
         )
+        self.worker_time_s += reply.verify_time_s
         return Verdict(reply.n_accepted, reply.next_token, list(reply.accept_probs), list(reply.betas))
 
 

@@ -230,6 +230,7 @@ class SpecServe:
         if event.finish_reason is not None:
             stats = stats_summary(event.stats)
             stats.pop("controller", None)
+            stats.pop("worker_verify_time_s", None)
             response.stats.CopyFrom(generator_pb2.SpeculationStats(**stats))
         return response
 

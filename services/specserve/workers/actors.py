@@ -24,21 +24,10 @@ from specserve.v1 import workers_pb2_grpc
 from specserve.workers.config import RoleResources, WorkersConfig
 
 
-def _undo_worker_niceness() -> None:
-    """Ray starts workers at niceness 15 (`worker_niceness`). A model worker is the latency-critical process
-    of the node, so take back normal priority where the OS allows it (root / CAP_SYS_NICE); else keep 15."""
-    try:
-        if os.getpriority(os.PRIO_PROCESS, 0) > 0:
-            os.setpriority(os.PRIO_PROCESS, 0, 0)
-    except (PermissionError, OSError):
-        pass
-
-
 class _GrpcActor:
     def _start(self, servicer, add, threads: int | None) -> None:
         import torch
 
-        _undo_worker_niceness()
         torch.set_num_threads(threads or os.cpu_count() or 1)
         self.servicer = servicer
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
