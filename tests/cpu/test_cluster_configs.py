@@ -39,3 +39,13 @@ def test_flags_make_the_same_shape_of_config():
     assert config["http_options"]["port"] == 8100 and config["grpc_options"]["port"] == 9000
     assert config["applications"][0]["args"]["gamma"] == 3
     assert config["applications"][0]["args"]["pipelined"] is False
+
+
+def test_pipelining_is_on_by_default_only_when_both_workers_have_gpus():
+    from specserve.serve import AppConfig
+
+    assert AppConfig().pipelining() is False  # CPU: the overlapping forwards would share the cores
+    gpus = {"draft_resources": {"num_gpus": 1}, "target_resources": {"num_gpus": 2}}
+    assert AppConfig(**gpus).pipelining() is True
+    assert AppConfig(**gpus, pipelined=False).pipelining() is False
+    assert AppConfig(pipelined=True).pipelining() is True

@@ -77,7 +77,7 @@ class SpecServe:
         cfg = self.config
         self.target, self.draft = start_workers(cfg)
         self.coordinator = start_coordinator(
-            cfg, self.target, self.draft, gamma=cfg.gamma, gamma_max=cfg.gamma_max, pipelined=cfg.pipelined,
+            cfg, self.target, self.draft, gamma=cfg.gamma, gamma_max=cfg.gamma_max, pipelined=cfg.pipelining(),
             max_sessions=cfg.max_sessions,
         )
         info = ray.get(self.target.info.remote())

@@ -44,7 +44,9 @@ def load_serve_config(path: str | pathlib.Path) -> dict[str, Any]:
 
 def config_from_flags(args) -> dict[str, Any]:
     app_args: dict[str, Any] = {"target": args.target, "draft": args.draft, "gamma": args.gamma,
-                                "gamma_max": args.gamma_max, "pipelined": not args.no_pipeline}
+                                "gamma_max": args.gamma_max}
+    if args.no_pipeline:
+        app_args["pipelined"] = False
     if args.dtype:
         app_args["dtype"] = args.dtype
     if args.model_name:
