@@ -52,3 +52,18 @@ def test_bench_model_draft_writes_json_and_png(model_dirs, tmp_path, capsys):
     assert runs["specserve γ=4"]["alpha"] is not None and runs["specserve γ=4"]["theorem8_prediction"] > 0
     assert "auto_vs_best_fixed" in report["workloads"]["code"]["summary"]
     assert "[1/" in capsys.readouterr().out  # progress lines
+
+
+def test_bench_served_compares_the_served_path_with_in_process(model_dirs, tmp_path):
+    """Starts a local Ray + Serve, two applications (sequential, pipelined): same text as in-process."""
+    out = tmp_path / "served"
+    args = ["bench", "--served", "--quick", "--workloads", "code", "--target", str(model_dirs / "target"),
+            "--draft", str(model_dirs / "draft"), "--dtype", "float32", "--out", str(out)]
+    assert main(args) == 0
+    row = json.loads((out / "served.json").read_text())["workloads"]["code"]
+    assert (out / "served.png").stat().st_size > 5_000
+    for name in ("sequential", "pipelined"):
+        assert row[name]["same_text_as_in_process"]
+        assert row[name]["tokens_per_s"] > 0 and row[name]["rounds"] > 0
+        assert row[name]["per_round_ms"]["worker_verify"] > 0
+    assert row["pipelined_over_sequential"] > 0 and row["in_process_ray_up_tokens_per_s"] > 0

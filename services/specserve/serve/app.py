@@ -99,11 +99,15 @@ class SpecServe:
                 try:
                     chunk = await ref
                 except ray.exceptions.RayTaskError as exc:
-                    cause = exc.as_instanceof_cause()
+                    cause = exc.cause if exc.cause is not None else exc
                     bad = isinstance(cause, ValueError) or (
                         isinstance(cause, grpc.RpcError) and cause.code() == grpc.StatusCode.INVALID_ARGUMENT
                     )
-                    raise _WorkerError(str(getattr(cause, "args", [cause])[0]) if bad else str(exc), bad) from None
+                    if isinstance(cause, grpc.RpcError):
+                        message = f"worker: {cause.code().name}: {cause.details()}"
+                    else:
+                        message = f"{type(cause).__name__}: {cause}" if not bad else str(cause)
+                    raise _WorkerError(message, bad) from None  # a message, never a traceback, to the client
                 produced += len(chunk.tokens)
                 final = chunk.finish_reason is not None
                 delta = text.push(chunk.tokens, final)
