@@ -258,3 +258,25 @@ def test_stop_string_ends_the_session(server, local):
     assert served.choices[0].finish_reason == "stop"
     assert served.choices[0].text == expected[: expected.find(stop)]
     assert wait_for_no_sessions() == {"target": 0, "draft": 0, "coordinator": 0}
+
+
+def test_concurrent_sessions_keep_their_own_tokens(server, local):
+    """Four seeded requests at once (HTTP and gRPC, both apps' coordinators busy): each gets its own tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def http(seed):
+        reply = client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=1.0,
+                                                  seed=seed)
+        return reply.choices[0].text
+
+    def rpc(seed):
+        request = generator_pb2.GenerateRequest(prompt=PROMPT, max_tokens=20, sampling=generator_pb2.SamplingParams(
+            temperature=1.0, seed=seed))
+        return grpc_stub(server).Generate(request, metadata=metadata()).text
+
+    jobs = [(http, 101), (rpc, 102), (http, 103), (rpc, 104)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda job: job[0](job[1]), jobs))
+    for (_, seed), text in zip(jobs, results):
+        assert text == local["spec"].generate(PROMPT, SamplingParams(temperature=1.0, seed=seed), 20).text
+    assert wait_for_no_sessions() == {"target": 0, "draft": 0, "coordinator": 0}
