@@ -36,6 +36,10 @@ from specserve.spec import AutoGamma, PositionRNG, SamplingParams, make_controll
 from specserve.v1 import workers_pb2_grpc
 
 
+class Overloaded(RuntimeError):
+    """The coordinator already runs `max_sessions` sessions (HTTP 503 / gRPC RESOURCE_EXHAUSTED)."""
+
+
 @dataclass
 class SessionRequest:
     """A validated, tokenized request (the ingress builds it)."""
@@ -160,7 +164,7 @@ class Coordinator:
         if request.request_id in self._sessions:
             raise ValueError(f"request_id: {request.request_id!r} is already running")
         if len(self._sessions) >= self.max_sessions:
-            raise RuntimeError(f"too many concurrent sessions (max_sessions={self.max_sessions})")
+            raise Overloaded(f"too many concurrent sessions (max_sessions={self.max_sessions}); retry later")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()

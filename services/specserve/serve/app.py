@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
-from specserve.coordinator import SessionRequest, start_coordinator
+from specserve.coordinator import Overloaded, SessionRequest, start_coordinator
 from specserve.engine.prompts import PromptCodec, PromptError
 from specserve.models import load_tokenizer
 from specserve.serve.config import AppConfig
@@ -64,9 +64,29 @@ class Event:
 
 
 class _WorkerError(Exception):
-    def __init__(self, message: str, bad_input: bool):
+    """A session failed after validation; carries the status for each front end."""
+
+    def __init__(self, message: str, http_status: int, grpc_code: grpc.StatusCode):
         super().__init__(message)
-        self.bad_input = bad_input
+        self.http_status = http_status
+        self.grpc_code = grpc_code
+
+    @property
+    def bad_input(self) -> bool:
+        return self.http_status == 400
+
+    @classmethod
+    def from_cause(cls, cause: BaseException) -> "_WorkerError":
+        if isinstance(cause, Overloaded):
+            return cls(str(cause), 503, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        if isinstance(cause, ValueError):
+            return cls(str(cause), 400, grpc.StatusCode.INVALID_ARGUMENT)
+        if isinstance(cause, grpc.RpcError):
+            message = f"worker: {cause.code().name}: {cause.details()}"
+            if cause.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                return cls(message, 400, grpc.StatusCode.INVALID_ARGUMENT)
+            return cls(message, 502, grpc.StatusCode.UNAVAILABLE)
+        return cls(f"{type(cause).__name__}: {cause}", 500, grpc.StatusCode.INTERNAL)  # a message, never a traceback
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
@@ -99,15 +119,7 @@ class SpecServe:
                 try:
                     chunk = await ref
                 except ray.exceptions.RayTaskError as exc:
-                    cause = exc.cause if exc.cause is not None else exc
-                    bad = isinstance(cause, ValueError) or (
-                        isinstance(cause, grpc.RpcError) and cause.code() == grpc.StatusCode.INVALID_ARGUMENT
-                    )
-                    if isinstance(cause, grpc.RpcError):
-                        message = f"worker: {cause.code().name}: {cause.details()}"
-                    else:
-                        message = f"{type(cause).__name__}: {cause}" if not bad else str(cause)
-                    raise _WorkerError(message, bad) from None  # a message, never a traceback, to the client
+                    raise _WorkerError.from_cause(exc.cause if exc.cause is not None else exc) from None
                 produced += len(chunk.tokens)
                 final = chunk.finish_reason is not None
                 delta = text.push(chunk.tokens, final)
@@ -165,9 +177,8 @@ class SpecServe:
         try:
             event = await self._collect(request)
         except _WorkerError as exc:
-            status = 400 if exc.bad_input else 500
-            return JSONResponse(openai_error(str(exc), None, kind="invalid_request_error" if exc.bad_input
-                                             else "server_error"), status_code=status)
+            kind = "invalid_request_error" if exc.bad_input else "server_error"
+            return JSONResponse(openai_error(str(exc), None, kind=kind), status_code=exc.http_status)
         choice = (
             {"index": 0, "message": {"role": "assistant", "content": event.text}, "finish_reason": event.finish_reason}
             if chat else {"index": 0, "text": event.text, "logprobs": None, "finish_reason": event.finish_reason}
@@ -247,8 +258,7 @@ class SpecServe:
             self._grpc_fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return generator_pb2.GenerateResponse()
         except _WorkerError as exc:
-            code = grpc.StatusCode.INVALID_ARGUMENT if exc.bad_input else grpc.StatusCode.INTERNAL
-            self._grpc_fail(grpc_context, code, str(exc))
+            self._grpc_fail(grpc_context, exc.grpc_code, str(exc))
             return generator_pb2.GenerateResponse()
         return self._grpc_response(event, session)
 
@@ -264,8 +274,7 @@ class SpecServe:
             async for event in self._events(session):
                 yield self._grpc_response(event, session)
         except _WorkerError as exc:
-            code = grpc.StatusCode.INVALID_ARGUMENT if exc.bad_input else grpc.StatusCode.INTERNAL
-            self._grpc_fail(grpc_context, code, str(exc))
+            self._grpc_fail(grpc_context, exc.grpc_code, str(exc))
             raise
 
     # -- introspection (tests, bench) ----------------------------------------------
