@@ -47,6 +47,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--served", action="store_true",
                        help="measure the served path (Ray Serve + gRPC workers) against the in-process engine")
     bench.add_argument("--served-gamma", default="3", help="γ for --served (fixed, so both paths emit the same tokens)")
+    dst = sub.add_parser("distill", help="train a small draft against the target's own distributions")
+    dst.add_argument("--target", default="embedded", help="HF id/dir, .gguf file, or 'embedded' (default)")
+    dst.add_argument("--out", required=True, help="output model directory (also holds corpus + checkpoint)")
+    dst.add_argument("--layers", type=int, default=2)
+    dst.add_argument("--hidden", type=int, default=None, help="default: the target's (start from its layers)")
+    dst.add_argument("--prompts", type=int, default=200, help="training prompts the target answers")
+    dst.add_argument("--gen-tokens", type=int, default=128)
+    dst.add_argument("--gen-temperature", type=float, default=1.0)
+    dst.add_argument("--text", action="append", default=[], help="extra plain-text file (repeatable)")
+    dst.add_argument("--steps", type=int, default=2000)
+    dst.add_argument("--batch", type=int, default=4)
+    dst.add_argument("--seq-len", type=int, default=256)
+    dst.add_argument("--lr", type=float, default=5e-4)
+    dst.add_argument("--kd-temperature", type=float, default=1.0)
+    dst.add_argument("--checkpoint-every", type=int, default=200)
+    dst.add_argument("--eval-prompts", type=int, default=16)
+    dst.add_argument("--seed", type=int, default=0)
+
     srv = sub.add_parser("serve", help="serve over HTTP (OpenAI-compatible) and gRPC on Ray Serve")
     srv.add_argument("--config", default=None, help="a Serve config file, e.g. cluster/local-cpu.yaml "
                      "(then the model/port flags are ignored)")
@@ -101,10 +119,34 @@ def _generate(args) -> int:
     return 0
 
 
+def _distill(args) -> int:
+    from specserve.distill import DistillConfig, distill
+
+    cfg = DistillConfig(
+        target=args.target, out=args.out, layers=args.layers, hidden=args.hidden, prompts=args.prompts,
+        gen_tokens=args.gen_tokens, gen_temperature=args.gen_temperature, texts=args.text, steps=args.steps,
+        batch=args.batch, seq_len=args.seq_len, lr=args.lr, kd_temperature=args.kd_temperature,
+        checkpoint_every=args.checkpoint_every, eval_prompts=args.eval_prompts, seed=args.seed,
+    )
+    if min(cfg.layers, cfg.prompts, cfg.steps, cfg.batch, cfg.seq_len, cfg.eval_prompts) < 1:
+        print("specserve distill: --layers, --prompts, --steps, --batch, --seq-len, --eval-prompts must be >= 1",
+              file=sys.stderr)
+        return 2
+    try:
+        metrics = distill(cfg)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"specserve: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(metrics, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "distill":
+        return _distill(args)
     if args.command == "serve":
         from specserve.serve.run import serve_main
 

@@ -1,0 +1,5 @@
+"""`specserve distill`: train a small draft against the target's own distributions."""
+
+from specserve.distill.core import DistillConfig, distill, prompt_set
+
+__all__ = ["DistillConfig", "distill", "prompt_set"]
