@@ -53,3 +53,16 @@ def test_distill_trains_resumes_and_writes_a_usable_draft(tmp_path):
 def test_distill_rejects_bad_sizes(tmp_path, capsys):
     assert main(["distill", "--out", str(tmp_path / "x"), "--layers", "0"]) == 2
     assert "--layers" in capsys.readouterr().err
+
+
+def test_acceptance_counts_answer_positions_only():
+    from specserve.distill.core import acceptance
+    from tests.conftest import perturbed_copy, tiny_llama
+
+    target = tiny_llama(0, vocab=16, layers=1, hidden=16, scale=8, dtype=torch.float32)
+    same = acceptance(target, target, [([1, 2, 3, 4, 5, 6], 3)])
+    assert same["alpha_t0"] == 1.0 and same["alpha_t1"] == pytest.approx(1.0)
+    other = perturbed_copy(target, 3.0)
+    full = acceptance(target, other, [([1, 2, 3, 4, 5, 6], 1)])
+    answer = acceptance(target, other, [([1, 2, 3, 4, 5, 6], 4)])
+    assert 0 <= answer["alpha_t1"] < 1 and answer != full

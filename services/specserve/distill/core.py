@@ -10,10 +10,11 @@
 3. Training: forward KL(p_target ‖ q_draft) at `kd_temperature` on every
    position, AdamW; `OUT/checkpoint.pt` every `checkpoint_every` steps and at
    the end, so a rerun resumes.
-4. Evaluation on held-out prompts (subjects never used for training): α at
-   T=0 (the draft's argmax equals the target's: a greedy draft token is then
-   accepted) and at T=1 (E Σ min(p, q), the expected acceptance of a draft
-   token), and c = draft step time / target step time.
+4. Evaluation on held-out prompts (subjects never used for training), over
+   the answer positions only: α at T=0 (the draft's argmax equals the
+   target's: a greedy draft token is then accepted) and at T=1 (E Σ min(p, q),
+   the expected acceptance of a draft token), and c = draft step time /
+   target step time.
 5. `OUT/` is a model directory (`save_pretrained` + tokenizer) usable as
    `draft=OUT`, plus `distill.json` with the settings and metrics.
 """
@@ -146,18 +147,23 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
 
 
 @torch.inference_mode()
-def acceptance(target_model, draft_model, sequences: list[list[int]]) -> dict[str, float]:
-    """α at T=0 (argmax agreement) and T=1 (mean Σ min(p, q)) over every position of the sequences."""
+def acceptance(target_model, draft_model, sequences: list[tuple[list[int], int]]) -> dict[str, float]:
+    """α at T=0 (argmax agreement) and T=1 (mean Σ min(p, q)) over the answer positions only.
+
+    sequences: (token ids, prompt length). Only the distributions that predict answer tokens count: those
+    are the positions a draft proposes for (a chat template's boilerplate is easy and would inflate α).
+    """
     agree = total = 0
     overlap = 0.0
-    for ids in sequences:
+    for ids, prompt_len in sequences:
         x = torch.tensor([ids])
-        p = target_model(x).logits[0].float()
-        q = draft_model(x).logits[0].float()
+        answer = slice(prompt_len - 1, len(ids) - 1)  # logits at i predict token i+1
+        p = target_model(x).logits[0, answer].float()
+        q = draft_model(x).logits[0, answer].float()
         agree += int((p.argmax(-1) == q.argmax(-1)).sum())
         overlap += float(torch.minimum(p.softmax(-1), q.softmax(-1)).sum(-1).sum())
-        total += len(ids)
-    return {"alpha_t0": agree / total, "alpha_t1": overlap / total}
+        total += p.shape[0]
+    return {"alpha_t0": agree / max(total, 1), "alpha_t1": overlap / max(total, 1)}
 
 
 def step_time(model, vocab: int) -> float:
@@ -220,7 +226,8 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         seqs = []
         for i, prompt in enumerate(held_out):
             ids = _encode_chat(target.tokenizer, prompt)
-            seqs.append(ids + teacher.generate(ids, SamplingParams(temperature=temperature, seed=i), 64).token_ids)
+            answer = teacher.generate(ids, SamplingParams(temperature=temperature, seed=i), 64).token_ids
+            seqs.append((ids + answer, len(ids)))
         evals[name] = acceptance(target.model, draft, seqs)
     metrics = {"alpha_t0": evals["t0"]["alpha_t0"], "alpha_t1": evals["t1"]["alpha_t1"]}
     draft.save_pretrained(str(out))
