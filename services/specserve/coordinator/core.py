@@ -56,7 +56,8 @@ class SessionRequest:
 
 @dataclass
 class Chunk:
-    """One round's new tokens with the session's statistics so far; the last chunk has a finish reason."""
+    """One round's new tokens; the last chunk has a finish reason and the session's statistics (earlier chunks
+    carry the statistics so far only for requests with stop strings, which the consumer may cut short)."""
 
     tokens: list[int]
     finish_reason: str | None = None
@@ -190,7 +191,8 @@ class Coordinator:
                         emit(Chunk(held, reason, stats.to_dict()))
                         break
                     if request.stream:
-                        emit(Chunk(held, None, stats.to_dict()))
+                        # statistics so far only where the consumer may end the session early (stop strings)
+                        emit(Chunk(held, None, stats.to_dict() if request.params.stop else None))
                         held = []
                     if cancel.is_set():
                         break
