@@ -109,7 +109,6 @@ class Coordinator:
         )
         self._pool = ThreadPoolExecutor(max_sessions, thread_name_prefix="specserve-session")
         self._sessions: dict[str, threading.Event] = {}
-        self._verifiers: dict[str, RemoteVerifier] = {}
         self._last_auto: AutoGamma | None = None
         self.max_sessions = max_sessions
 
@@ -154,8 +153,7 @@ class Coordinator:
         verifier = RemoteVerifier(self._target, sid, params, rng.seed, self.vocab)
         controller = self.controller(request.gamma)
         stats.controller = controller.name
-        self._verifiers[sid] = verifier
-        return speculate(
+        return verifier, speculate(
             request.prompt_ids, proposer, verifier, controller, params, rng, request.max_tokens, self.vocab,
             self.eos_ids, stats, pipelined=self.pipelined,
         )
@@ -181,13 +179,13 @@ class Coordinator:
             rounds = None
             held: list[int] = []  # tokens not yet handed over (all of them when not streaming)
             try:
-                rounds = self._rounds(request, stats)
+                verifier, rounds = self._rounds(request, stats)
                 for new, reason in rounds:
                     produced += len(new)
                     held.extend(new)
                     if reason is not None:
                         stats.total_time_s, stats.new_tokens = time.perf_counter() - t0, produced
-                        stats.worker_verify_time_s = self._verifiers[request.request_id].worker_time_s
+                        stats.worker_verify_time_s = verifier.worker_time_s
                         emit(Chunk(held, reason, stats.to_dict()))
                         break
                     if request.stream:
@@ -204,7 +202,6 @@ class Coordinator:
                         rounds.close()  # runs speculate's finally: Release on both workers
                     except Exception:  # noqa: BLE001 - the session is over either way
                         pass
-                self._verifiers.pop(request.request_id, None)
                 emit(None)
 
         self._pool.submit(drive)
