@@ -11,9 +11,21 @@ def _gamma(value: str) -> int | str:
     return int(value) if value.isdigit() else value
 
 
+def _temperatures(value: str) -> tuple[float, ...]:
+    try:
+        temps = tuple(float(t) for t in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {value!r}") from None
+    if not temps or min(temps) < 0:
+        raise argparse.ArgumentTypeError(f"temperatures must be >= 0, got {value!r}")
+    return temps
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="embedded", help="HF id/dir, .gguf file, or 'embedded' (default)")
-    p.add_argument("--draft", default="ngram", help="HF id/dir, .gguf file, 'ngram' (default) or 'none'")
+    p.add_argument("--draft", default="default",
+                   help="HF id/dir, .gguf file, 'embedded-draft', 'ngram', 'none', or 'default': the shipped distilled "
+                   "draft for the embedded target, else ngram (bench: a comma-separated list runs each)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bf16 where fast, else fp32")
     p.add_argument("--gamma-max", type=int, default=8, help="deepest speculation auto/heuristic may choose")
 
@@ -50,19 +62,29 @@ def build_parser() -> argparse.ArgumentParser:
     dst = sub.add_parser("distill", help="train a small draft against the target's own distributions")
     dst.add_argument("--target", default="embedded", help="HF id/dir, .gguf file, or 'embedded' (default)")
     dst.add_argument("--out", required=True, help="output model directory (also holds corpus + checkpoint)")
-    dst.add_argument("--layers", type=int, default=2)
-    dst.add_argument("--hidden", type=int, default=None, help="default: the target's (start from its layers)")
-    dst.add_argument("--prompts", type=int, default=200, help="training prompts the target answers")
-    dst.add_argument("--gen-tokens", type=int, default=128)
-    dst.add_argument("--gen-temperature", type=float, default=1.0)
+    dst.add_argument("--layers", type=int, default=2, help="draft layers (default 2)")
+    dst.add_argument("--hidden", type=int, default=None,
+                     help="default: the target's (start from its layers, share its embedding); smaller: a fresh model")
+    dst.add_argument("--subset", type=int, default=8192,
+                     help="LM-head rows: the tokens with the most target probability mass (0: full vocabulary)")
+    dst.add_argument("--prompts", type=int, default=2400, help="training prompts the target answers")
+    dst.add_argument("--self-prompts", type=int, default=1200,
+                     help="requests the target writes itself and then answers (0: templates only)")
+    dst.add_argument("--gen-tokens", type=int, default=128, help="longest answer the target writes")
+    dst.add_argument("--gen-temperatures", type=_temperatures, default=(0.0, 0.7, 1.0),
+                     help="comma-separated temperatures the answers cycle through (default 0,0.7,1)")
+    dst.add_argument("--gen-batch", type=int, default=48, help="answers written per target forward")
+    dst.add_argument("--top-k", type=int, default=32, help="target log-probabilities kept per position")
     dst.add_argument("--text", action="append", default=[], help="extra plain-text file (repeatable)")
-    dst.add_argument("--steps", type=int, default=2000)
-    dst.add_argument("--batch", type=int, default=4)
-    dst.add_argument("--seq-len", type=int, default=256)
-    dst.add_argument("--lr", type=float, default=5e-4)
+    dst.add_argument("--steps", type=int, default=1200)
+    dst.add_argument("--batch", type=int, default=8, help="sequences per training step")
+    dst.add_argument("--seq-len", type=int, default=384)
+    dst.add_argument("--lr", type=float, default=1e-3)
+    dst.add_argument("--warmup", type=int, default=50)
     dst.add_argument("--kd-temperature", type=float, default=1.0)
-    dst.add_argument("--checkpoint-every", type=int, default=200)
-    dst.add_argument("--eval-prompts", type=int, default=16)
+    dst.add_argument("--checkpoint-every", type=int, default=100)
+    dst.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts (subjects never trained on)")
+    dst.add_argument("--eval-tokens", type=int, default=96)
     dst.add_argument("--seed", type=int, default=0)
 
     srv = sub.add_parser("serve", help="serve over HTTP (OpenAI-compatible) and gRPC on Ray Serve")
@@ -122,16 +144,27 @@ def _generate(args) -> int:
 def _distill(args) -> int:
     from specserve.distill import DistillConfig, distill
 
-    cfg = DistillConfig(
-        target=args.target, out=args.out, layers=args.layers, hidden=args.hidden, prompts=args.prompts,
-        gen_tokens=args.gen_tokens, gen_temperature=args.gen_temperature, texts=args.text, steps=args.steps,
-        batch=args.batch, seq_len=args.seq_len, lr=args.lr, kd_temperature=args.kd_temperature,
-        checkpoint_every=args.checkpoint_every, eval_prompts=args.eval_prompts, seed=args.seed,
-    )
-    if min(cfg.layers, cfg.prompts, cfg.steps, cfg.batch, cfg.seq_len, cfg.eval_prompts) < 1:
-        print("specserve distill: --layers, --prompts, --steps, --batch, --seq-len, --eval-prompts must be >= 1",
-              file=sys.stderr)
+    sizes = {"--layers": args.layers, "--prompts": args.prompts, "--gen-tokens": args.gen_tokens,
+             "--gen-batch": args.gen_batch, "--top-k": args.top_k, "--steps": args.steps, "--batch": args.batch,
+             "--seq-len": args.seq_len, "--eval-prompts": args.eval_prompts, "--eval-tokens": args.eval_tokens,
+             "--checkpoint-every": args.checkpoint_every}
+    bad = [name for name, value in sizes.items() if value < 1]
+    bad += [name for name, value in (("--subset", args.subset), ("--warmup", args.warmup),
+                                     ("--self-prompts", args.self_prompts)) if value < 0]
+    bad += [name for name, value in (("--lr", args.lr), ("--kd-temperature", args.kd_temperature)) if value <= 0]
+    bad += ["--hidden"] if args.hidden is not None and args.hidden < 1 else []
+    if bad:
+        print(f"specserve distill: invalid {', '.join(bad)} (sizes must be >= 1, --subset/--warmup >= 0, "
+              "--lr/--kd-temperature > 0)", file=sys.stderr)
         return 2
+    cfg = DistillConfig(
+        target=args.target, out=args.out, layers=args.layers, hidden=args.hidden, subset=args.subset,
+        prompts=args.prompts, self_prompts=args.self_prompts, gen_tokens=args.gen_tokens, gen_temperatures=args.gen_temperatures,
+        gen_batch=args.gen_batch, top_k=args.top_k, texts=args.text, steps=args.steps, batch=args.batch,
+        seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, kd_temperature=args.kd_temperature,
+        checkpoint_every=args.checkpoint_every, eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens,
+        seed=args.seed,
+    )
     try:
         metrics = distill(cfg)
     except (ValueError, FileNotFoundError) as exc:

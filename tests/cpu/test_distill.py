@@ -10,58 +10,136 @@ import torch
 from specserve import SamplingParams, SpeculativeDecoder
 from specserve.cli import main
 from specserve.distill import prompt_set
-from specserve.distill.core import kd_loss
-from tests.conftest import save_tokenized_pair
+from specserve.distill.core import acceptance, choose_subset, kd_loss
+from specserve.distill.corpus import Record, write_batch
+from tests.conftest import perturbed_copy, save_tokenized_pair, tiny_llama
 
 
-def test_kd_loss_is_zero_only_for_the_teacher_itself():
-    teacher = torch.randn(5, 11) * 3
-    assert float(kd_loss(teacher.clone(), teacher, 1.0)) == pytest.approx(0.0, abs=1e-6)
-    assert float(kd_loss(teacher + torch.randn(5, 11), teacher, 2.0)) > 0.01
+def test_kd_loss_is_zero_only_for_the_teacher_restricted_to_the_draft_tokens():
+    teacher = torch.log_softmax(torch.randn(5, 11) * 3, -1)
+    top_v, top_i = teacher.topk(6, dim=-1)
+    everything = torch.arange(11)
+    assert float(kd_loss(teacher.clone(), top_i, top_v, 1.0)) == pytest.approx(0.0, abs=1e-5)
+    assert float(kd_loss(teacher + torch.randn(5, 11), top_i, top_v, 2.0)) > 0.01
+    # a draft over tokens 0..5 only: the teacher (all 11 kept) mapped into those indices, -1 for the rest
+    top_v, top_i = teacher.topk(11, dim=-1)
+    lookup = torch.where(everything < 6, everything, torch.full_like(everything, -1))
+    index = lookup[top_i]
+    restricted = teacher[:, :6]  # same logits on the draft's tokens: optimal up to normalisation
+    assert float(kd_loss(restricted, index, top_v, 1.0)) == pytest.approx(0.0, abs=1e-5)
+    assert float(kd_loss(restricted.flip(-1), index, top_v, 1.0)) > 0.01
+
+
+def test_choose_subset_keeps_the_most_probable_tokens_and_the_special_ones():
+    logprobs = torch.log(torch.tensor([[0.6, 0.3, 0.1], [0.5, 0.4, 0.1]], dtype=torch.float16))
+    records = [Record([0, 1, 2], 1, torch.tensor([[7, 3, 5], [3, 7, 9]], dtype=torch.int32), logprobs)]
+    assert choose_subset(records, 12, 2, set()).tolist() == [3, 7]
+    assert choose_subset(records, 12, 3, {11}).tolist() == [3, 7, 11]
+
+
+def test_write_batch_matches_one_sequence_at_a_time_greedy_decoding():
+    """Left padding, explicit positions and dropping finished rows from the cache change nothing."""
+    target = tiny_llama(0, vocab=64, layers=2, hidden=32, scale=8, dtype=torch.float32)
+    prompts = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8], [40], [11, 12, 13, 14, 15]]
+    plain = SpeculativeDecoder(target, None, dtype="float32")
+    reference = [plain.generate(p, SamplingParams(temperature=0.0, ignore_eos=True), 12).token_ids for p in prompts]
+    eos = reference[1][4]  # a token that ends one row early; rows that write it stop there
+    records = write_batch(target, prompts, [0.0] * 4, 12, {eos}, 0, 5, torch.Generator().manual_seed(0))
+    for prompt, ref, record in zip(prompts, reference, records):
+        expected = ref[: ref.index(eos) + 1] if eos in ref else ref
+        assert record.ids == prompt + expected and record.prompt_len == len(prompt)
+        assert record.top_ids[:, 0].tolist() == expected  # greedy: the top-1 is the written token
+        assert record.top_ids.shape == (len(expected), 5)
+    assert len(records[1].ids) < len(prompts[1]) + 12
 
 
 def test_held_out_prompts_share_no_subject_with_training_prompts():
-    train, held = set(prompt_set(300)), set(prompt_set(50, held_out=True))
-    assert len(train) > 150 and not train & held
+    train, held = set(prompt_set(3000)), set(prompt_set(50, held_out=True))
+    assert len(train) > 2500 and not train & held
     assert any("```python" in p for p in train) and any(p.startswith("Rewrite") for p in train)
 
 
 @pytest.mark.slow
-def test_distill_trains_resumes_and_writes_a_usable_draft(tmp_path):
+def test_distill_trains_resumes_and_writes_a_usable_subset_draft(tmp_path, capsys):
     root = save_tokenized_pair(tmp_path / "models")
+    target = str(root / "target")
     out = tmp_path / "draft"
-    common = ["distill", "--target", str(root / "target"), "--out", str(out), "--layers", "1", "--prompts", "4",
-              "--gen-tokens", "12", "--batch", "2", "--seq-len", "32", "--checkpoint-every", "5",
-              "--eval-prompts", "2"]
+    common = ["distill", "--target", target, "--out", str(out), "--layers", "1", "--subset", "300", "--prompts", "4",
+              "--self-prompts", "3",
+              "--gen-tokens", "12", "--gen-batch", "3", "--batch", "2", "--seq-len", "64", "--checkpoint-every", "5",
+              "--warmup", "2", "--eval-prompts", "2", "--eval-tokens", "8"]
     assert main(common + ["--steps", "10"]) == 0
     assert main(common + ["--steps", "14"]) == 0  # picks up the checkpoint and the corpus
     report = json.loads((out / "distill.json").read_text())["metrics"]
-    assert report["resumed_from"] == 10 and report["steps"] == 14 and report["corpus_sequences"] == 4
+    assert report["resumed_from"] == 10 and report["steps"] == 14
+    assert 4 <= report["corpus_sequences"] <= 7  # 4 templated answers + up to 3 self-written requests' answers
+    assert set(report["held_out"]) == {"templates", "self_written", "bench_suite"}
     assert 0 <= report["alpha_t0"] <= 1 and 0 <= report["alpha_t1"] <= 1 and report["c"] > 0
-    assert report["frozen"] == ["lm_head.weight", "model.embed_tokens.weight"]  # the target's own, shared
+    assert 0 < report["subset_mass"] <= 1 and report["head_tokens"] == 300
+    assert report["frozen"] == ["model.embed_tokens.weight"]  # the target's own, shared and not shipped
 
-    target = str(root / "target")
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        stored = set(f.keys())
+    assert "model.embed_tokens.weight" not in stored and "token_subset" in stored
+    assert f.get_tensor is not None and len([k for k in stored if k.startswith("model.layers.")]) > 0
+
     spec = SpeculativeDecoder(target, str(out), gamma=3, dtype="float32")
     plain = SpeculativeDecoder(target, None, dtype="float32")
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
     assert spec.generate("Hello there", greedy, 20).token_ids == plain.generate("Hello there", greedy, 20).token_ids
     draft = spec.draft.model
-    assert draft.config.num_hidden_layers == 1
+    assert draft.config.num_hidden_layers == 1 and draft.lm_head.weight.shape[0] == 300
     assert torch.equal(draft.model.embed_tokens.weight, plain.target.model.model.embed_tokens.weight)
+    logits = draft(torch.tensor([[1, 2, 3]])).logits[0, -1]
+    outside = torch.ones_like(logits, dtype=torch.bool)
+    outside[draft.token_subset] = False
+    assert torch.isinf(logits[outside]).all() and torch.isfinite(logits[~outside]).all()
+    # HF's assisted generation takes it as an ordinary assistant model (what `specserve bench` compares with)
+    hf_target = spec.target.model
+    ids = torch.tensor([[1, 20, 300, 4000]])
+    with torch.inference_mode():
+        alone = hf_target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+        assisted = hf_target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                      assistant_model=draft)
+    assert torch.equal(alone, assisted)
+
+    # the stored corpus belongs to its settings: changing one is refused by name
+    assert main(common + ["--steps", "14", "--gen-tokens", "20"]) == 2
+    assert "gen_tokens" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_subset_draft_refuses_a_target_with_another_embedding(tmp_path):
+    root = save_tokenized_pair(tmp_path / "models")
+    out = tmp_path / "draft"
+    assert main(["distill", "--target", str(root / "target"), "--out", str(out), "--layers", "1", "--subset", "100",
+                 "--prompts", "2", "--self-prompts", "0", "--gen-tokens", "6", "--steps", "2", "--warmup", "1", "--batch", "1",
+                 "--eval-prompts", "1", "--eval-tokens", "4"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    config["shared_from"] = str(root / "draft")  # a model whose embedding differs (perturbed copy)
+    (out / "config.json").write_text(json.dumps(config))
+    from specserve.models import load_model
+
+    with pytest.raises(ValueError, match="not the one this draft was distilled with"):
+        load_model(str(out), "float32")
 
 
 def test_distill_rejects_bad_sizes(tmp_path, capsys):
     assert main(["distill", "--out", str(tmp_path / "x"), "--layers", "0"]) == 2
     assert "--layers" in capsys.readouterr().err
+    assert main(["distill", "--out", str(tmp_path / "x"), "--subset", "-1", "--lr", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--subset" in err and "--lr" in err
+    with pytest.raises(SystemExit):
+        main(["distill", "--out", str(tmp_path / "x"), "--gen-temperatures", "0,-1"])
 
 
 def test_acceptance_counts_answer_positions_only():
-    from specserve.distill.core import acceptance
-    from tests.conftest import perturbed_copy, tiny_llama
-
     target = tiny_llama(0, vocab=16, layers=1, hidden=16, scale=8, dtype=torch.float32)
     same = acceptance(target, target, [([1, 2, 3, 4, 5, 6], 3)])
-    assert same["alpha_t0"] == 1.0 and same["alpha_t1"] == pytest.approx(1.0)
+    assert same["alpha_t0"] == 1.0 and same["alpha_t1"] == pytest.approx(1.0) and same["covered"] == pytest.approx(1.0)
     other = perturbed_copy(target, 3.0)
     full = acceptance(target, other, [([1, 2, 3, 4, 5, 6], 1)])
     answer = acceptance(target, other, [([1, 2, 3, 4, 5, 6], 4)])

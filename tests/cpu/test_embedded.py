@@ -55,3 +55,35 @@ def test_embedded_seeded_sampling_and_stop(decoder):
     stop_word = a.text.split()[2]
     cut = decoder.generate(REWRITE, params.model_copy(update={"stop": [stop_word]}), max_new_tokens=24)
     assert cut.finish_reason == "stop" and stop_word not in cut.text and a.text.startswith(cut.text)
+
+
+CHAT = [{"role": "user", "content": "What are three practical tips for staying focused while working from home?"}]
+
+
+@pytest.fixture(scope="module")
+def distilled():
+    """The shipped distilled draft: what `SpeculativeDecoder("embedded")` uses by default."""
+    return SpeculativeDecoder("embedded", gamma="auto", dtype="float32")
+
+
+def test_the_default_draft_for_the_embedded_target_is_the_shipped_distilled_one(distilled):
+    assert distilled.draft_kind == "model" and distilled.draft.name == "SmolLM2-135M-Instruct-draft"
+    config = distilled.draft.model.config
+    assert config.model_type == "specserve_draft" and config.num_hidden_layers < 4
+    assert torch.equal(distilled.draft.model.model.embed_tokens.weight, distilled.target.model.model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 6, "auto"])
+def test_embedded_greedy_with_the_distilled_draft_equals_target_only(distilled, gamma):
+    greedy = SamplingParams(temperature=0.0)
+    plain = distilled.generate(CHAT, greedy, max_new_tokens=48, gamma=0)
+    spec = distilled.generate(CHAT, greedy, max_new_tokens=48, gamma=gamma)
+    assert spec.token_ids == plain.token_ids and spec.text == plain.text
+    assert spec.stats.accepted > 0 and spec.stats.rounds < len(spec.token_ids)
+
+
+def test_embedded_seeded_sampling_with_the_distilled_draft_is_reproducible(distilled):
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=11)
+    a = distilled.generate(CHAT, params, max_new_tokens=32, gamma=3)
+    b = distilled.generate(CHAT, params, max_new_tokens=32, gamma=3)
+    assert a.token_ids == b.token_ids and a.stats.accepted > 0

@@ -23,7 +23,7 @@ import torch
 from specserve import SamplingParams, SpeculativeDecoder
 from specserve.bench.prompts import SUITE
 from specserve.engine.profile import verify_profile
-from specserve.models import load_model
+from specserve.models import load_model, resolve_draft
 from specserve.spec.controllers import theorem8_speedup
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -44,6 +44,7 @@ class Run:
     emitted: int = 0
     gammas: list[int] = field(default_factory=list)
     matches_target: bool = True
+    draft: str | None = None  # label of the draft a speculative method used
 
     def add(self, tokens: list[int], seconds: float, stats, matches_target: bool) -> None:
         self.tokens += len(tokens)
@@ -77,9 +78,19 @@ def _hf_generate(model, ids: list[int], max_new: int, **kwargs) -> tuple[list[in
     return out[0, len(ids) :].tolist(), time.perf_counter() - t0
 
 
-def _methods(decoder: SpeculativeDecoder, gammas: list[int], hf_k: list[int]):
-    """(name, family, γ, fn(ids, max_new) -> (tokens, seconds, stats|None))."""
+def draft_label(spec: str) -> str:
+    if spec in ("ngram", "none"):
+        return spec
+    if spec == "embedded-draft":
+        return "distilled"
+    return pathlib.Path(spec).name or spec
+
+
+def _methods(decoder: SpeculativeDecoder, gammas: list[int], hf_k: list[int], label: str | None = None,
+             with_target: bool = True):
+    """(name, family, γ, fn(ids, max_new) -> (tokens, seconds, stats|None)); names carry `label` when given."""
     target = decoder.target.model
+    prefix = f"[{label}] " if label else ""
 
     def hf(**kw):
         return lambda ids, n: (*_hf_generate(target, ids, n, **kw), None)
@@ -91,10 +102,12 @@ def _methods(decoder: SpeculativeDecoder, gammas: list[int], hf_k: list[int]):
 
         return fn
 
-    methods = [("target-only HF generate", "target", None, hf()), ("target-only specserve γ=0", "target", 0, ours(0))]
+    methods = []
+    if with_target:
+        methods += [("target-only HF generate", "target", None, hf()), ("target-only specserve γ=0", "target", 0, ours(0))]
     if decoder.draft_kind == "ngram":
         for k in hf_k:
-            methods.append((f"HF prompt-lookup k={k}", "hf-spec", k, hf(prompt_lookup_num_tokens=k)))
+            methods.append((f"{prefix}HF prompt-lookup k={k}", "hf-spec", k, hf(prompt_lookup_num_tokens=k)))
     elif decoder.draft_kind == "model":
         assistant = decoder.draft.model
 
@@ -112,13 +125,15 @@ def _methods(decoder: SpeculativeDecoder, gammas: list[int], hf_k: list[int]):
 
             return fn
 
-        methods.append(("HF assisted (defaults)", "hf-spec", "default", hf_assisted(None)))
+        methods.append((f"{prefix}HF assisted (defaults)", "hf-spec", "default", hf_assisted(None)))
         for k in hf_k:
-            methods.append((f"HF assisted k={k}", "hf-spec", k, hf_assisted(k)))
+            methods.append((f"{prefix}HF assisted k={k}", "hf-spec", k, hf_assisted(k)))
+    if decoder.draft_kind == "none":
+        return methods
     for g in gammas:
-        methods.append((f"specserve γ={g}", "specserve", g, ours(g)))
-    methods.append(("specserve heuristic", "specserve", "heuristic", ours("heuristic")))
-    methods.append(("specserve auto", "specserve", "auto", ours("auto")))
+        methods.append((f"{prefix}specserve γ={g}", "specserve", g, ours(g)))
+    methods.append((f"{prefix}specserve heuristic", "specserve", "heuristic", ours("heuristic")))
+    methods.append((f"{prefix}specserve auto", "specserve", "auto", ours("auto")))
     return methods
 
 
@@ -141,14 +156,17 @@ def _verify_costs(args, decoder: SpeculativeDecoder) -> dict:
     return table
 
 
-def _predict(run: Run, profile: dict[int, float], c: float) -> float | None:
+def _predict(run: Run, costs: dict[str, tuple[dict[int, float], float]]) -> float | None:
     """Theorem 8 with the measured α, c and verify cost v(γ) = t(γ+1)/t(1), for fixed-γ runs.
 
     None for auto/heuristic: the theorem assumes one γ and i.i.d. acceptance,
     while those choose γ per round (auto only drafts where it expects to win,
     which inflates its α), so a number would mislead.
     """
-    if run.family != "specserve" or run.alpha is None or not isinstance(run.gamma, int) or run.gamma + 1 not in profile:
+    if run.family != "specserve" or run.alpha is None or not isinstance(run.gamma, int):
+        return None
+    profile, c = costs[run.draft]
+    if run.gamma + 1 not in profile:
         return None
     return theorem8_speedup(run.alpha, run.gamma, c, profile[run.gamma + 1] / profile[1])
 
@@ -166,18 +184,32 @@ def run_bench(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
 
-    print(f"specserve bench: loading target={args.target} draft={args.draft} ...", flush=True)
-    draft = None if args.draft == "none" else args.draft
-    decoder = SpeculativeDecoder(args.target, draft, gamma="auto", dtype=args.dtype, gamma_max=args.gamma_max)
-    print(f"  target {decoder.target.name} ({decoder.target.dtype}, {decoder.target.device}), draft {decoder.draft_kind}")
+    specs = [d.strip() for d in args.draft.split(",") if d.strip()] or ["none"]
+    specs = [resolve_draft(args.target, d) for d in specs]
+    print(f"specserve bench: loading target={args.target} draft(s)={','.join(specs)} ...", flush=True)
+    decoders: dict[str, SpeculativeDecoder] = {}
+    for spec in specs:
+        target = next(iter(decoders.values())).target if decoders else args.target  # load the target once
+        decoders[draft_label(spec)] = SpeculativeDecoder(target, None if spec == "none" else spec, gamma="auto",
+                                                         dtype=args.dtype, gamma_max=args.gamma_max)
+    decoder = next(iter(decoders.values()))
+    print(f"  target {decoder.target.name} ({decoder.target.dtype}, {decoder.target.device}), "
+          f"drafts {', '.join(f'{k} ({d.draft_kind})' for k, d in decoders.items())}")
     verify_costs = _verify_costs(args, decoder)
-    profile, draft_step = decoder.cost_profile()
-    c = draft_step / profile[1]
-    print(f"  draft step {draft_step * 1000:.2f} ms, target step {profile[1] * 1000:.1f} ms → c = {c:.3f}", flush=True)
+    costs: dict[str, tuple[dict[int, float], float]] = {}
+    for label, dec in decoders.items():
+        profile, draft_step = dec.cost_profile()
+        costs[label] = (profile, draft_step / profile[1])
+        print(f"  {label}: draft step {draft_step * 1000:.2f} ms, target step {profile[1] * 1000:.1f} ms "
+              f"→ c = {costs[label][1]:.3f}", flush=True)
 
-    hf_k = sorted({2, 4, 10} if decoder.draft_kind == "ngram" else {2, 4, 6})
-    methods = _methods(decoder, gammas, hf_k)
-    runs = {w: {name: Run(name, fam, g) for name, fam, g, _ in methods} for w in workloads}
+    methods, owner = [], {}
+    for i, (label, dec) in enumerate(decoders.items()):
+        hf_k = sorted({2, 4, 10} if dec.draft_kind == "ngram" else {2, 4, 6})
+        for method in _methods(dec, gammas, hf_k, label if len(decoders) > 1 else None, with_target=i == 0):
+            methods.append(method)
+            owner[method[0]] = label if method[1] != "target" else None
+    runs = {w: {name: Run(name, fam, g, draft=owner[name]) for name, fam, g, _ in methods} for w in workloads}
     total = len(workloads) * args.prompts * len(methods) * args.repeats
     step = 0
     for workload in workloads:
@@ -196,7 +228,7 @@ def run_bench(args) -> int:
             for name, (tokens, seconds, stats) in best.items():
                 runs[workload][name].add(tokens, seconds, stats, tokens == reference)
 
-    report = _report(args, decoder, workloads, runs, verify_costs, profile, c)
+    report = _report(args, decoder, workloads, runs, verify_costs, costs, specs)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     from specserve.bench.plot import plot_report
 
@@ -205,15 +237,39 @@ def run_bench(args) -> int:
     return 0
 
 
-def _report(args, decoder, workloads, runs, verify_costs, profile, c) -> dict:
+def _summary(table: list[dict]) -> dict | None:
+    ours = [t for t in table if t["family"] == "specserve"]
+    if not ours:
+        return None
+    fixed = [t for t in ours if isinstance(t["gamma"], int)]
+    auto = next(t for t in ours if t["gamma"] == "auto")
+    best_ours = max(fixed + [auto], key=lambda t: t["tokens_per_s"])
+    best_fixed = max(fixed, key=lambda t: t["tokens_per_s"]) if fixed else None
+    hf_spec = [t for t in table if t["family"] == "hf-spec"]
+    best_hf = max(hf_spec, key=lambda t: t["tokens_per_s"]) if hf_spec else None
+    return {
+        "best_specserve": best_ours["method"],
+        "best_specserve_speedup": best_ours["speedup"],
+        "auto_speedup": auto["speedup"],
+        "best_hf_speculative": best_hf["method"] if best_hf else None,
+        "best_hf_speculative_speedup": best_hf["speedup"] if best_hf else None,
+        "specserve_vs_hf_speculative": best_ours["tokens_per_s"] / best_hf["tokens_per_s"] if best_hf else None,
+        "auto_vs_best_fixed": auto["tokens_per_s"] / best_fixed["tokens_per_s"] if best_fixed else None,
+    }
+
+
+def _report(args, decoder, workloads, runs, verify_costs, costs, specs) -> dict:
+    first = next(iter(costs))
     report = {
         "config": {
-            "target": decoder.target.name, "draft": args.draft, "dtype": str(decoder.target.dtype).removeprefix("torch."),
+            "target": decoder.target.name, "draft": ",".join(specs), "dtype": str(decoder.target.dtype).removeprefix("torch."),
             "device": str(decoder.target.device), "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
             "repeats": args.repeats, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
         },
         "verify_cost": verify_costs,
-        "c": c,
+        "c": costs[first][1],
+        "drafts": {label: {"c": c, "target_step_ms": profile[1] * 1000, "draft_step_ms": c * profile[1] * 1000}
+                   for label, (profile, c) in costs.items()},
         "workloads": {},
     }
     for workload in workloads:
@@ -223,7 +279,7 @@ def _report(args, decoder, workloads, runs, verify_costs, profile, c) -> dict:
         print(f"\n== {workload} == (speedup vs the faster target-only run, {base:.1f} tok/s)")
         print(f"{'method':28s} {'tok/s':>7s} {'speedup':>8s} {'alpha':>6s} {'tok/rnd':>7s} {'pred':>6s} {'meas/pred':>9s}")
         for r in rows:
-            pred = _predict(r, profile, c)
+            pred = _predict(r, costs)
             speedup = r.tokens_per_s / base
             table.append({
                 "method": r.name, "family": r.family, "gamma": r.gamma, "tokens": r.tokens, "seconds": r.seconds,
@@ -231,31 +287,26 @@ def _report(args, decoder, workloads, runs, verify_costs, profile, c) -> dict:
                 "mean_accepted_length": r.mean_accepted_length, "theorem8_prediction": pred,
                 "fraction_of_prediction": speedup / pred if pred else None,
                 "mean_gamma": sum(r.gammas) / len(r.gammas) if r.gammas else None,
-                "same_tokens_as_target_only": r.matches_target,
+                "same_tokens_as_target_only": r.matches_target, "draft": r.draft,
             })
             fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
             print(
                 f"{r.name:28s} {r.tokens_per_s:7.1f} {speedup:7.2f}x {fmt(r.alpha, '6.2f')} "
                 f"{fmt(r.mean_accepted_length, '7.2f')} {fmt(pred, '6.2f')} {fmt(speedup / pred if pred else None, '9.2f')}"
             )
-        ours = [t for t in table if t["family"] == "specserve"]
-        fixed = [t for t in ours if isinstance(t["gamma"], int)]
-        auto = next(t for t in ours if t["gamma"] == "auto")
-        best_ours = max(fixed + [auto], key=lambda t: t["tokens_per_s"])
-        best_fixed = max(fixed, key=lambda t: t["tokens_per_s"]) if fixed else None
-        hf_spec = [t for t in table if t["family"] == "hf-spec"]
-        best_hf = max(hf_spec, key=lambda t: t["tokens_per_s"]) if hf_spec else None
-        summary = {
-            "best_specserve": best_ours["method"],
-            "best_specserve_speedup": best_ours["speedup"],
-            "best_hf_speculative": best_hf["method"] if best_hf else None,
-            "specserve_vs_hf_speculative": best_ours["tokens_per_s"] / best_hf["tokens_per_s"] if best_hf else None,
-            "auto_vs_best_fixed": auto["tokens_per_s"] / best_fixed["tokens_per_s"] if best_fixed else None,
-        }
+        summary = _summary(table) or {}
+        if len(costs) > 1:
+            summary["per_draft"] = {label: _summary([t for t in table if t["draft"] == label]) for label in costs}
         report["workloads"][workload] = {"runs": table, "summary": summary}
-        print(
-            f"-> best specserve: {summary['best_specserve']} {summary['best_specserve_speedup']:.2f}x; "
-            + (f"vs best HF speculative ({summary['best_hf_speculative']}): {summary['specserve_vs_hf_speculative']:.2f}x; " if best_hf else "")
-            + (f"auto / best fixed γ: {summary['auto_vs_best_fixed']:.2f}" if best_fixed else "")
-        )
+        for label, part in ([(None, summary)] + list(summary.get("per_draft", {}).items())):
+            if not part:
+                continue
+            print(
+                (f"-> [{label}] " if label else "-> ")
+                + f"best specserve: {part['best_specserve']} {part['best_specserve_speedup']:.2f}x; "
+                + f"auto {part['auto_speedup']:.2f}x; "
+                + (f"vs best HF speculative ({part['best_hf_speculative']}): {part['specserve_vs_hf_speculative']:.2f}x; "
+                   if part["best_hf_speculative"] else "")
+                + (f"auto / best fixed γ: {part['auto_vs_best_fixed']:.2f}" if part["auto_vs_best_fixed"] else "")
+            )
     return report

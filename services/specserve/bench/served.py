@@ -21,6 +21,7 @@ import urllib.request
 
 from specserve import SamplingParams, SpeculativeDecoder
 from specserve.bench.prompts import SUITE
+from specserve.models import resolve_draft
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -70,6 +71,10 @@ def run_served_bench(args) -> int:
     gamma = int(args.served_gamma) if str(args.served_gamma).isdigit() else args.served_gamma
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    args.draft = resolve_draft(args.target, args.draft)
+    if "," in args.draft:
+        print("specserve bench --served: one draft at a time (got a list)", file=sys.stderr)
+        return 2
     draft = None if args.draft == "none" else args.draft
     model_draft = draft not in (None, "ngram")
     top_k = 64 if model_draft else 0  # the served draft worker ships its top-64 q

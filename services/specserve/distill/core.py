@@ -1,20 +1,26 @@
 """Knowledge distillation of a draft model from the target.
 
-1. Data: the target itself answers a varied prompt set (chat questions,
-   rewriting, code), sampled at `gen_temperature`, plus any text files the
-   user adds; kept in `OUT/corpus.pt`, extended on resume.
-2. Draft: a causal LM with the target's vocabulary. With the target's hidden
-   size it starts from the target's embedding, first `layers` layers, norm
-   and LM head (the shared embedding/head stay frozen: they are the
-   target's); otherwise it is a fresh, smaller Llama.
-3. Training: forward KL(p_target ‖ q_draft) at `kd_temperature` on every
-   position, AdamW; `OUT/checkpoint.pt` every `checkpoint_every` steps and at
-   the end, so a rerun resumes.
+1. Data (`corpus.py`): the target answers a varied prompt set (chat,
+   rewriting, code) at a cycle of temperatures, batched; at every answer
+   position its top-k log-probabilities are kept, so training needs no
+   teacher forward. User text files are scored the same way. Shards under
+   `OUT/corpus/` resume.
+2. Draft: with the target's hidden size, a `SubsetDraftForCausalLM` that
+   starts from the target's first `layers` layers and final norm, borrows
+   its (frozen, unshipped) embedding, and has an LM head over the `subset`
+   tokens carrying most of the target's probability mass on the corpus
+   (initialised from the target's head rows). `subset 0` keeps the full head
+   (a truncated copy of the target); `hidden` smaller than the target's
+   trains a fresh small Llama with its own tied embedding.
+3. Training: forward KL(p_target ‖ q_draft) at `kd_temperature` over the
+   answer positions, p restricted to what the draft can express; AdamW with
+   warm-up and cosine decay; `OUT/checkpoint.pt` every `checkpoint_every`
+   steps and at the end, so a rerun resumes.
 4. Evaluation on held-out prompts (subjects never used for training), over
    the answer positions only: α at T=0 (the draft's argmax equals the
    target's: a greedy draft token is then accepted) and at T=1 (E Σ min(p, q),
    the expected acceptance of a draft token), and c = draft step time /
-   target step time.
+   target step time in the speed dtype.
 5. `OUT/` is a model directory (`save_pretrained` + tokenizer) usable as
    `draft=OUT`, plus `distill.json` with the settings and metrics.
 """
@@ -23,43 +29,25 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import pathlib
 import random
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
+from specserve.distill.corpus import (
+    Record,
+    build_corpus,
+    encode_chat,
+    prompt_set,
+    score_texts,
+    write_batch,
+    write_requests,
+)
 from specserve.models import LoadedModel, load_model
-
-SUBJECTS = [
-    "photosynthesis", "compound interest", "the French Revolution", "black holes", "vaccines", "recursion",
-    "climate change", "the stock market", "machine learning", "volcanoes", "the immune system", "democracy",
-    "electric cars", "coffee", "sleep", "the internet", "honeybees", "inflation", "the moon landing", "DNA",
-    "renewable energy", "the Roman Empire", "blockchains", "earthquakes", "meditation", "rainforests",
-    "supply and demand", "the water cycle", "jazz", "chess", "nutrition", "plate tectonics", "encryption",
-    "the printing press", "antibiotics", "gravity", "solar panels", "the Silk Road", "origami", "marathons",
-]
-HELD_OUT_SUBJECTS = ["tides", "glaciers", "opera", "bicycles", "tea ceremonies", "lighthouses", "octopuses",
-                     "the metric system"]
-CHAT = ["Explain {s} to a ten-year-old.", "What are three surprising facts about {s}?",
-        "Give a short summary of {s}.", "What are the pros and cons of {s}? Answer briefly.",
-        "Write a haiku about {s}.", "How would you teach {s} in one lesson?"]
-REWRITE = ["Rewrite this sentence in formal English: so basically {s} is kinda cool and everyone should know it.",
-           "Fix the grammar: {s} are a topic that many peoples finds very interesting, but few understands it.",
-           "Turn this into a bullet list: {s} matters because it affects daily life, the economy and the future."]
-CODE = ["Write a Python function that returns a short description of {s} given a level of detail (1-3).",
-        "Write a Python class named Note that stores a title about {s} and a body, with a __repr__.",
-        "Add type hints to this code:\n\n```python\ndef describe(topic, n):\n    return [topic] * n  # {s}\n```"]
-
-
-def prompt_set(n: int, seed: int = 0, held_out: bool = False) -> list[str]:
-    """n varied prompts (chat / rewrite / code) from templates; held_out uses subjects training never sees."""
-    subjects = HELD_OUT_SUBJECTS if held_out else SUBJECTS
-    pool = [t.format(s=s) for s in subjects for t in CHAT + REWRITE + CODE]
-    random.Random(seed).shuffle(pool)
-    return (pool * (n // len(pool) + 1))[:n]
+from specserve.models.draft import EMBEDDING, SubsetDraftConfig, SubsetDraftForCausalLM, embedding_digest
 
 
 @dataclass
@@ -67,61 +55,94 @@ class DistillConfig:
     target: str = "embedded"
     out: str = "draft-out"
     layers: int = 2
-    hidden: int | None = None  # None: the target's hidden size (start from its layers, share embedding + head)
-    prompts: int = 200
+    hidden: int | None = None  # None: the target's hidden size (start from its layers, share its embedding)
+    subset: int = 8192  # LM-head rows (most probable tokens); 0: the full vocabulary
+    prompts: int = 2400
+    self_prompts: int = 1200  # requests the target writes itself (then answers), for variety beyond templates
     gen_tokens: int = 128
-    gen_temperature: float = 1.0
+    gen_temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)
+    gen_batch: int = 48
+    top_k: int = 32
     texts: list[str] = field(default_factory=list)  # extra plain-text files
-    steps: int = 2000
-    batch: int = 4
-    seq_len: int = 256
-    lr: float = 5e-4
+    steps: int = 1200
+    batch: int = 8
+    seq_len: int = 384
+    lr: float = 1e-3
+    warmup: int = 50
     kd_temperature: float = 1.0
-    checkpoint_every: int = 200
+    checkpoint_every: int = 100
     eval_prompts: int = 16
+    eval_tokens: int = 96
     seed: int = 0
 
-
-def _encode_chat(tokenizer, prompt: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                         tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def build_corpus(target: LoadedModel, cfg: DistillConfig, path: pathlib.Path) -> list[list[int]]:
-    """Target-written answers to the training prompts (resumable), plus the user's text files in chunks."""
-    from specserve import SamplingParams, SpeculativeDecoder
-
-    corpus: list[list[int]] = torch.load(path) if path.is_file() else []
-    prompts = prompt_set(cfg.prompts, cfg.seed)
-    if len(corpus) < len(prompts):
-        decoder = SpeculativeDecoder(target.model, None, dtype=None)
-        for i in tqdm(range(len(corpus), len(prompts)), desc="target writes training data", initial=len(corpus),
-                      total=len(prompts)):
-            ids = _encode_chat(target.tokenizer, prompts[i])
-            params = SamplingParams(temperature=cfg.gen_temperature, seed=cfg.seed * 100_003 + i)
-            corpus.append(ids + decoder.generate(ids, params, cfg.gen_tokens).token_ids)
-            if (i + 1) % 20 == 0 or i + 1 == len(prompts):
-                torch.save(corpus, path)
-    extra = []
-    for name in cfg.texts:
-        ids = target.tokenizer.encode(pathlib.Path(name).read_text())
-        extra += [ids[k : k + cfg.seq_len] for k in range(0, len(ids), cfg.seq_len) if len(ids[k : k + cfg.seq_len]) > 8]
-    return corpus + extra
+    def corpus_settings(self, count: str = "prompts") -> dict:
+        """What a stored part of the corpus depends on; a rerun with other values needs a new --out."""
+        return {"target": self.target, count: getattr(self, count), "gen_tokens": self.gen_tokens,
+                "gen_temperatures": list(self.gen_temperatures), "gen_batch": self.gen_batch,
+                "top_k": self.top_k, "seed": self.seed}
 
 
-def make_draft(target_model, cfg: DistillConfig):
-    """(draft model, names of parameters frozen because they are the target's own)."""
+def _check_manifest(directory: pathlib.Path, settings: dict) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest = directory / "manifest.json"
+    if manifest.is_file():
+        stored = json.loads(manifest.read_text())
+        if stored != settings:
+            changed = sorted(k for k in settings if stored.get(k) != settings[k])
+            raise ValueError(f"{directory} was written with other settings ({', '.join(changed)}); "
+                             "use a new --out or delete that folder")
+    else:
+        manifest.write_text(json.dumps(settings, indent=2))
+
+
+def load_corpus(target: LoadedModel, cfg: DistillConfig, directory: pathlib.Path) -> list[Record]:
+    """Templated prompts' answers, self-written requests' answers and scored text files (all resumable)."""
+    model, tokenizer, eos = target.model, target.tokenizer, target.eos_ids
+    temps = list(cfg.gen_temperatures)
+    _check_manifest(directory, cfg.corpus_settings("prompts"))
+    records = build_corpus(model, tokenizer, eos, directory, prompt_set(cfg.prompts, cfg.seed), temps,
+                           cfg.gen_tokens, cfg.gen_batch, cfg.top_k, cfg.seed)
+    if cfg.self_prompts:
+        own = directory / "self"
+        _check_manifest(own, cfg.corpus_settings("self_prompts"))
+        requests = write_requests(model, tokenizer, eos, own, cfg.self_prompts, cfg.gen_batch, cfg.seed)
+        records += build_corpus(model, tokenizer, eos, own, requests, temps, cfg.gen_tokens, cfg.gen_batch,
+                                cfg.top_k, cfg.seed + 1)
+    if cfg.texts:
+        records += score_texts(model, tokenizer, directory, cfg.texts, cfg.seq_len, cfg.top_k)
+    return records
+
+
+def choose_subset(records: list[Record], vocab: int, size: int, always: set[int]) -> torch.Tensor:
+    """The `size` tokens with the most target probability mass over the corpus (plus `always`), sorted."""
+    mass = torch.zeros(vocab, dtype=torch.float64)
+    for r in records:
+        mass.index_add_(0, r.top_ids.reshape(-1).long(), r.top_logprobs.reshape(-1).double().exp())
+    for token in always:
+        mass[token] = math.inf
+    return mass.topk(min(size, vocab)).indices.sort().values
+
+
+def _draft_config(tcfg, cfg: DistillConfig, embedding: torch.Tensor) -> SubsetDraftConfig:
+    fields = {k: v for k, v in tcfg.to_dict().items()
+              if k not in {"model_type", "architectures", "transformers_version", "_name_or_path",
+                           "tie_word_embeddings", "quantization_config", "auto_map"}}
+    fields["num_hidden_layers"] = cfg.layers
+    if fields.get("layer_types"):
+        fields["layer_types"] = list(fields["layer_types"])[: cfg.layers]
+    target = cfg.target if cfg.target == "embedded" else str(pathlib.Path(cfg.target).expanduser().resolve())
+    return SubsetDraftConfig(token_subset_size=cfg.subset, shared_from=target,
+                             shared_embedding_digest=embedding_digest(embedding), **fields)
+
+
+def make_draft(target_model, cfg: DistillConfig, subset: torch.Tensor | None = None):
+    """(draft model, names of parameters frozen because they are the target's own).
+
+    subset: the head's tokens (needed unless cfg.subset is 0 or a smaller hidden size is asked for).
+    """
     tcfg = target_model.config
     hidden = cfg.hidden or tcfg.hidden_size
-    if hidden == tcfg.hidden_size:
-        draft = copy.deepcopy(target_model).float()
-        draft.model.layers = draft.model.layers[: cfg.layers]
-        draft.config.num_hidden_layers = cfg.layers
-        if getattr(draft.config, "layer_types", None):
-            draft.config.layer_types = list(draft.config.layer_types)[: cfg.layers]
-        frozen = {"model.embed_tokens.weight", "lm_head.weight"}
-    else:
+    if hidden != tcfg.hidden_size:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         heads = max(1, hidden // 64)
@@ -132,18 +153,93 @@ def make_draft(target_model, cfg: DistillConfig):
             tie_word_embeddings=True, bos_token_id=tcfg.bos_token_id, eos_token_id=tcfg.eos_token_id,
         )
         torch.manual_seed(cfg.seed)
-        draft = LlamaForCausalLM(config)
-        frozen = set()
+        draft, frozen = LlamaForCausalLM(config), set()
+    elif not cfg.subset:
+        draft = copy.deepcopy(target_model).float()
+        draft.model.layers = draft.model.layers[: cfg.layers]
+        draft.config.num_hidden_layers = cfg.layers
+        if getattr(draft.config, "layer_types", None):
+            draft.config.layer_types = list(draft.config.layer_types)[: cfg.layers]
+        frozen = {EMBEDDING, "lm_head.weight"}
+    else:
+        if tcfg.model_type != "llama":
+            raise ValueError(f"a subset-head draft starts from a Llama-family target, not {tcfg.model_type!r}; "
+                             "pass --subset 0 (truncated copy) or --hidden H (fresh model)")
+        source = target_model.state_dict()
+        config = _draft_config(tcfg, cfg, source[EMBEDDING])
+        config.token_subset_size = len(subset)
+        draft = SubsetDraftForCausalLM(config).float()
+        state = {k: v for k, v in source.items()
+                 if k in (EMBEDDING, "model.norm.weight")
+                 or (k.startswith("model.layers.") and int(k.split(".")[2]) < cfg.layers)}
+        head = source.get("lm_head.weight", source[EMBEDDING])
+        state["lm_head.weight"] = head[subset]
+        state["token_subset"] = subset
+        missing, unexpected = draft.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                                     for k, v in state.items()}, strict=False)
+        if unexpected or [m for m in missing if "rotary" not in m]:
+            raise ValueError(f"could not start the draft from the target: missing {missing}, unexpected {unexpected}")
+        frozen = {EMBEDDING}
     for name, param in draft.named_parameters():
         param.requires_grad_(name not in frozen)
     return draft, frozen
 
 
-def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Forward KL(p ‖ q) per position at temperature T, times T² (Hinton et al.), averaged over positions."""
-    p_log = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
-    q_log = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    return (p_log.exp() * (p_log - q_log)).sum(-1).mean() * temperature**2
+def kd_loss(student_logits: torch.Tensor, teacher_index: torch.Tensor, teacher_logprobs: torch.Tensor,
+            temperature: float) -> torch.Tensor:
+    """Forward KL(p ‖ q) at temperature T, times T² (Hinton et al.), averaged over positions.
+
+    student_logits [N, K] over the draft's K tokens. The teacher is its top-k per position: indices into the
+    draft's tokens (-1: a token the draft cannot propose) and full-vocabulary log-probabilities at T=1. Both
+    distributions are compared on the top-k tokens plus one bucket for the rest of the vocabulary (the
+    teacher's tail mass is known: 1 - Σ top-k; at T ≠ 1 it is tempered as one token, an approximation).
+    p is restricted to what the draft can express and renormalised: with q = 0 outside, the best q for
+    acceptance Σ min(p, q) is proportional to p there.
+    """
+    valid = teacher_index >= 0
+    top = teacher_logprobs.float()
+    tail = torch.log((1 - top.exp().sum(-1, keepdim=True)).clamp_min(1e-8))
+    p_log = torch.log_softmax(torch.cat([top.masked_fill(~valid, -math.inf), tail], -1) / temperature, dim=-1)
+    q_all = torch.log_softmax(student_logits.float() / temperature, dim=-1)
+    q_top = q_all.gather(-1, teacher_index.clamp_min(0)).masked_fill(~valid, -math.inf)
+    q_rest = torch.log1p(-torch.logsumexp(q_top, -1, keepdim=True).exp().clamp_max(1 - 1e-6))
+    q_log = torch.cat([q_top, q_rest], -1)
+    p = p_log.exp()
+    return (p * (p_log - q_log)).masked_fill(p == 0, 0.0).sum(-1).mean() * temperature**2
+
+
+def training_batch(records: list[Record], seq_len: int, pad_id: int, lookup: torch.Tensor):
+    """Right-padded ids [B, T] (causal: padding never reaches a real position), and for the answer positions
+    their (row, column) coordinates, teacher indices into the draft's tokens and log-probabilities."""
+    windows = []
+    for r in records:  # a long prompt keeps its tail: at least half the window is answer when the answer is long
+        start = max(0, min(r.prompt_len - seq_len // 2, len(r.ids) - seq_len))
+        windows.append((r.ids[start : start + seq_len], r.prompt_len - start, r))
+    width = max(len(w) for w, _, _ in windows)
+    x = torch.tensor([w + [pad_id] * (width - len(w)) for w, _, _ in windows])
+    rows, cols, index, logprobs = [], [], [], []
+    for b, (seq, prompt_len, r) in enumerate(windows):
+        n = len(seq) - prompt_len  # answer tokens in the window
+        rows.append(torch.full((n,), b))
+        cols.append(torch.arange(prompt_len - 1, len(seq) - 1))  # logits at i predict token i+1
+        index.append(lookup[r.top_ids[:n].long()])
+        logprobs.append(r.top_logprobs[:n])
+    return x, torch.cat(rows), torch.cat(cols), torch.cat(index), torch.cat(logprobs)
+
+
+def draft_logits(draft, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """The draft's logits over its own tokens at the given positions (full vocabulary for plain models)."""
+    if isinstance(draft, SubsetDraftForCausalLM):
+        hidden = draft.model(input_ids=x).last_hidden_state
+        return draft.subset_logits(hidden[rows, cols])
+    return draft(input_ids=x).logits[rows, cols]
+
+
+def learning_rate(step: int, cfg: DistillConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 @torch.inference_mode()
@@ -154,7 +250,7 @@ def acceptance(target_model, draft_model, sequences: list[tuple[list[int], int]]
     are the positions a draft proposes for (a chat template's boilerplate is easy and would inflate α).
     """
     agree = total = 0
-    overlap = 0.0
+    overlap = covered = 0.0
     for ids, prompt_len in sequences:
         x = torch.tensor([ids])
         answer = slice(prompt_len - 1, len(ids) - 1)  # logits at i predict token i+1
@@ -162,8 +258,10 @@ def acceptance(target_model, draft_model, sequences: list[tuple[list[int], int]]
         q = draft_model(x).logits[0, answer].float()
         agree += int((p.argmax(-1) == q.argmax(-1)).sum())
         overlap += float(torch.minimum(p.softmax(-1), q.softmax(-1)).sum(-1).sum())
+        covered += float(p.softmax(-1).masked_fill(q.isinf(), 0.0).sum())  # mass on tokens the draft can propose
         total += p.shape[0]
-    return {"alpha_t0": agree / max(total, 1), "alpha_t1": overlap / max(total, 1)}
+    n = max(total, 1)
+    return {"alpha_t0": agree / n, "alpha_t1": overlap / n, "covered": covered / n, "positions": total}
 
 
 def step_time(model, vocab: int) -> float:
@@ -176,70 +274,108 @@ def distill(cfg: DistillConfig, log=print) -> dict:
     out = pathlib.Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    target = load_model(cfg.target, "float32")  # the teacher in fp32: KD targets should not be rounded
+    target = load_model(cfg.target, "float32")  # the teacher in fp32: its distributions should not be rounded
     if target.tokenizer is None:
         raise ValueError("the target needs a tokenizer (its prompts are chat-templated)")
-    corpus = build_corpus(target, cfg, out / "corpus.pt")
-    log(f"corpus: {len(corpus)} sequences, {sum(map(len, corpus))} tokens")
-    draft, frozen = make_draft(target.model, cfg)
+    records = load_corpus(target, cfg, out / "corpus")
+    log(f"corpus: {len(records)} sequences, {sum(len(r.top_ids) for r in records)} answer tokens")
+
+    checkpoint, start = out / "checkpoint.pt", 0
+    state = torch.load(checkpoint) if checkpoint.is_file() else None
+    subset = None
+    if (cfg.hidden or target.model.config.hidden_size) == target.model.config.hidden_size and cfg.subset:
+        subset = state["subset"] if state else choose_subset(
+            records, target.vocab_size, cfg.subset, target.eos_ids | set(target.tokenizer.all_special_ids))
+    draft, frozen = make_draft(target.model, cfg, subset)
+    lookup = torch.full((target.vocab_size,), -1, dtype=torch.long)
+    if subset is not None:
+        lookup[subset] = torch.arange(len(subset))
+    else:
+        lookup = torch.arange(target.vocab_size)
     trainable = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=0.0)
-    checkpoint, start = out / "checkpoint.pt", 0
-    if checkpoint.is_file():
-        state = torch.load(checkpoint)
-        draft.load_state_dict(state["draft"])
+    if state:
+        draft.load_state_dict(state["draft"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
         log(f"resuming from step {start}")
+    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     rng = random.Random(cfg.seed + start)
     losses: list[float] = []
     draft.train()
     bar = tqdm(range(start, cfg.steps), desc="distilling", initial=start, total=cfg.steps)
     for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, cfg)
+        x, rows, cols, index, logprobs = training_batch(rng.sample(records, min(cfg.batch, len(records))),
+                                                        cfg.seq_len, pad_id, lookup)
+        loss = kd_loss(draft_logits(draft, x, rows, cols), index, logprobs, cfg.kd_temperature)
         optimizer.zero_grad()
-        total = 0.0
-        for _ in range(cfg.batch):
-            seq = rng.choice(corpus)
-            lo = rng.randrange(0, max(1, len(seq) - cfg.seq_len + 1))
-            x = torch.tensor([seq[lo : lo + cfg.seq_len]])
-            with torch.no_grad():
-                teacher = target.model(x).logits[0]
-            loss = kd_loss(draft(x).logits[0], teacher, cfg.kd_temperature) / cfg.batch
-            loss.backward()
-            total += loss.item()
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
-        losses.append(total)
-        bar.set_postfix(kd=f"{total:.3f}")
+        losses.append(loss.item())
+        bar.set_postfix(kl=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
             tmp = checkpoint.with_suffix(".tmp")
-            torch.save({"step": step + 1, "draft": draft.state_dict(), "optimizer": optimizer.state_dict()}, tmp)
+            trained = {k: v for k, v in draft.state_dict().items() if k != EMBEDDING or subset is None}
+            torch.save({"step": step + 1, "draft": trained, "optimizer": optimizer.state_dict(), "subset": subset},
+                       tmp)
             tmp.replace(checkpoint)
     draft.eval()
 
-    held_out = prompt_set(cfg.eval_prompts, cfg.seed + 1, held_out=True)
-    from specserve import SamplingParams, SpeculativeDecoder
-
-    teacher = SpeculativeDecoder(target.model, None)
-    evals = {}
-    for name, temperature in (("t0", 0.0), ("t1", 1.0)):
-        seqs = []
-        for i, prompt in enumerate(held_out):
-            ids = _encode_chat(target.tokenizer, prompt)
-            answer = teacher.generate(ids, SamplingParams(temperature=temperature, seed=i), 64).token_ids
-            seqs.append((ids + answer, len(ids)))
-        evals[name] = acceptance(target.model, draft, seqs)
-    metrics = {"alpha_t0": evals["t0"]["alpha_t0"], "alpha_t1": evals["t1"]["alpha_t1"]}
-    draft.save_pretrained(str(out))
+    metrics = evaluate(target, draft, cfg, out)
+    draft.to(torch.bfloat16).save_pretrained(str(out))  # half the size; a draft loads in any dtype
     target.tokenizer.save_pretrained(str(out))
     # c on the speed path: the target in its default dtype against the draft in the same dtype
     fast_target = load_model(cfg.target)
     fast_draft = load_model(str(out), str(fast_target.dtype).removeprefix("torch."))
     metrics["c"] = step_time(fast_draft.model, fast_draft.vocab_size) / step_time(fast_target.model,
                                                                                   fast_target.vocab_size)
-    metrics.update(steps=cfg.steps, resumed_from=start, final_kd_loss=(sum(losses[-20:]) / len(losses[-20:]))
-                   if losses else None, first_kd_loss=losses[0] if losses else None,
-                   frozen=sorted(frozen), corpus_sequences=len(corpus), dtype=str(fast_target.dtype))
+    metrics.update(steps=cfg.steps, resumed_from=start, final_kl=(sum(losses[-20:]) / len(losses[-20:]))
+                   if losses else None, first_kl=losses[0] if losses else None, frozen=sorted(frozen),
+                   corpus_sequences=len(records), corpus_tokens=sum(len(r.top_ids) for r in records),
+                   head_tokens=len(subset) if subset is not None else target.vocab_size,
+                   dtype=str(fast_target.dtype))
     (out / "distill.json").write_text(json.dumps({"config": asdict(cfg), "metrics": metrics}, indent=2))
+    for label, part in metrics["held_out"].items():
+        log(f"  held-out {label}: α(T=0) {part['alpha_t0']:.3f}, α(T=1) {part['alpha_t1']:.3f}")
     log(f"held-out α at T=0: {metrics['alpha_t0']:.3f}, at T=1: {metrics['alpha_t1']:.3f}; c = {metrics['c']:.3f}")
+    return metrics
+
+
+def evaluate(target: LoadedModel, draft, cfg: DistillConfig, out: pathlib.Path) -> dict:
+    """Held-out α at T=0 (greedy answers) and T=1 (sampled answers), over answer positions only.
+
+    Three held-out sets, none used in training: templated prompts on held-out subjects, requests the target
+    wrote itself about held-out subjects, and the `specserve bench` prompt suite (hand-written, other
+    styles). The headline α pools all answer positions.
+    """
+    from specserve.bench.prompts import SUITE
+
+    tok = target.tokenizer
+    requests = write_requests(target.model, tok, target.eos_ids, out / "eval-requests", cfg.eval_prompts,
+                              cfg.gen_batch, cfg.seed + 1, held_out=True)
+    sets = {
+        "templates": prompt_set(cfg.eval_prompts, cfg.seed + 1, held_out=True),
+        "self_written": requests,
+        "bench_suite": [p for prompts in SUITE.values() for p in prompts],
+    }
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    metrics: dict = {"held_out": {}}
+    for name, temperature in (("t0", 0.0), ("t1", 1.0)):
+        pooled = {"alpha_t0": 0.0, "alpha_t1": 0.0, "covered": 0.0, "positions": 0}
+        for label, prompts in sets.items():
+            gen = torch.Generator().manual_seed(cfg.seed + 7)
+            written = write_batch(target.model, [encode_chat(tok, p) for p in prompts], [temperature] * len(prompts),
+                                  cfg.eval_tokens, target.eos_ids, pad_id, 1, gen)
+            result = acceptance(target.model, draft, [(r.ids, r.prompt_len) for r in written])
+            metrics["held_out"].setdefault(label, {})[f"alpha_{name}"] = result[f"alpha_{name}"]
+            for key in ("alpha_t0", "alpha_t1", "covered"):
+                pooled[key] += result[key] * result["positions"]
+            pooled["positions"] += result["positions"]
+        n = max(pooled["positions"], 1)
+        metrics[f"alpha_{name}"] = pooled[f"alpha_{name}"] / n
+        if name == "t1":
+            metrics["subset_mass"] = pooled["covered"] / n
     return metrics

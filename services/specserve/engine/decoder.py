@@ -1,6 +1,6 @@
 """The single-process speculative decoder: the library API.
 
-    dec = SpeculativeDecoder(target="embedded", draft="ngram", gamma="auto")
+    dec = SpeculativeDecoder(target="embedded", draft="default", gamma="auto")
     res = dec.generate("Hello", SamplingParams(temperature=0), max_new_tokens=64)
 
 A generation is a loop of rounds: choose γ → draft proposes → target verifies
@@ -24,7 +24,7 @@ from specserve.engine.loop import speculate
 from specserve.engine.prompts import Prompt, PromptCodec, cut_at_stop
 from specserve.engine.proposers import ModelProposer, NgramProposer, Proposer, TargetVerifier
 from specserve.engine.stats import GenerationStats
-from specserve.models import LoadedModel, load_model
+from specserve.models import LoadedModel, load_model, resolve_draft
 from specserve.spec import PositionRNG, SamplingParams, make_controller
 
 @dataclass
@@ -50,8 +50,9 @@ class SpeculativeDecoder:
 
     target: HF id or local directory, `.gguf` file, "embedded", or a loaded
       `PreTrainedModel`. draft: the same kinds (sharing the target's
-      vocabulary), or "ngram" (prompt lookup, the default), or None for
-      plain target decoding. gamma: an int (fixed; 0 = plain target
+      vocabulary), "embedded-draft" (the distilled draft shipped for the
+      embedded target), "ngram" (prompt lookup), "default" (embedded-draft
+      for the embedded target, else ngram) or None for plain target decoding. gamma: an int (fixed; 0 = plain target
       decoding), "auto" (cost model, default) or "heuristic". dtype:
       "float32", "bfloat16" or None (keep a passed model's dtype; otherwise
       bf16 where it is fast — GPUs and CPUs with bf16 instructions — else fp32).
@@ -61,7 +62,7 @@ class SpeculativeDecoder:
     def __init__(
         self,
         target: Any = "embedded",
-        draft: Any = "ngram",
+        draft: Any = "default",
         gamma: int | str = "auto",
         dtype: str | torch.dtype | None = None,
         *,
@@ -76,6 +77,7 @@ class SpeculativeDecoder:
         self.target: LoadedModel = load_model(target, dtype, device)
         self.tokenizer = self.target.tokenizer
         self.draft: LoadedModel | None = None
+        draft = resolve_draft(target, draft)
         self.draft_kind = "none" if draft is None else "ngram" if draft == "ngram" else "model"
         if self.draft_kind == "model":
             self.draft = load_model(draft, dtype, str(self.target.device) if device is None else device)

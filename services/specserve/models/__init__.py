@@ -4,6 +4,7 @@ This package knows about transformers models and tokenizers; it knows
 nothing about how tokens are accepted (that is `spec/`) or served.
 """
 
+from specserve.models.draft import SubsetDraftConfig, SubsetDraftForCausalLM
 from specserve.models.kv import CachedSequence
 from specserve.models.loading import (
     LoadedModel,
@@ -11,6 +12,7 @@ from specserve.models.loading import (
     default_dtype,
     load_model,
     load_tokenizer,
+    resolve_draft,
     resolve_dtype,
 )
 from specserve.models.ngram import match_ngram, propose_ngram
@@ -18,11 +20,14 @@ from specserve.models.ngram import match_ngram, propose_ngram
 __all__ = [
     "CachedSequence",
     "LoadedModel",
+    "SubsetDraftConfig",
+    "SubsetDraftForCausalLM",
     "default_device",
     "default_dtype",
     "load_model",
     "load_tokenizer",
     "match_ngram",
     "propose_ngram",
+    "resolve_draft",
     "resolve_dtype",
 ]

