@@ -77,7 +77,7 @@ def test_target_runs_one_forward_per_round_over_new_positions_only(models):
     target_calls, h1 = _record_forwards(target)
     draft_calls, h2 = _record_forwards(draft)
     try:
-        res = SpeculativeDecoder(target, draft, gamma=4).generate(PROMPT, GREEDY, 50)
+        res = SpeculativeDecoder(target, draft, gamma=4, draft_stop_below=0.0).generate(PROMPT, GREEDY, 50)
     finally:
         h1.remove()
         h2.remove()
@@ -93,6 +93,17 @@ def test_target_runs_one_forward_per_round_over_new_positions_only(models):
         assert (positions, cached) == (gamma + 1, context - 1)
         context += accepted + 1
     assert len(draft_calls) == 1 + sum(stats.gamma_history)  # γ draft forwards per round
+
+
+def test_a_draft_that_stops_where_unsure_drafts_less_and_changes_no_token(models):
+    target, draft = models["target"], models["random draft"]
+    plain = SpeculativeDecoder(target, None).generate(PROMPT, GREEDY, 40).token_ids
+    full = SpeculativeDecoder(target, draft, gamma=4, draft_stop_below=0.0).generate(PROMPT, GREEDY, 40)
+    always_stop = SpeculativeDecoder(target, draft, gamma=4, draft_stop_below=1.01).generate(PROMPT, GREEDY, 40)
+    assert full.token_ids == always_stop.token_ids == plain
+    assert full.stats.drafted == sum(full.stats.gamma_history)  # every block as long as γ allowed
+    # one token a block: never confident enough
+    assert always_stop.stats.drafted == sum(min(g, 1) for g in always_stop.stats.gamma_history)
 
 
 def test_vocab_mismatch_is_a_clear_error(models):

@@ -57,6 +57,8 @@ class SpeculativeDecoder:
       "float32", "bfloat16" or None (keep a passed model's dtype; otherwise
       bf16 where it is fast — GPUs and CPUs with bf16 instructions — else fp32).
     draft_top_k: a model draft samples from its top-k-truncated q (0 = full q).
+    draft_stop_below: a model draft ends its block early where its own top
+      probability is below this (0 = always draft γ); exact either way.
     """
 
     def __init__(
@@ -68,12 +70,14 @@ class SpeculativeDecoder:
         *,
         gamma_max: int = 8,
         draft_top_k: int = 0,
+        draft_stop_below: float = 0.4,
         device: str | None = None,
     ):
         make_controller(gamma, gamma_max)  # validate early
         self.gamma = gamma
         self.gamma_max = gamma_max
         self.draft_top_k = draft_top_k
+        self.draft_stop_below = draft_stop_below
         self.target: LoadedModel = load_model(target, dtype, device)
         self.tokenizer = self.target.tokenizer
         self.draft: LoadedModel | None = None
@@ -100,7 +104,8 @@ class SpeculativeDecoder:
         if self.draft_kind == "ngram":
             return NgramProposer(vocab)
         if self.draft_kind == "model":
-            return ModelProposer(self.draft.model, vocab, self.draft_top_k, name=self.draft.name)
+            return ModelProposer(self.draft.model, vocab, self.draft_top_k, name=self.draft.name,
+                                 stop_below=self.draft_stop_below)
         return None
 
     def cost_profile(self) -> tuple[dict[int, float], float]:

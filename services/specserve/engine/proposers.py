@@ -68,13 +68,18 @@ class ModelProposer(Proposer):
 
     top_k_q > 0 makes the draft sample from its own top-k-truncated,
     renormalised q — the sparse q a remote draft ships over the wire.
+    stop_below > 0 ends a block early once the draft's own top probability
+    (softmax of its raw logits) falls below it: drafting on where the draft is
+    unsure mostly buys rejected positions. The block length then depends only
+    on the draft's side, so the output stays exactly the target's.
     """
 
-    def __init__(self, model, vocab: int, top_k_q: int = 0, name: str = "model"):
+    def __init__(self, model, vocab: int, top_k_q: int = 0, name: str = "model", stop_below: float = 0.4):
         self.seq = CachedSequence(model)
         self.vocab = vocab
         self.top_k_q = top_k_q
         self.name = name
+        self.stop_below = stop_below
 
     def prefill(self, prompt: list[int]) -> None:
         if len(prompt) > 1:
@@ -103,6 +108,8 @@ class ModelProposer(Proposer):
             tokens.append(token)
             qs.append(q)
             if i + 1 < gamma:
+                if self.stop_below and float(torch.softmax(logits[0], -1).max()) < self.stop_below:
+                    break
                 logits = self.seq.feed([token])
         return Proposal(tokens, torch.cat(qs))
 
