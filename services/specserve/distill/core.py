@@ -252,7 +252,7 @@ def acceptance(target_model, draft_model, sequences: list[tuple[list[int], int]]
     agree = total = 0
     overlap = covered = 0.0
     for ids, prompt_len in sequences:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=next(target_model.parameters()).device)
         answer = slice(prompt_len - 1, len(ids) - 1)  # logits at i predict token i+1
         p = target_model(x).logits[0, answer].float()
         q = draft_model(x).logits[0, answer].float()
@@ -287,6 +287,7 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         subset = state["subset"] if state else choose_subset(
             records, target.vocab_size, cfg.subset, target.eos_ids | set(target.tokenizer.all_special_ids))
     draft, frozen = make_draft(target.model, cfg, subset)
+    draft = draft.to(target.device)  # trains where the target runs (a GPU when there is one)
     lookup = torch.full((target.vocab_size,), -1, dtype=torch.long)
     if subset is not None:
         lookup[subset] = torch.arange(len(subset))
@@ -307,8 +308,8 @@ def distill(cfg: DistillConfig, log=print) -> dict:
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, cfg)
-        x, rows, cols, index, logprobs = training_batch(rng.sample(records, min(cfg.batch, len(records))),
-                                                        cfg.seq_len, pad_id, lookup)
+        batch = training_batch(rng.sample(records, min(cfg.batch, len(records))), cfg.seq_len, pad_id, lookup)
+        x, rows, cols, index, logprobs = (t.to(target.device) for t in batch)
         loss = kd_loss(draft_logits(draft, x, rows, cols), index, logprobs, cfg.kd_temperature)
         optimizer.zero_grad()
         loss.backward()
