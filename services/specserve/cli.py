@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", type=int, default=2, help="prompts per workload (max 2)")
     bench.add_argument("--gammas", default="1,2,3,4,5,6,7,8", help="fixed γ values to run")
     bench.add_argument("--repeats", type=int, default=1, help="runs per prompt and method; the fastest counts")
+    bench.add_argument("--draft-stop-below", type=float, default=0.0,
+                       help="a model draft ends its block where its top probability is below this (0: off)")
     bench.add_argument("--quick", action="store_true", help="one prompt per workload, γ ∈ {2,4}, 48 tokens")
     bench.add_argument("--served", action="store_true",
                        help="measure the served path (Ray Serve + gRPC workers) against the in-process engine")

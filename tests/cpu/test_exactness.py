@@ -60,7 +60,11 @@ CASES = {
     "T<1 top-k": (dict(temperature=0.7, top_k=4), 0, 3),
     "T>1 top-p": (dict(temperature=1.6, top_p=0.85), 0, 3),
     "truncated q": (dict(temperature=1.0), 2, 3),
+    "draft stops where unsure": (dict(temperature=1.0), 0, 3),
 }
+# block length from the draft's own confidence: here its first distribution (max 0.86) is below 0.9, so the
+# block ends after one token and the second token comes from the bonus path of a γ=2 decoder
+STOP_BELOW = {"draft stops where unsure": 0.9}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -69,7 +73,11 @@ def test_first_two_tokens_follow_target(case, tiny_pair, monkeypatch):
     target, draft = tiny_pair
     # γ=2: with 3 new tokens the first round drafts 2 (accept/residual at both positions);
     # with 2 new tokens it drafts 1, so the second token is often the bonus.
-    decoder = SpeculativeDecoder(target, draft, gamma=2, draft_top_k=draft_top_k)
+    stop = STOP_BELOW.get(case, 0.0)
+    decoder = SpeculativeDecoder(target, draft, gamma=2, draft_top_k=draft_top_k, draft_stop_below=stop)
+    if stop:  # the early stop really happens (a block shorter than γ)
+        first = decoder.generate(PROMPT, SamplingParams(**mode, seed=0, ignore_eos=True), max_new).stats
+        assert first.gamma_history[0] == 2 and first.drafted < sum(first.gamma_history)
     expected = target_joint(target, mode)
 
     counts = sampled_joint(decoder, mode, max_new)
@@ -78,7 +86,7 @@ def test_first_two_tokens_follow_target(case, tiny_pair, monkeypatch):
     drafted = decoder.generate(PROMPT, SamplingParams(**mode, seed=0, ignore_eos=True), max_new).stats
     assert drafted.drafted > 0 and drafted.rounds >= 1
 
-    if case in ("T=1", "truncated q", "T<1 top-k"):
+    if case in ("T=1", "truncated q", "T<1 top-k", "draft stops where unsure"):
         monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: p)
         broken = sampled_joint(decoder, mode, max_new)
         assert chi_square_pvalue(broken, expected) < 1e-3, "the test cannot tell a missing residual step"

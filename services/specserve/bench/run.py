@@ -191,7 +191,8 @@ def run_bench(args) -> int:
     for spec in specs:
         target = next(iter(decoders.values())).target if decoders else args.target  # load the target once
         decoders[draft_label(spec)] = SpeculativeDecoder(target, None if spec == "none" else spec, gamma="auto",
-                                                         dtype=args.dtype, gamma_max=args.gamma_max)
+                                                         dtype=args.dtype, gamma_max=args.gamma_max,
+                                                         draft_stop_below=args.draft_stop_below)
     decoder = next(iter(decoders.values()))
     print(f"  target {decoder.target.name} ({decoder.target.dtype}, {decoder.target.device}), "
           f"drafts {', '.join(f'{k} ({d.draft_kind})' for k, d in decoders.items())}")
@@ -264,7 +265,7 @@ def _report(args, decoder, workloads, runs, verify_costs, costs, specs) -> dict:
         "config": {
             "target": decoder.target.name, "draft": ",".join(specs), "dtype": str(decoder.target.dtype).removeprefix("torch."),
             "device": str(decoder.target.device), "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
-            "repeats": args.repeats, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+            "repeats": args.repeats, "draft_stop_below": args.draft_stop_below, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
         },
         "verify_cost": verify_costs,
         "c": costs[first][1],

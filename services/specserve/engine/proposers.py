@@ -74,7 +74,7 @@ class ModelProposer(Proposer):
     on the draft's side, so the output stays exactly the target's.
     """
 
-    def __init__(self, model, vocab: int, top_k_q: int = 0, name: str = "model", stop_below: float = 0.4):
+    def __init__(self, model, vocab: int, top_k_q: int = 0, name: str = "model", stop_below: float = 0.0):
         self.seq = CachedSequence(model)
         self.vocab = vocab
         self.top_k_q = top_k_q
