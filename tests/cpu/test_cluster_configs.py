@@ -49,3 +49,12 @@ def test_pipelining_is_on_by_default_only_when_both_workers_have_gpus():
     assert AppConfig(**gpus).pipelining() is True
     assert AppConfig(**gpus, pipelined=False).pipelining() is False
     assert AppConfig(pipelined=True).pipelining() is True
+
+
+def test_the_default_draft_is_the_distilled_one_only_where_the_draft_worker_has_a_gpu():
+    from specserve.workers.config import WorkersConfig
+
+    assert WorkersConfig().draft == "ngram"  # CPU: a draft process would compete with the target for the cores
+    assert WorkersConfig(draft_resources={"num_gpus": 1}).draft == "embedded-draft"
+    assert WorkersConfig(target="/models/t", draft_resources={"num_gpus": 1}).draft == "ngram"
+    assert WorkersConfig(draft="embedded-draft").draft == "embedded-draft"  # explicit choices stand
