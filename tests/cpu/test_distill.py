@@ -115,7 +115,8 @@ def test_a_subset_draft_refuses_a_target_with_another_embedding(tmp_path):
     root = save_tokenized_pair(tmp_path / "models")
     out = tmp_path / "draft"
     assert main(["distill", "--target", str(root / "target"), "--out", str(out), "--layers", "1", "--subset", "100",
-                 "--prompts", "2", "--self-prompts", "0", "--gen-tokens", "6", "--steps", "2", "--warmup", "1", "--batch", "1",
+                 "--prompts", "2", "--self-prompts", "0", "--gen-tokens", "6", "--steps", "2", "--warmup", "1",
+                 "--batch", "1",
                  "--eval-prompts", "1", "--eval-tokens", "4"]) == 0
     config = json.loads((out / "config.json").read_text())
     config["shared_from"] = str(root / "draft")  # a model whose embedding differs (perturbed copy)

@@ -41,6 +41,7 @@ from specserve.distill.corpus import (
     Record,
     build_corpus,
     encode_chat,
+    pad_id,
     prompt_set,
     score_texts,
     write_batch,
@@ -123,7 +124,7 @@ def choose_subset(records: list[Record], vocab: int, size: int, always: set[int]
     return mass.topk(min(size, vocab)).indices.sort().values
 
 
-def _draft_config(tcfg, cfg: DistillConfig, embedding: torch.Tensor) -> SubsetDraftConfig:
+def _draft_config(tcfg, cfg: DistillConfig, embedding: torch.Tensor, head_tokens: int) -> SubsetDraftConfig:
     fields = {k: v for k, v in tcfg.to_dict().items()
               if k not in {"model_type", "architectures", "transformers_version", "_name_or_path",
                            "tie_word_embeddings", "quantization_config", "auto_map"}}
@@ -131,7 +132,7 @@ def _draft_config(tcfg, cfg: DistillConfig, embedding: torch.Tensor) -> SubsetDr
     if fields.get("layer_types"):
         fields["layer_types"] = list(fields["layer_types"])[: cfg.layers]
     target = cfg.target if cfg.target == "embedded" else str(pathlib.Path(cfg.target).expanduser().resolve())
-    return SubsetDraftConfig(token_subset_size=cfg.subset, shared_from=target,
+    return SubsetDraftConfig(token_subset_size=head_tokens, shared_from=target,
                              shared_embedding_digest=embedding_digest(embedding), **fields)
 
 
@@ -166,9 +167,7 @@ def make_draft(target_model, cfg: DistillConfig, subset: torch.Tensor | None = N
             raise ValueError(f"a subset-head draft starts from a Llama-family target, not {tcfg.model_type!r}; "
                              "pass --subset 0 (truncated copy) or --hidden H (fresh model)")
         source = target_model.state_dict()
-        config = _draft_config(tcfg, cfg, source[EMBEDDING])
-        config.token_subset_size = len(subset)
-        draft = SubsetDraftForCausalLM(config).float()
+        draft = SubsetDraftForCausalLM(_draft_config(tcfg, cfg, source[EMBEDDING], len(subset))).float()
         state = {k: v for k, v in source.items()
                  if k in (EMBEDDING, "model.norm.weight")
                  or (k.startswith("model.layers.") and int(k.split(".")[2]) < cfg.layers)}
@@ -231,7 +230,7 @@ def draft_logits(draft, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor)
     """The draft's logits over its own tokens at the given positions (full vocabulary for plain models)."""
     if isinstance(draft, SubsetDraftForCausalLM):
         hidden = draft.model(input_ids=x).last_hidden_state
-        return draft.subset_logits(hidden[rows, cols])
+        return draft.lm_head(hidden[rows, cols])
     return draft(input_ids=x).logits[rows, cols]
 
 
@@ -288,11 +287,9 @@ def distill(cfg: DistillConfig, log=print) -> dict:
             records, target.vocab_size, cfg.subset, target.eos_ids | set(target.tokenizer.all_special_ids))
     draft, frozen = make_draft(target.model, cfg, subset)
     draft = draft.to(target.device)  # trains where the target runs (a GPU when there is one)
-    lookup = torch.full((target.vocab_size,), -1, dtype=torch.long)
+    lookup = torch.arange(target.vocab_size)  # vocabulary id -> the draft's logit index (-1: none)
     if subset is not None:
-        lookup[subset] = torch.arange(len(subset))
-    else:
-        lookup = torch.arange(target.vocab_size)
+        lookup = torch.full_like(lookup, -1).index_copy_(0, subset, torch.arange(len(subset)))
     trainable = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=0.0)
     if state:
@@ -300,7 +297,7 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
         log(f"resuming from step {start}")
-    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    pad = pad_id(target.tokenizer, target.eos_ids)
     rng = random.Random(cfg.seed + start)
     losses: list[float] = []
     draft.train()
@@ -308,7 +305,7 @@ def distill(cfg: DistillConfig, log=print) -> dict:
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, cfg)
-        batch = training_batch(rng.sample(records, min(cfg.batch, len(records))), cfg.seq_len, pad_id, lookup)
+        batch = training_batch(rng.sample(records, min(cfg.batch, len(records))), cfg.seq_len, pad, lookup)
         x, rows, cols, index, logprobs = (t.to(target.device) for t in batch)
         loss = kd_loss(draft_logits(draft, x, rows, cols), index, logprobs, cfg.kd_temperature)
         optimizer.zero_grad()
@@ -362,14 +359,14 @@ def evaluate(target: LoadedModel, draft, cfg: DistillConfig, out: pathlib.Path) 
         "self_written": requests,
         "bench_suite": [p for prompts in SUITE.values() for p in prompts],
     }
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    pad = pad_id(tok, target.eos_ids)
     metrics: dict = {"held_out": {}}
     for name, temperature in (("t0", 0.0), ("t1", 1.0)):
         pooled = {"alpha_t0": 0.0, "alpha_t1": 0.0, "covered": 0.0, "positions": 0}
         for label, prompts in sets.items():
             gen = torch.Generator().manual_seed(cfg.seed + 7)
             written = write_batch(target.model, [encode_chat(tok, p) for p in prompts], [temperature] * len(prompts),
-                                  cfg.eval_tokens, target.eos_ids, pad_id, 1, gen)
+                                  cfg.eval_tokens, target.eos_ids, pad, 1, gen)
             result = acceptance(target.model, draft, [(r.ids, r.prompt_len) for r in written])
             metrics["held_out"].setdefault(label, {})[f"alpha_{name}"] = result[f"alpha_{name}"]
             for key in ("alpha_t0", "alpha_t1", "covered"):

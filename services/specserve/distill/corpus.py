@@ -11,6 +11,8 @@ resumes at the first missing shard.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import pathlib
 import random
 from dataclasses import dataclass
@@ -91,6 +93,11 @@ def encode_chat(tokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(prompt)
 
 
+def pad_id(tokenizer, eos_ids: set[int]) -> int:
+    """Padding for batched prompts (never attended to): the tokenizer's pad token, else an eos id."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+
+
 @dataclass
 class Record:
     """One target-written sequence: prompt + answer ids, and the target's top-k at each answer position.
@@ -162,7 +169,7 @@ def build_corpus(model, tokenizer, eos_ids: set[int], out: pathlib.Path, prompts
                  ) -> list[Record]:
     """All records for `prompts` (prompt i sampled at temperatures[i % len]); resumes from existing shards."""
     out.mkdir(parents=True, exist_ok=True)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+    pad = pad_id(tokenizer, eos_ids)
     # sort by length so a batch pads little; shards follow that order
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     encoded = {i: encode_chat(tokenizer, prompts[i]) for i in order}
@@ -176,7 +183,7 @@ def build_corpus(model, tokenizer, eos_ids: set[int], out: pathlib.Path, prompts
         else:
             gen = torch.Generator().manual_seed(seed * 1_000_003 + n)
             new = write_batch(model, [encoded[i] for i in shard], [temperatures[i % len(temperatures)] for i in shard],
-                              max_new, eos_ids, pad_id, top_k, gen)
+                              max_new, eos_ids, pad, top_k, gen)
             tmp = path.with_suffix(".tmp")
             torch.save([r.as_dict() for r in new], tmp)
             tmp.replace(path)
@@ -193,8 +200,6 @@ def score_texts(model, tokenizer, out: pathlib.Path, files: list[str], chunk: in
 
     Cached per file content under `out/text-<digest>.pt`.
     """
-    import hashlib
-
     records: list[Record] = []
     for name in files:
         text = pathlib.Path(name).read_text()
@@ -250,19 +255,17 @@ def clean_request(text: str) -> str | None:
 def write_requests(model, tokenizer, eos_ids: set[int], out: pathlib.Path, n: int, batch: int, seed: int,
                    held_out: bool = False) -> list[str]:
     """The target writes n user requests (T=1, cached in `out/requests.json`); unusable ones are dropped."""
-    import json
-
     path = out / "requests.json"
     if path.is_file():
         return json.loads(path.read_text())
     out.mkdir(parents=True, exist_ok=True)
     seeds = [encode_chat(tokenizer, s) for s in self_prompt_seeds(n, seed, held_out)]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+    pad = pad_id(tokenizer, eos_ids)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + 99)
     requests: list[str] = []
     for k in tqdm(range(0, n, batch), desc="target writes requests", unit="batch"):
         group = seeds[k : k + batch]
-        for record in write_batch(model, group, [1.0] * len(group), 48, eos_ids, pad_id, 1, gen):
+        for record in write_batch(model, group, [1.0] * len(group), 48, eos_ids, pad, 1, gen):
             text = clean_request(tokenizer.decode(record.ids[record.prompt_len :], skip_special_tokens=True))
             if text:
                 requests.append(text)

@@ -61,9 +61,6 @@ class SubsetDraftForCausalLM(LlamaPreTrainedModel, GenerationMixin):
         self.register_buffer("token_subset", torch.arange(config.token_subset_size), persistent=True)
         self.post_init()
 
-    def subset_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
     def expand(self, subset_logits: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits: -inf wherever the draft never proposes."""
         full = subset_logits.new_full((*subset_logits.shape[:-1], self.vocab_size), float("-inf"))
@@ -82,7 +79,7 @@ class SubsetDraftForCausalLM(LlamaPreTrainedModel, GenerationMixin):
             hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
         else:
             hidden = hidden[:, logits_to_keep]
-        return CausalLMOutputWithPast(logits=self.expand(self.subset_logits(hidden)),
+        return CausalLMOutputWithPast(logits=self.expand(self.lm_head(hidden)),
                                       past_key_values=out.past_key_values)
 
     @classmethod
@@ -91,12 +88,11 @@ class SubsetDraftForCausalLM(LlamaPreTrainedModel, GenerationMixin):
         model.attach_shared_embedding()
         return model
 
-    def attach_shared_embedding(self, weight: torch.Tensor | None = None) -> None:
-        """Fill the input embedding from the target named by `config.shared_from` (or from `weight`)."""
-        if weight is None:
-            if not self.config.shared_from:
-                raise ValueError("this draft has no embedding of its own and no `shared_from` target in its config")
-            weight = read_tensor(self.config.shared_from, EMBEDDING)
+    def attach_shared_embedding(self) -> None:
+        """Fill the input embedding from the target named by `config.shared_from`, checking its digest."""
+        if not self.config.shared_from:
+            raise ValueError("this draft has no embedding of its own and no `shared_from` target in its config")
+        weight = read_tensor(self.config.shared_from, EMBEDDING)
         expected = self.config.shared_embedding_digest
         if expected and embedding_digest(weight) != expected:
             raise ValueError(

@@ -124,11 +124,15 @@ def load_model(
     return LoadedModel(model.eval(), _tokenizer_at(path), name)
 
 
-def resolve_draft(target: Any, draft: Any) -> Any:
-    """The draft a spec means: "default" is the shipped distilled draft for the embedded target, else n-gram."""
+def resolve_draft(target: Any, draft: Any, model_draft_pays: bool = True) -> Any:
+    """The draft a spec means: "default" is the shipped distilled draft for the embedded target, else n-gram.
+
+    model_draft_pays=False (e.g. a served draft worker without a GPU) makes "default" mean n-gram.
+    """
     if draft != "default":
         return draft
-    return "embedded-draft" if target == "embedded" and embedded.shipped_draft_dir().is_dir() else "ngram"
+    shipped = target == "embedded" and embedded.shipped_draft_dir().is_dir()
+    return "embedded-draft" if shipped and model_draft_pays else "ngram"
 
 
 def resolve_model_path(spec: str | pathlib.Path) -> tuple[str | pathlib.Path, str]:

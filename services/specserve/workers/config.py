@@ -72,7 +72,5 @@ class WorkersConfig(BaseModel):
         0.68-0.73 with the n-gram draft, which runs inside the coordinator)."""
         from specserve.models.loading import resolve_draft
 
-        if self.draft == "default" and self.draft_resources.num_gpus <= 0:
-            self.draft = "ngram"
-        self.draft = resolve_draft(self.target, self.draft)
+        self.draft = resolve_draft(self.target, self.draft, model_draft_pays=self.draft_resources.num_gpus > 0)
         return self
