@@ -126,6 +126,8 @@ def write_batch(model, prompts: list[list[int]], temperatures: list[float], max_
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     temps = torch.tensor(temperatures, device=device).unsqueeze(1)
+    if generator.device != device:  # sample where the logits are; the seed carries over
+        generator = torch.Generator(device=device).manual_seed(generator.initial_seed())
     cache = DynamicCache(config=model.config)
     answers: list[list[int]] = [[] for _ in prompts]
     tops: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
@@ -140,11 +142,12 @@ def write_batch(model, prompts: list[list[int]], temperatures: list[float], max_
         sampled = torch.multinomial(torch.softmax(logits / temps.clamp_min(1e-5), dim=-1), 1,
                                     generator=generator).squeeze(1)
         chosen = torch.where(temps.squeeze(1) > 0, sampled, logits.argmax(-1)).cpu()
+        top_i, top_v = top_i.to(torch.int32).cpu(), top_v.to(torch.float16).cpu()  # one copy per step, not per row
         keep = []
         for j, row in enumerate(alive):
             token = int(chosen[j])
             answers[row].append(token)
-            tops[row].append((top_i[j].to(torch.int32).cpu(), top_v[j].to(torch.float16).cpu()))
+            tops[row].append((top_i[j], top_v[j]))
             if token not in eos_ids:
                 keep.append(j)
         if not keep:
@@ -229,6 +232,15 @@ ASK = [
     "Write one practical question an adult might ask about {s}. Reply with only the question.",
     "Write a short task about {s} that a user might give a helpful assistant (for example: explain, compare, list, "
     "rewrite or write code). Reply with the task only.",
+    "Write a one-line request that quotes a sentence about {s} and asks an assistant to rewrite it more formally. "
+    "Reply with the request only.",
+    "Write a request asking an assistant to write a small Python function related to {s}. Reply with the request "
+    "only.",
+    "Write a question about {s} that asks for a step-by-step explanation. Reply with the question only.",
+    "Write a request asking for a short list of tips about {s}. Reply with the request only.",
+    "Write a question comparing two things related to {s}. Reply with the question only.",
+    "Write a request asking an assistant to summarize what {s} are or how they work for a child. Reply with the "
+    "request only.",
 ]
 
 
