@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
+
+import yaml
 
 
 def _gamma(value: str) -> int | str:
@@ -89,6 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     dst.add_argument("--eval-tokens", type=int, default=96)
     dst.add_argument("--seed", type=int, default=0)
 
+    kr = sub.add_parser("kuberay", help="render a KubeRay RayService manifest from a Serve config (cluster/*.yaml)")
+    kr.add_argument("config", help="Serve config file, e.g. cluster/heterogeneous.yaml")
+    kr.add_argument("--out", default=None, help="write here instead of stdout")
+    kr.add_argument("--name", default=None, help="RayService name (default: specserve-<config file stem>)")
+    kr.add_argument("--image", default=None, help="container image (default: specserve:0.1.0, see Dockerfile)")
+    kr.add_argument("--models-claim", default=None,
+                    help="PersistentVolumeClaim mounted read-only at /models in every pod (model directories)")
+    kr.add_argument("--worker-memory", default="32Gi", help="memory per worker pod")
+    kr.add_argument("--shm", default="8Gi", help="size of the memory-backed /dev/shm (Ray's object store)")
+
     srv = sub.add_parser("serve", help="serve over HTTP (OpenAI-compatible) and gRPC on Ray Serve")
     srv.add_argument("--config", default=None, help="a Serve config file, e.g. cluster/local-cpu.yaml "
                      "(then the model/port flags are ignored)")
@@ -100,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--http-port", type=int, default=8000)
     srv.add_argument("--grpc-port", type=int, default=9000)
     srv.add_argument("--address", default=None, help="Ray cluster address (default: start a local Ray)")
+    srv.add_argument("--metrics-port", type=int, default=8080,
+                     help="Prometheus metrics port of the local Ray started here (0: none; with --address the "
+                     "cluster's own --metrics-export-port applies)")
     return parser
 
 
@@ -176,12 +192,33 @@ def _distill(args) -> int:
     return 0
 
 
+def _kuberay(args) -> int:
+    from pydantic import ValidationError
+
+    from specserve.serve.kuberay import IMAGE, render_file
+
+    try:
+        text = render_file(args.config, args.name, image=args.image or IMAGE, models_claim=args.models_claim,
+                           worker_memory=args.worker_memory, shm=args.shm)
+    except (ValueError, FileNotFoundError, ValidationError, yaml.YAMLError) as exc:
+        print(f"specserve kuberay: {exc}", file=sys.stderr)
+        return 2
+    if args.out:
+        pathlib.Path(args.out).write_text(text)
+        print(f"wrote {args.out}", file=sys.stderr)
+    else:
+        print(text, end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         return _generate(args)
     if args.command == "distill":
         return _distill(args)
+    if args.command == "kuberay":
+        return _kuberay(args)
     if args.command == "serve":
         from specserve.serve.run import serve_main
 

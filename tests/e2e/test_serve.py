@@ -20,6 +20,7 @@ from ray import serve
 from ray.serve.config import gRPCOptions, HTTPOptions
 
 from specserve import SamplingParams, SpeculativeDecoder
+from specserve.coordinator.metrics import METRICS, scrape, scrape_until, total
 from specserve.serve import GRPC_SERVICER_FUNCTION, build_app
 from specserve.v1 import generator_pb2, generator_pb2_grpc
 from tests.conftest import save_tokenized_pair
@@ -39,8 +40,10 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = save_tokenized_pair(tmp_path_factory.mktemp("serve-models"), noise=0.05)
-    http_port, grpc_port = _free_port(), _free_port()
-    ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False)
+    http_port, grpc_port, metrics_port = _free_port(), _free_port(), _free_port()
+    # Prometheus endpoint of this node, exporting every second (Ray's default is 10 s)
+    ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False,
+             _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
     serve.start(
         http_options=HTTPOptions(host="127.0.0.1", port=http_port),
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER_FUNCTION]),
@@ -49,7 +52,8 @@ def server(tmp_path_factory):
             "model_name": "tiny", "target_resources": {"torch_threads": 1}, "draft_resources": {"torch_threads": 1}}
     for name, prefix in APPS.items():
         serve.run(build_app({**args, "pipelined": name == "pipelined"}), name=name, route_prefix=prefix)
-    yield {"root": root, "http": f"http://127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}"}
+    yield {"root": root, "http": f"http://127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}",
+           "metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
     serve.shutdown()
     ray.shutdown()
 
@@ -280,3 +284,68 @@ def test_concurrent_sessions_keep_their_own_tokens(server, local):
     for (_, seed), text in zip(jobs, results):
         assert text == local["spec"].generate(PROMPT, SamplingParams(temperature=1.0, seed=seed), 20).text
     assert wait_for_no_sessions() == {"target": 0, "draft": 0, "coordinator": 0}
+
+
+def _settled(url: str, timeout: float = 30.0) -> dict[str, float]:
+    """A scrape that no longer changes: everything recorded so far has been exported."""
+    deadline, last = time.time() + timeout, None
+    while True:
+        values = scrape(url)
+        if values == last or time.time() > deadline:
+            return values
+        last = values
+        time.sleep(2.5)
+
+
+def test_metrics_endpoint_counts_real_requests(server):
+    """Scrape the node's Prometheus endpoint around real HTTP and gRPC requests: every counter moves by what the
+    responses report, the histograms by one observation per round or request, the session gauge returns to 0."""
+    url = server["metrics"]
+    series = {m.name: m.series()[-1] for m in METRICS}  # counters' `_total`, histograms' `_count`, the gauge
+    before = _settled(url)
+    replies = [client(server, "sequential").completions.create(model="tiny", prompt=PROMPT, max_tokens=20,
+                                                               temperature=0),
+               client(server).chat.completions.create(model="tiny", max_tokens=12, temperature=0.8, seed=3,
+                                                      messages=[{"role": "user", "content": PROMPT}])]
+    stats = [r.model_extra["specserve"] for r in replies]
+    reasons = [r.choices[0].finish_reason for r in replies]
+    usage = [(r.usage.prompt_tokens, r.usage.completion_tokens) for r in replies]
+    reply = grpc_stub(server).Generate(
+        generator_pb2.GenerateRequest(prompt=PROMPT, max_tokens=9, sampling=generator_pb2.SamplingParams(
+            temperature=0.0)), metadata=metadata("sequential"))
+    stats.append({"rounds": reply.stats.rounds, "drafted": reply.stats.drafted, "accepted": reply.stats.accepted,
+                  "gamma_history": list(reply.stats.gamma_history)})
+    usage.append((reply.prompt_tokens, reply.completion_tokens))
+    reasons.append(reply.finish_reason)
+    wait_for_no_sessions("sequential"), wait_for_no_sessions("pipelined")
+    after = scrape_until(url, series["requests"], total(before, series["requests"]) + 3)
+    after = _settled(url)
+
+    def moved(name: str, **labels: str) -> float:
+        return total(after, series[name], **labels) - total(before, series[name], **labels)
+
+    assert moved("requests", model="tiny") == 3
+    for reason in set(reasons):
+        assert moved("requests", finish_reason=reason) == reasons.count(reason)
+    assert moved("prompt_tokens") == sum(p for p, _ in usage)
+    assert moved("generation_tokens") == sum(c for _, c in usage)
+    rounds = sum(s["rounds"] for s in stats)
+    assert moved("spec_decode_rounds") == rounds > 0
+    assert moved("spec_decode_num_draft_tokens") == sum(s["drafted"] for s in stats) > 0
+    assert moved("spec_decode_num_accepted_tokens") == sum(s["accepted"] for s in stats) > 0
+    assert moved("spec_decode_num_drafts") == sum(1 for s in stats for g in s["gamma_history"] if g > 0)
+    per_pos = [moved("spec_decode_num_draft_tokens_per_pos", position=str(i)) for i in (1, 2, 3)]
+    assert sum(per_pos) == moved("spec_decode_num_draft_tokens") and per_pos[0] >= per_pos[1] >= per_pos[2]
+    assert sum(moved("spec_decode_num_accepted_tokens_per_pos", position=str(i)) for i in (1, 2, 3)) == moved(
+        "spec_decode_num_accepted_tokens")
+    gamma = "ray_specserve_gamma_bucket"
+    assert total(after, gamma, le="3.5") - total(after, gamma, le="2.5") - (
+        total(before, gamma, le="3.5") - total(before, gamma, le="2.5")) == sum(
+        g == 3 for s in stats for g in s["gamma_history"])  # γ=3 fixed (the last round may draft fewer)
+    for name, count in (("round_time_seconds", rounds), ("verify_call_seconds", rounds),
+                        ("draft_call_seconds", rounds), ("time_to_first_token_seconds", 3),
+                        ("e2e_request_latency_seconds", 3)):
+        assert moved(name) == count, name  # `_count` series: one observation each
+    itl = moved("inter_token_latency_seconds")
+    assert 0 < itl <= sum(c for _, c in usage) - 3
+    assert total(after, series["active_sessions"]) == 0

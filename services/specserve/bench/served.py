@@ -21,6 +21,7 @@ import urllib.request
 
 from specserve import SamplingParams, SpeculativeDecoder
 from specserve.bench.prompts import SUITE
+from specserve.coordinator.metrics import metrics_summary, scrape_until
 from specserve.models import resolve_draft
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -92,7 +93,12 @@ def run_served_bench(args) -> int:
     port = _free_port()
     served: dict[str, dict[int, tuple[float, int, str, int]]] = {name: {} for name in apps}
     during: dict[int, tuple[float, int, str]] = {}  # in-process while Ray + Serve are up and idle
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    metrics_port = _free_port()
+    metrics: dict[str, float] = {}
+    requests_sent = 0
+    # a 1 s export interval (Ray's default is 10 s) so the scrape at the end sees every request
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
+             _system_config={"metrics_report_interval_ms": 1000})
     try:
         serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
         app_args = {"target": args.target, "draft": args.draft, "gamma": gamma, "gamma_max": args.gamma_max}
@@ -106,6 +112,7 @@ def run_served_bench(args) -> int:
                 url = f"http://127.0.0.1:{port}{prefix.rstrip('/')}/v1/completions"
                 body = {"prompt": ids, "max_tokens": args.max_new_tokens, "temperature": 0}
                 _post(url, {**body, "max_tokens": 8})  # warm
+                requests_sent += 1 + args.repeats
                 for _ in range(args.repeats):
                     payload, seconds = _post(url, body)
                     tokens = payload["usage"]["completion_tokens"]
@@ -115,6 +122,8 @@ def run_served_bench(args) -> int:
                     print(f"  {workload:8s} prompt {i} {name:10s} {tokens / seconds:6.1f} tok/s "
                           f"(in-process {before[i][1] / before[i][0]:6.1f})", flush=True)
             during.update(_in_process(decoder, [prompts[i]], args, gamma, index=i))
+        metrics = scrape_until(f"http://127.0.0.1:{metrics_port}/metrics", "ray_specserve_requests_total",
+                               requests_sent)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -122,9 +131,13 @@ def run_served_bench(args) -> int:
     print("  in-process (after Ray) ...", flush=True)
     after = _in_process(decoder, prompts, args, gamma)
     report = _report(args, gamma, workloads, prompts, before, after, during, served)
+    report["metrics"] = metrics_summary(metrics, requests_sent)
+    (out / "metrics.prom").write_text("".join(f"{k} {v:g}\n" for k, v in sorted(metrics.items())))
+    print("  metrics scraped after the run (Prometheus, summed over workers): "
+          + ", ".join(f"{k} {v:g}" for k, v in report["metrics"].items() if not isinstance(v, dict)))
     (out / "served.json").write_text(json.dumps(report, indent=2))
     _plot(report, out / "served.png")
-    print(f"\nwrote {out / 'served.json'} and {out / 'served.png'}")
+    print(f"\nwrote {out / 'served.json'}, {out / 'served.png'} and {out / 'metrics.prom'}")
     return 0
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 
+from specserve.coordinator.metrics import ServingMetrics, SessionMetrics
 from specserve.engine.loop import speculate
 from specserve.engine.proposers import NgramProposer
 from specserve.engine.stats import GenerationStats
@@ -88,6 +89,8 @@ class Coordinator:
         verify_profile: dict[int, float] | None = None,
         draft_step_s: float | None = None,
         max_sessions: int = 64,
+        model_name: str = "",
+        export_metrics: bool = False,
     ):
         if draft not in ("ngram", "remote", "none"):
             raise ValueError(f"draft must be 'ngram', 'remote' or 'none', got {draft!r}")
@@ -111,6 +114,8 @@ class Coordinator:
         self._sessions: dict[str, threading.Event] = {}
         self._last_auto: AutoGamma | None = None
         self.max_sessions = max_sessions
+        # Prometheus metrics (coordinator/metrics.py) need a Ray worker; in-process tests run without them.
+        self._metrics = ServingMetrics(model_name, gamma_max) if export_metrics else None
 
     # -- control -------------------------------------------------------------
     def active_sessions(self) -> int:
@@ -169,6 +174,8 @@ class Coordinator:
         cancel = threading.Event()
         self._sessions[request.request_id] = cancel
         stats = GenerationStats()
+        observed = SessionMetrics(self._metrics, len(request.prompt_ids))
+        self._gauge_sessions()
 
         def emit(item) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
@@ -177,16 +184,19 @@ class Coordinator:
             t0 = time.perf_counter()
             produced = 0
             rounds = None
+            finish = "cancelled"
             held: list[int] = []  # tokens not yet handed over (all of them when not streaming)
             try:
                 verifier, rounds = self._rounds(request, stats)
                 for new, reason in rounds:
                     produced += len(new)
                     held.extend(new)
+                    observed.rounds_done(stats, len(new))
                     if reason is not None:
                         stats.total_time_s, stats.new_tokens = time.perf_counter() - t0, produced
                         stats.worker_verify_time_s = verifier.worker_time_s
                         emit(Chunk(held, reason, stats.to_dict()))
+                        finish = reason
                         break
                     if request.stream:
                         # statistics so far only where the consumer may end the session early (stop strings)
@@ -195,8 +205,10 @@ class Coordinator:
                     if cancel.is_set():
                         break
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                finish = "error"
                 emit(exc)
             finally:
+                observed.finished(finish)
                 if rounds is not None:
                     try:
                         rounds.close()  # runs speculate's finally: Release on both workers
@@ -225,6 +237,11 @@ class Coordinator:
         finally:
             cancel.set()
             self._sessions.pop(request.request_id, None)
+            self._gauge_sessions()
+
+    def _gauge_sessions(self) -> None:
+        if self._metrics is not None:
+            self._metrics.set("active_sessions", len(self._sessions))
 
 
 def start_coordinator(config, target_actor, draft_actor=None, *, gamma="auto", gamma_max: int = 8, pipelined=True,
@@ -249,4 +266,5 @@ def start_coordinator(config, target_actor, draft_actor=None, *, gamma="auto", g
         ray.get(target_actor.address.remote()), info["vocab"], info["eos_ids"],
         draft=draft_mode, draft_address=draft_address, draft_free=free, gamma=gamma, gamma_max=gamma_max,
         pipelined=pipelined, verify_profile=profile, draft_step_s=step, max_sessions=max_sessions,
+        model_name=getattr(config, "model_name", None) or info["name"], export_metrics=True,
     )

@@ -86,13 +86,15 @@ def start(config: dict[str, Any]) -> list[str]:
     return names
 
 
-def usage_text(config: dict[str, Any]) -> str:
+def usage_text(config: dict[str, Any], metrics_port: int = 0) -> str:
     http = config.get("http_options") or {}
     host = http.get("host", "127.0.0.1")
     host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     port = http.get("port", DEFAULT_HTTP_PORT)
     grpc_port = (config.get("grpc_options") or {}).get("port", DEFAULT_GRPC_PORT)
     base = f"http://{host}:{port}"
+    metrics = (f"  Prometheus metrics (ray_specserve_*): curl -s http://127.0.0.1:{metrics_port}/metrics"
+               " | grep specserve\n" if metrics_port else "")
     return f"""
 [specserve] serving. Try:
   curl {base}/health
@@ -102,7 +104,7 @@ def usage_text(config: dict[str, Any]) -> str:
 print(c.chat.completions.create(model=c.models.list().data[0].id, \\
 messages=[{{'role': 'user', 'content': 'Hi!'}}]).choices[0].message.content)"
   gRPC: specserve.v1.Generator/Generate and /GenerateStream on {host}:{grpc_port} (protos/specserve/v1/generator.proto)
-Ctrl-C stops the server.
+{metrics}Ctrl-C stops the server.
 """
 
 
@@ -117,13 +119,15 @@ def serve_main(args) -> int:
     except (ValueError, FileNotFoundError, ValidationError, yaml.YAMLError) as exc:
         print(f"specserve: {exc}", file=sys.stderr)
         return 2
-    ray.init(address=args.address or "local", include_dashboard=False)
+    metrics_port = args.metrics_port if not args.address else 0
+    ray.init(address=args.address or "local", include_dashboard=False,
+             **({"_metrics_export_port": metrics_port} if metrics_port else {}))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
         start(config)
-        print(usage_text(config), flush=True)
+        print(usage_text(config, metrics_port), flush=True)
         stop.wait()
     except Exception as exc:  # noqa: BLE001 - report the failure, then clean up
         print(f"specserve: serving failed: {exc}", file=sys.stderr)
