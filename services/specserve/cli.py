@@ -99,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     kr.add_argument("--image", default=None, help="container image (default: specserve:0.1.0, see Dockerfile)")
     kr.add_argument("--models-claim", default=None,
                     help="PersistentVolumeClaim mounted read-only at /models in every pod (model directories)")
-    kr.add_argument("--worker-memory", default="32Gi", help="memory per worker pod")
-    kr.add_argument("--shm", default="8Gi", help="size of the memory-backed /dev/shm (Ray's object store)")
+    kr.add_argument("--worker-memory", default=None, help="memory per worker pod (default 32Gi)")
+    kr.add_argument("--shm", default=None, help="size of the memory-backed /dev/shm, Ray's object store (default 8Gi)")
 
     srv = sub.add_parser("serve", help="serve over HTTP (OpenAI-compatible) and gRPC on Ray Serve")
     srv.add_argument("--config", default=None, help="a Serve config file, e.g. cluster/local-cpu.yaml "
@@ -195,10 +195,10 @@ def _distill(args) -> int:
 def _kuberay(args) -> int:
     from pydantic import ValidationError
 
-    from specserve.serve.kuberay import IMAGE, render_file
+    from specserve.serve.kuberay import render_file
 
     try:
-        text = render_file(args.config, args.name, image=args.image or IMAGE, models_claim=args.models_claim,
+        text = render_file(args.config, args.name, image=args.image, models_claim=args.models_claim,
                            worker_memory=args.worker_memory, shm=args.shm)
     except (ValueError, FileNotFoundError, ValidationError, yaml.YAMLError) as exc:
         print(f"specserve kuberay: {exc}", file=sys.stderr)

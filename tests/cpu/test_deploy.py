@@ -56,7 +56,7 @@ def test_manifest_is_the_render_of_its_cluster_config(path, monkeypatch):
     command = manifest["metadata"]["annotations"]["specserve.io/rendered-with"]
     args = build_parser().parse_args(["kuberay", *shlex.split(command)])
     monkeypatch.chdir(ROOT)
-    fresh = render_file(args.config, args.name, image=args.image or "specserve:0.1.0", models_claim=args.models_claim,
+    fresh = render_file(args.config, args.name, image=args.image, models_claim=args.models_claim,
                         worker_memory=args.worker_memory, shm=args.shm)
     assert fresh == path.read_text(), f"re-render: specserve kuberay {command} --out {path.relative_to(ROOT)}"
     assert yaml.safe_load(manifest["spec"]["serveConfigV2"]) == yaml.safe_load((ROOT / args.config).read_text())

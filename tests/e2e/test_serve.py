@@ -318,7 +318,7 @@ def test_metrics_endpoint_counts_real_requests(server):
     usage.append((reply.prompt_tokens, reply.completion_tokens))
     reasons.append(reply.finish_reason)
     wait_for_no_sessions("sequential"), wait_for_no_sessions("pipelined")
-    after = scrape_until(url, series["requests"], total(before, series["requests"]) + 3)
+    scrape_until(url, series["requests"], total(before, series["requests"]) + 3)  # the export has begun
     after = _settled(url)
 
     def moved(name: str, **labels: str) -> float:

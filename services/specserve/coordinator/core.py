@@ -191,7 +191,7 @@ class Coordinator:
                 for new, reason in rounds:
                     produced += len(new)
                     held.extend(new)
-                    observed.rounds_done(stats, len(new))
+                    observed.round_done(stats, len(new))
                     if reason is not None:
                         stats.total_time_s, stats.new_tokens = time.perf_counter() - t0, produced
                         stats.worker_verify_time_s = verifier.worker_time_s

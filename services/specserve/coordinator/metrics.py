@@ -86,7 +86,6 @@ METRICS: tuple[MetricSpec, ...] = (
                buckets=REQUEST_BUCKETS),
     MetricSpec("active_sessions", "gauge", "Sessions this coordinator is running now."),
 )
-BY_NAME = {m.name: m for m in METRICS}
 
 
 def exported_names() -> set[str]:
@@ -100,7 +99,6 @@ class ServingMetrics:
     def __init__(self, model: str, gamma_max: int):
         from ray.util.metrics import Counter, Gauge, Histogram
 
-        self.gamma_max = gamma_max
         self._m = {}
         for spec in METRICS:
             if spec.kind == "counter":
@@ -124,62 +122,44 @@ class ServingMetrics:
     def set(self, name: str, value: float) -> None:
         self._m[name].set(value)
 
-    def session(self, prompt_tokens: int) -> SessionMetrics:
-        return SessionMetrics(self, prompt_tokens)
-
 
 class SessionMetrics:
-    """Turns one session's cumulative `GenerationStats` into per-round observations."""
+    """Records one session's rounds; `metrics` None (no Ray worker, e.g. in-process tests) records nothing."""
 
     def __init__(self, metrics: ServingMetrics | None, prompt_tokens: int):
         self.metrics = metrics
         self.start = self.last = time.perf_counter()
-        self.first_token_at: float | None = None
-        self._seen = GenerationStats()
+        self._drafted, self._draft_s, self._verify_s = 0, 0.0, 0.0  # the stats' totals at the previous round
         if metrics:
             metrics.inc("prompt_tokens", prompt_tokens)
 
-    def rounds_done(self, stats: GenerationStats, new_tokens: int) -> None:
-        """Call after each yielded round with the session's stats and the tokens that round handed out."""
-        now = time.perf_counter()
-        m, seen = self.metrics, self._seen
-        gap, self.last = now - self.last, now
+    def round_done(self, stats: GenerationStats, new_tokens: int) -> None:
+        """Call after each round the speculation loop yields (it records exactly one round per yield)."""
+        m = self.metrics
         if m is None:
             return
-        if new_tokens and self.first_token_at is None:
-            self.first_token_at = now
+        now = time.perf_counter()
+        gap, self.last = now - self.last, now
+        if stats.rounds == 1:  # the first round's gap includes prefill
             m.observe("time_to_first_token_seconds", now - self.start)
-        elif new_tokens:
+            gap -= stats.prefill_time_s
+        else:
             for _ in range(new_tokens):
                 m.observe("inter_token_latency_seconds", gap / new_tokens)
+        drafted, accepted = stats.drafted - self._drafted, stats.accepted_history[-1]
         m.inc("generation_tokens", new_tokens)
-        rounds = stats.rounds - seen.rounds
-        if rounds <= 0:
-            return
-        for gamma in stats.gamma_history[seen.rounds :]:
-            m.observe("gamma", gamma)
-        m.inc("spec_decode_rounds", rounds)
-        m.inc("spec_decode_num_draft_tokens", stats.drafted - seen.drafted)
-        m.inc("spec_decode_num_accepted_tokens", stats.accepted - seen.accepted)
-        for i, (drafted, accepted) in enumerate(zip(stats.drafted_per_position, stats.accepted_per_position)):
-            before = (seen.drafted_per_position[i], seen.accepted_per_position[i]) if i < len(
-                seen.drafted_per_position) else (0, 0)
-            m.inc("spec_decode_num_draft_tokens_per_pos", drafted - before[0], position=str(i + 1))
-            m.inc("spec_decode_num_accepted_tokens_per_pos", accepted - before[1], position=str(i + 1))
-        # drafts: rounds that proposed something = rounds whose first position was drafted
-        first = stats.drafted_per_position[0] if stats.drafted_per_position else 0
-        first_seen = seen.drafted_per_position[0] if seen.drafted_per_position else 0
-        m.inc("spec_decode_num_drafts", first - first_seen)
-        per_round = 1.0 / rounds
-        round_gap = gap - (stats.prefill_time_s if seen.rounds == 0 else 0.0)  # the first gap includes prefill
-        for _ in range(rounds):
-            m.observe("round_time_seconds", max(round_gap, 0.0) * per_round)
-            m.observe("draft_call_seconds", (stats.draft_time_s - seen.draft_time_s) * per_round)
-            m.observe("verify_call_seconds", (stats.verify_time_s - seen.verify_time_s) * per_round)
-        seen.rounds, seen.drafted, seen.accepted = stats.rounds, stats.drafted, stats.accepted
-        seen.drafted_per_position = stats.drafted_per_position[:]
-        seen.accepted_per_position = stats.accepted_per_position[:]
-        seen.draft_time_s, seen.verify_time_s = stats.draft_time_s, stats.verify_time_s
+        m.inc("spec_decode_rounds")
+        m.inc("spec_decode_num_drafts", int(drafted > 0))
+        m.inc("spec_decode_num_draft_tokens", drafted)
+        m.inc("spec_decode_num_accepted_tokens", accepted)
+        for i in range(drafted):
+            m.inc("spec_decode_num_draft_tokens_per_pos", position=str(i + 1))
+            m.inc("spec_decode_num_accepted_tokens_per_pos", int(i < accepted), position=str(i + 1))
+        m.observe("gamma", stats.gamma_history[-1])
+        m.observe("round_time_seconds", max(gap, 0.0))
+        m.observe("draft_call_seconds", stats.draft_time_s - self._draft_s)
+        m.observe("verify_call_seconds", stats.verify_time_s - self._verify_s)
+        self._drafted, self._draft_s, self._verify_s = stats.drafted, stats.draft_time_s, stats.verify_time_s
 
     def finished(self, reason: str) -> None:
         if self.metrics is not None:

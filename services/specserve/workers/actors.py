@@ -155,7 +155,7 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None):
     )
     vocab = ray.get(target_actor.info.remote())["vocab"]
     draft_actor = None
-    if draft_spec != "none" and (draft_spec != "ngram" or config.ngram_worker):
+    if config.has_draft_worker(draft_spec):
         draft_actor = _remote(DraftWorkerActor, config.draft_resources).remote(
             draft_spec, vocab, config.dtype, config.draft_top_k, config.draft_resources.threads()
         )

@@ -65,6 +65,12 @@ class WorkersConfig(BaseModel):
         "the target worker then only fronts them. Empty = one target actor holding the whole model.",
     )
 
+    def has_draft_worker(self, draft: Any = None) -> bool:
+        """Whether the draft (this config's, or `draft` passed instead) runs in a DraftWorker actor: the n-gram
+        draft runs inside the coordinator unless `ngram_worker`, and 'none' has no draft at all."""
+        draft = self.draft if draft is None else draft
+        return not (isinstance(draft, str) and (draft == "none" or (draft == "ngram" and not self.ngram_worker)))
+
     @model_validator(mode="after")
     def _resolve_default_draft(self) -> WorkersConfig:
         """'default' serves the distilled draft only where the draft worker has a GPU: on CPUs its own
