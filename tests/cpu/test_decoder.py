@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specserve import SamplingParams, SpeculativeDecoder
+from specserve.models.lean import LeanSequence
 from tests.conftest import perturbed_copy, tiny_llama
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -72,15 +73,27 @@ def _record_forwards(model):
     return calls, model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def test_target_runs_one_forward_per_round_over_new_positions_only(models):
+def _record_lean_feeds(monkeypatch):
+    """A Llama draft runs on `LeanSequence`, not through the HF forward: record its feeds instead."""
+    calls = []
+    feed = LeanSequence.feed_subset
+
+    def recording(self, new_tokens, keep_logits=1):
+        calls.append((len(new_tokens), len(self.tokens)))
+        return feed(self, new_tokens, keep_logits)
+
+    monkeypatch.setattr(LeanSequence, "feed_subset", recording)
+    return calls
+
+
+def test_target_runs_one_forward_per_round_over_new_positions_only(models, monkeypatch):
     target, draft = models["target"], models["close draft"]
-    target_calls, h1 = _record_forwards(target)
-    draft_calls, h2 = _record_forwards(draft)
+    target_calls, hook = _record_forwards(target)
+    draft_calls = _record_lean_feeds(monkeypatch)
     try:
         res = SpeculativeDecoder(target, draft, gamma=4, draft_stop_below=0.0).generate(PROMPT, GREEDY, 50)
     finally:
-        h1.remove()
-        h2.remove()
+        hook.remove()
     stats = res.stats
     assert 0 < stats.acceptance_rate < 1  # rejections happened, so caches were cropped
     # The prompt is prefilled once: all of it but the last token, on an empty cache.

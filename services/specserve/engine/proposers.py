@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.models import CachedSequence, match_ngram
+from specserve.models.lean import draft_sequence
 from specserve.spec import PositionRNG, Purpose, SamplingParams, Verdict, accept_prefix, probs_from_logits
 from specserve.spec.sampling import sample_from_probs, sparse_to_dense, truncate_top_k
 
@@ -75,21 +76,32 @@ class ModelProposer(Proposer):
     """
 
     def __init__(self, model, vocab: int, top_k_q: int = 0, name: str = "model", stop_below: float = 0.0):
-        self.seq = CachedSequence(model)
+        self.seq = draft_sequence(model)
         self.vocab = vocab
         self.top_k_q = top_k_q
         self.name = name
         self.stop_below = stop_below
+        # a head over a token subset: draft over it, widen q to the vocabulary once per block
+        self.subset = getattr(self.seq, "token_subset", None)
 
     def prefill(self, prompt: list[int]) -> None:
         if len(prompt) > 1:
             self.seq.logits_after(prompt[:-1])
 
+    def _logits_after(self, context: list[int]) -> torch.Tensor:
+        """[1, n] logits after `context`, over the subset when there is one."""
+        if self.subset is None:
+            return self.seq.logits_after(context)[:, : self.vocab]
+        return self.seq.subset_logits_after(context)
+
+    def _logits_feeding(self, token: int) -> torch.Tensor:
+        return self.seq.feed([token])[:, : self.vocab] if self.subset is None else self.seq.feed_subset([token])
+
     def _draft_distribution(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        q = probs_from_logits(logits[:, : self.vocab], params)  # [1, vocab]
+        q = probs_from_logits(logits, params)  # [1, n]
         if self.top_k_q and not params.greedy:
             ids, probs = truncate_top_k(q, self.top_k_q)
-            q = sparse_to_dense(ids, probs, self.vocab)
+            q = sparse_to_dense(ids, probs, q.shape[-1])
         return q
 
     def commit(self, committed: list[int]) -> None:
@@ -99,19 +111,23 @@ class ModelProposer(Proposer):
         if gamma <= 0:
             return empty_proposal(self.vocab)
         start = len(context)
-        logits = self.seq.logits_after(context)  # [1, vocab]
+        logits = self._logits_after(context)
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(gamma):
             q = self._draft_distribution(logits, params)
             token = int(sample_from_probs(q, torch.tensor([rng.uniform(start + i, Purpose.DRAFT)])))
+            token = token if self.subset is None else int(self.subset[token])
             tokens.append(token)
             qs.append(q)
             if i + 1 < gamma:
                 if self.stop_below and float(torch.softmax(logits[0], -1).max()) < self.stop_below:
                     break
-                logits = self.seq.feed([token])
-        return Proposal(tokens, torch.cat(qs))
+                logits = self._logits_feeding(token)
+        q = torch.cat(qs)
+        if self.subset is not None:  # sorted subset: the same inverse-CDF draw as over the full vocabulary
+            q = torch.zeros(len(tokens), self.vocab).index_copy_(1, self.subset, q)
+        return Proposal(tokens, q)
 
     def release(self) -> None:
         self.seq.release()
