@@ -98,3 +98,42 @@ def test_auto_warm_start_carries_learning():
     fresh, warm = AutoGamma(gamma_max=8, verify_profile=FLAT), AutoGamma(gamma_max=8, verify_profile=FLAT)
     warm.warm_start(first)
     assert warm.expected_tokens(6) > fresh.expected_tokens(6) + 1
+
+
+def calibrated(acceptance_by_confidence, rounds: int = 80, verify=MID, step: float = 0.002) -> AutoGamma:
+    """An AutoGamma that has seen drafted tokens accepted at the given rate in each confidence bin."""
+    auto = AutoGamma(gamma_max=8, verify_profile=verify, draft_step_s=step)
+    for _ in range(rounds):
+        for confidence, beta in acceptance_by_confidence.items():
+            auto.update(RoundObservation(1, 1, 0, [beta], step, verify[2], step + verify[2], None, [confidence]))
+    return auto
+
+
+def test_open_ended_drafting_goes_on_while_the_draft_is_sure_and_stops_where_it_is_not():
+    auto = calibrated({0.95: 0.95, 0.15: 0.05, 0.55: 0.5})
+    assert auto.choose(open_ended=True) == 8 and auto.choose(remaining=4, open_ended=True) == 3  # γ is a ceiling
+    assert auto.keep_drafting([0.95, 0.95, 0.95])
+    assert not auto.keep_drafting([0.95, 0.15])  # the block is very likely rejected here: more is waste
+    assert not auto.keep_drafting([0.95] * 8)  # never past γ_max
+    # what goes to the target: the confident prefix, not the unsure tail the draft already paid for
+    assert auto.worth_verifying([0.95, 0.95, 0.15, 0.95]) == 2
+    assert auto.worth_verifying([0.15]) == 0
+    assert auto.worth_verifying([0.95, 0.55]) == 2
+
+
+def test_open_ended_drafting_is_shorter_when_each_verified_position_costs_more():
+    confidences = [0.95, 0.75, 0.75, 0.75, 0.75]
+    cheap = calibrated({0.95: 0.9, 0.75: 0.7}, verify=FLAT)
+    dear = calibrated({0.95: 0.9, 0.75: 0.7}, verify=STEEP)
+    assert dear.worth_verifying(confidences) < cheap.worth_verifying(confidences) == 5
+
+
+def test_open_ended_speculation_is_not_started_when_even_a_sure_token_would_not_pay():
+    auto = calibrated({c / 10 + 0.05: 0.02 for c in range(10)}, verify=STEEP, step=0.030)
+    assert auto.choose(open_ended=True) == 0
+
+
+def test_fixed_gamma_ignores_the_draft_s_confidence():
+    fixed = FixedGamma(3)
+    assert fixed.choose(open_ended=True) == 3
+    assert fixed.keep_drafting([0.01, 0.01]) and fixed.worth_verifying([0.01, 0.01, 0.01]) == 3

@@ -11,13 +11,16 @@ the test rejects it — so the check can fail.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 from scipy import stats
 
 from specserve import SamplingParams, SpeculativeDecoder
-from specserve.spec import rejection
+from specserve.spec import AutoGamma, RoundObservation, rejection
+from tests.conftest import perturbed_copy
 from tests.reference import reference_probs
 
 PROMPT = [1, 5, 2, 7]
@@ -61,10 +64,26 @@ CASES = {
     "T>1 top-p": (dict(temperature=1.6, top_p=0.85), 0, 3),
     "truncated q": (dict(temperature=1.0), 2, 3),
     "draft stops where unsure": (dict(temperature=1.0), 0, 3),
+    "auto: block length from the draft's confidence": (dict(temperature=1.0), 0, 3),
 }
 # block length from the draft's own confidence: here its first distribution (max 0.86) is below 0.9, so the
 # block ends after one token and the second token comes from the bonus path of a γ=2 decoder
 STOP_BELOW = {"draft stops where unsure": 0.9}
+# γ="auto" with a local draft: the controller decides token by token from the draft's confidence and what it
+# learned on earlier requests (here the ones before), and drops unsure tokens before verification
+GAMMA = {"auto: block length from the draft's confidence": "auto"}
+
+
+class PinnedCosts(AutoGamma):
+    """AutoGamma with its cost model held at a cheap draft and a flat verify: tiny models' timings are all
+    overhead, which would turn speculation off. What it learns about acceptance is real."""
+
+    def __init__(self):
+        super().__init__(gamma_max=4, verify_profile={n: 0.04 * (1 + 0.06 * (n - 1)) for n in range(1, 6)},
+                         draft_step_s=0.0005)
+
+    def update(self, obs: RoundObservation) -> None:
+        super().update(replace(obs, draft_time_s=0.0, verify_time_s=0.0, round_time_s=0.0))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -74,10 +93,16 @@ def test_first_two_tokens_follow_target(case, tiny_pair, monkeypatch):
     # γ=2: with 3 new tokens the first round drafts 2 (accept/residual at both positions);
     # with 2 new tokens it drafts 1, so the second token is often the bonus.
     stop = STOP_BELOW.get(case, 0.0)
-    decoder = SpeculativeDecoder(target, draft, gamma=2, draft_top_k=draft_top_k, draft_stop_below=stop)
-    if stop:  # the early stop really happens (a block shorter than γ)
+    decoder = SpeculativeDecoder(target, draft, gamma=GAMMA.get(case, 2), draft_top_k=draft_top_k,
+                                 draft_stop_below=stop)
+    if case in GAMMA:
+        draft = perturbed_copy(target, 0.3)  # often agrees, not always, and is unsure at times
+        decoder = SpeculativeDecoder(target, draft, gamma="auto")
+        controller = PinnedCosts()  # one for all requests: learning carries over, as the decoder's warm start does
+        monkeypatch.setattr(decoder, "controller", lambda gamma=None: controller)
+    if stop:  # the early stop really happens: the draft goes to depth 1 of γ=2
         first = decoder.generate(PROMPT, SamplingParams(**mode, seed=0, ignore_eos=True), max_new).stats
-        assert first.gamma_history[0] == 2 and first.drafted < sum(first.gamma_history)
+        assert first.gamma_history[0] == 1 < decoder.gamma
     expected = target_joint(target, mode)
 
     counts = sampled_joint(decoder, mode, max_new)
@@ -85,8 +110,13 @@ def test_first_two_tokens_follow_target(case, tiny_pair, monkeypatch):
 
     drafted = decoder.generate(PROMPT, SamplingParams(**mode, seed=0, ignore_eos=True), max_new).stats
     assert drafted.drafted > 0 and drafted.rounds >= 1
+    if case in GAMMA:  # the draft went on to different depths, and some drafted tokens were not verified
+        runs = [decoder.generate(PROMPT, SamplingParams(**mode, seed=s, ignore_eos=True), max_new).stats
+                for s in range(40)]
+        assert len({tuple(r.gamma_history) for r in runs}) > 1
+        assert any(r.drafted < sum(r.gamma_history) for r in runs)
 
-    if case in ("T=1", "truncated q", "T<1 top-k", "draft stops where unsure"):
+    if case in ("T=1", "truncated q", "T<1 top-k", "draft stops where unsure", *GAMMA):
         monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: p)
         broken = sampled_joint(decoder, mode, max_new)
         assert chi_square_pvalue(broken, expected) < 1e-3, "the test cannot tell a missing residual step"

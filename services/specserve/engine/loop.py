@@ -26,16 +26,20 @@ def draft_block(
     rng: PositionRNG,
     vocab: int,
 ) -> tuple[Proposal, int]:
-    """(proposal, γ chosen). A free draft proposes first so γ can depend on the proposal's quality."""
+    """(proposal, γ chosen). A free draft proposes first so γ can depend on the proposal's quality;
+    a draft that stops early gets γ as a ceiling and asks the controller after each token."""
     if proposer is None:
         return empty_proposal(vocab), 0
     if proposer.free:
         full = proposer.propose(context, min(controller.max_gamma, remaining - 1), params, rng)
         g = controller.choose(remaining, key=full.key, available=len(full))
         return full.truncate(g), g
-    g = controller.choose(remaining)
+    g = controller.choose(remaining, open_ended=proposer.stops_early)
     if g == 0:
         return empty_proposal(vocab), 0
+    if proposer.stops_early:  # γ: the depth the draft went on to; verified: what is worth it of that
+        proposal = proposer.propose(context, g, params, rng, keep_going=controller.keep_drafting)
+        return proposal.truncate(controller.worth_verifying(proposal.confidences)), len(proposal)
     return proposer.propose(context, g, params, rng), g
 
 
@@ -93,7 +97,7 @@ def speculate(
             controller.update(
                 RoundObservation(
                     g, len(proposal), verdict.n_accepted, verdict.betas,
-                    draft_s, verify_s, time.perf_counter() - t_round, proposal.key,
+                    draft_s, verify_s, time.perf_counter() - t_round, proposal.key, proposal.confidences,
                 )
             )
             new = proposal.tokens[: verdict.n_accepted] + [verdict.next_token]

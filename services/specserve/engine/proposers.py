@@ -11,7 +11,8 @@ need no separate commit/rollback message and can be rebuilt from scratch.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,13 +27,17 @@ class Proposal:
     tokens: list[int]  # [k] drafted tokens, k ≤ γ
     q: torch.Tensor  # [k, vocab] float32: the distribution each token was sampled from
     key: str | None = None  # quality class the γ controller keeps separate statistics for (e.g. "ngram-3")
+    # a model draft's top probability at each token it drafted, tokens dropped by `truncate` included
+    confidences: list[float] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def truncate(self, k: int) -> Proposal:
         """The first k tokens. Exact: each kept token was sampled from its own q regardless of later ones."""
-        return self if k >= len(self.tokens) else Proposal(self.tokens[:k], self.q[:k], self.key)
+        if k >= len(self.tokens):
+            return self
+        return Proposal(self.tokens[:k], self.q[:k], self.key, self.confidences)
 
 
 def empty_proposal(vocab: int) -> Proposal:
@@ -44,6 +49,9 @@ class Proposer(ABC):
 
     name: str = "draft"
     free: bool = False  # True when drafting costs ~nothing: draft γ_max first, let the controller trim
+    # True when `propose` takes keep_going(confidences) -> bool and asks it after each token (a local model
+    # draft): γ is then a ceiling and the controller decides token by token
+    stops_early: bool = False
 
     @abstractmethod
     def propose(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG) -> Proposal: ...
@@ -71,9 +79,13 @@ class ModelProposer(Proposer):
     renormalised q — the sparse q a remote draft ships over the wire.
     stop_below > 0 ends a block early once the draft's own top probability
     (softmax of its raw logits) falls below it: drafting on where the draft is
-    unsure mostly buys rejected positions. The block length then depends only
-    on the draft's side, so the output stays exactly the target's.
+    unsure mostly buys rejected positions. keep_going, passed to `propose`,
+    does the same with a rule of the caller's (the γ controller's). The block
+    length then depends only on the draft's side and on earlier rounds, so the
+    output stays exactly the target's.
     """
+
+    stops_early = True
 
     def __init__(self, model, vocab: int, top_k_q: int = 0, name: str = "model", stop_below: float = 0.0):
         self.seq = draft_sequence(model)
@@ -107,27 +119,32 @@ class ModelProposer(Proposer):
     def commit(self, committed: list[int]) -> None:
         self.seq.rollback(self.seq.common_prefix(committed))
 
-    def propose(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG) -> Proposal:
+    def propose(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG,
+                keep_going: Callable[[list[float]], bool] | None = None) -> Proposal:
         if gamma <= 0:
             return empty_proposal(self.vocab)
         start = len(context)
         logits = self._logits_after(context)
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
+        confidences: list[float] = []
         for i in range(gamma):
             q = self._draft_distribution(logits, params)
             token = int(sample_from_probs(q, torch.tensor([rng.uniform(start + i, Purpose.DRAFT)])))
-            token = token if self.subset is None else int(self.subset[token])
-            tokens.append(token)
+            tokens.append(token if self.subset is None else int(self.subset[token]))
             qs.append(q)
+            if keep_going is not None or self.stop_below:
+                confidences.append(float(torch.softmax(logits[0], -1).max()))
             if i + 1 < gamma:
-                if self.stop_below and float(torch.softmax(logits[0], -1).max()) < self.stop_below:
+                if self.stop_below and confidences[-1] < self.stop_below:
                     break
-                logits = self._logits_feeding(token)
+                if keep_going is not None and not keep_going(confidences):
+                    break
+                logits = self._logits_feeding(tokens[-1])
         q = torch.cat(qs)
         if self.subset is not None:  # sorted subset: the same inverse-CDF draw as over the full vocabulary
             q = torch.zeros(len(tokens), self.vocab).index_copy_(1, self.subset, q)
-        return Proposal(tokens, q)
+        return Proposal(tokens, q, confidences=confidences)
 
     def release(self) -> None:
         self.seq.release()

@@ -11,7 +11,8 @@ class GenerationStats:
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0  # tokens the rounds produced (accepted + one per round), before truncation
-    gamma_history: list[int] = field(default_factory=list)  # γ chosen each round
+    # γ each round: the depth asked for, or for a draft that stops early (a local model draft) the depth it went to
+    gamma_history: list[int] = field(default_factory=list)
     accepted_history: list[int] = field(default_factory=list)  # draft tokens kept each round
     accepted_per_position: list[int] = field(default_factory=list)  # [i] = rounds whose draft token i+1 was kept
     drafted_per_position: list[int] = field(default_factory=list)

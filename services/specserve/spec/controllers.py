@@ -8,6 +8,10 @@
   times — verify time as a function of the number of positions scored, since
   on a CPU it grows with γ — and picks the γ in 0..γ_max that maximises
   expected tokens per second. γ=0 wins when speculation does not pay.
+  With a draft that can stop mid-block (a local model draft) it also decides
+  token by token: acceptance is calibrated against the draft's confidence
+  (its top probability), and the draft goes on while one more token raises
+  the expected tokens per second of the round.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class RoundObservation:
     verify_time_s: float = 0.0
     round_time_s: float = 0.0
     key: str | None = None  # the proposal's quality class (see `choose`)
+    confidences: list[float] = field(default_factory=list)  # the draft's top probability at each token it drafted
 
 
 def expected_tokens_per_round(alpha: float, gamma: int) -> float:
@@ -43,13 +48,23 @@ class GammaController(ABC):
     max_gamma: int = 0  # the deepest γ this controller can ever choose
 
     @abstractmethod
-    def choose(self, remaining: int | None = None, key: str | None = None, available: int | None = None) -> int:
+    def choose(self, remaining: int | None = None, key: str | None = None, available: int | None = None,
+               open_ended: bool = False) -> int:
         """γ for the next round.
 
         remaining: tokens still wanted (caps useless depth). For free drafts
         (n-gram) the proposal exists before γ is chosen: `key` is its quality
-        class and `available` its length, and γ only trims it.
+        class and `available` its length, and γ only trims it. open_ended: the
+        draft will ask `keep_drafting` after each token, so γ is a ceiling.
         """
+
+    def keep_drafting(self, confidences: list[float], key: str | None = None) -> bool:
+        """Whether a draft that has proposed len(confidences) tokens should propose one more."""
+        return True
+
+    def worth_verifying(self, confidences: list[float], key: str | None = None) -> int:
+        """How many of an open-ended block's tokens to send to the target (the rest are dropped)."""
+        return len(confidences)
 
     def update(self, obs: RoundObservation) -> None:  # noqa: B027 - optional hook
         """Feed back what the round showed."""
@@ -70,7 +85,8 @@ class FixedGamma(GammaController):
         self.gamma = self.max_gamma = gamma
         self.name = f"fixed:{gamma}"
 
-    def choose(self, remaining: int | None = None, key: str | None = None, available: int | None = None) -> int:
+    def choose(self, remaining: int | None = None, key: str | None = None, available: int | None = None,
+               open_ended: bool = False) -> int:
         return self._cap(self.gamma, remaining, available)
 
 
@@ -83,7 +99,8 @@ class HeuristicGamma(GammaController):
         self.gamma = max(1, min(initial, gamma_max))
         self.gamma_max = self.max_gamma = gamma_max
 
-    def choose(self, remaining: int | None = None, key: str | None = None, available: int | None = None) -> int:
+    def choose(self, remaining: int | None = None, key: str | None = None, available: int | None = None,
+               open_ended: bool = False) -> int:
         return self._cap(self.gamma, remaining, available)
 
     def update(self, obs: RoundObservation) -> None:
@@ -115,6 +132,27 @@ class _AcceptanceTable:
             self.overall += (weight / 2) * (beta - self.overall)
 
 
+class _ConfidenceTable:
+    """EWMA of the acceptance of a drafted token by the draft's confidence in it (ten bins of its top
+    probability). The prior is the confidence itself: what a calibrated draft's greedy acceptance would be."""
+
+    BINS = 10
+
+    def __init__(self):
+        self.acceptance = [(b + 0.5) / self.BINS for b in range(self.BINS)]
+
+    def _bin(self, confidence: float) -> int:
+        return min(self.BINS - 1, max(0, int(confidence * self.BINS)))
+
+    def at(self, confidence: float) -> float:
+        return self.acceptance[self._bin(confidence)]
+
+    def update(self, confidences: list[float], betas: list[float], weight: float) -> None:
+        for confidence, beta in zip(confidences, betas):
+            b = self._bin(confidence)
+            self.acceptance[b] += weight * (beta - self.acceptance[b])
+
+
 class AutoGamma(GammaController):
     """Maximise expected tokens per second from measured acceptance and costs.
 
@@ -144,6 +182,7 @@ class AutoGamma(GammaController):
         self.probe_every = probe_every
         self.prior_acceptance = prior_acceptance
         self.tables: dict[str | None, _AcceptanceTable] = {}
+        self.by_confidence: dict[str | None, _ConfidenceTable] = {}
         self.verify_s: dict[int, float] = dict(verify_profile or {})
         self.draft_step_s = draft_step_s
         self.overhead_s = 0.0
@@ -190,29 +229,75 @@ class AutoGamma(GammaController):
     def warm_start(self, previous: AutoGamma) -> None:
         """Carry learned acceptance and costs over from an earlier request's controller."""
         self.tables = copy.deepcopy(previous.tables)
+        self.by_confidence = copy.deepcopy(previous.by_confidence)
         self.verify_s = dict(previous.verify_s)
         self.draft_step_s = previous.draft_step_s
         self.overhead_s = previous.overhead_s
 
     # -- interface ---------------------------------------------------------
-    def choose(self, remaining: int | None = None, key: str | None = None, available: int | None = None) -> int:
+    def choose(self, remaining: int | None = None, key: str | None = None, available: int | None = None,
+               open_ended: bool = False) -> int:
         limit = self._cap(self.gamma_max, remaining, available)
         best = max(range(limit + 1), key=lambda g: self.tokens_per_second(g, key))
         if best == 0 and limit > 0:
             self._rounds_at_zero += 1
             if self._rounds_at_zero % self.probe_every == 0:
                 return 1  # keep the acceptance estimate alive while not speculating
+        if open_ended and limit > 0:  # worth starting if a confident first token would pay
+            first = max(self.by_confidence.setdefault(key, _ConfidenceTable()).acceptance)
+            if (1.0 + first) / self.round_time(1) > 1.0 / self.round_time(0):
+                return limit
+        return best
+
+    def keep_drafting(self, confidences: list[float], key: str | None = None) -> bool:
+        """Go on if drafting some more tokens raises the round's expected tokens per second.
+
+        The tokens drafted so far survive with the product of their confidence-calibrated acceptances;
+        tokens not yet drafted are credited with the position table's acceptances, as `choose` does.
+        """
+        drafted = len(confidences)
+        if drafted >= self.gamma_max:
+            return False
+        calibrated = self.by_confidence.setdefault(key, _ConfidenceTable())
+        survive, tokens = 1.0, 1.0
+        for confidence in confidences:
+            survive *= calibrated.at(confidence)
+            tokens += survive
+        now = tokens / self.round_time(drafted)
+        table = self.table(key)
+        for more in range(drafted + 1, self.gamma_max + 1):
+            survive *= table.at(more)
+            tokens += survive
+            if tokens / self.round_time(more) > now:
+                return True
+        return False
+
+    def worth_verifying(self, confidences: list[float], key: str | None = None) -> int:
+        """The count with the best expected tokens per second, the drafting of all of them already paid."""
+        sunk = len(confidences) * (self.draft_step_s or 0.0) + self.overhead_s
+        calibrated = self.by_confidence.setdefault(key, _ConfidenceTable())
+        best, best_rate = 0, 1.0 / (sunk + self.verify_time(1))
+        survive, tokens = 1.0, 1.0
+        for k, confidence in enumerate(confidences, start=1):
+            survive *= calibrated.at(confidence)
+            tokens += survive
+            rate = tokens / (sunk + self.verify_time(k + 1))
+            if rate > best_rate:
+                best, best_rate = k, rate
         return best
 
     def update(self, obs: RoundObservation) -> None:
         w = self.decay
         self.table(obs.key).update(obs.betas[: obs.drafted], w)
+        if obs.confidences:
+            self.by_confidence.setdefault(obs.key, _ConfidenceTable()).update(obs.confidences, obs.betas, w)
         positions = obs.drafted + 1
         if obs.verify_time_s > 0:
             old = self.verify_s.get(positions)
             self.verify_s[positions] = obs.verify_time_s if old is None else old + w * (obs.verify_time_s - old)
-        if obs.drafted > 0 and obs.draft_time_s > 0:
-            step = obs.draft_time_s / obs.drafted
+        steps = max(obs.drafted, len(obs.confidences))  # tokens drafted, verified or not
+        if steps > 0 and obs.draft_time_s > 0:
+            step = obs.draft_time_s / steps
             self.draft_step_s = step if self.draft_step_s is None else self.draft_step_s + w * (step - self.draft_step_s)
         if obs.round_time_s > 0:
             core = obs.draft_time_s + obs.verify_time_s
