@@ -19,8 +19,8 @@
 4. Evaluation on held-out prompts (subjects never used for training), over
    the answer positions only: α at T=0 (the draft's argmax equals the
    target's: a greedy draft token is then accepted) and at T=1 (E Σ min(p, q),
-   the expected acceptance of a draft token), and c = draft step time /
-   target step time in the speed dtype.
+   the expected acceptance of a draft token), and c = time per drafted
+   token on the decoder's path / target step time in the speed dtype.
 5. `OUT/` is a model directory (`save_pretrained` + tokenizer) usable as
    `draft=OUT`, plus `distill.json` with the settings and metrics.
 """
@@ -264,9 +264,18 @@ def acceptance(target_model, draft_model, sequences: list[tuple[list[int], int]]
 
 
 def step_time(model, vocab: int) -> float:
+    """Seconds for one cached one-token target forward."""
     from specserve.engine.profile import verify_profile
 
     return verify_profile(model, vocab, 1)[1]
+
+
+def draft_token_time(model, vocab: int) -> float:
+    """Seconds per drafted token on the decoder's path (`LeanSequence` where it applies, sampling included)."""
+    from specserve.engine.profile import draft_step_time
+    from specserve.engine.proposers import ModelProposer
+
+    return draft_step_time(ModelProposer(model, vocab), vocab)
 
 
 def distill(cfg: DistillConfig, log=print) -> dict:
@@ -325,11 +334,11 @@ def distill(cfg: DistillConfig, log=print) -> dict:
     metrics = evaluate(target, draft, cfg, out)
     draft.to(torch.bfloat16).save_pretrained(str(out))  # half the size; a draft loads in any dtype
     target.tokenizer.save_pretrained(str(out))
-    # c on the speed path: the target in its default dtype against the draft in the same dtype
+    # c on the speed path: a drafted token as the decoder drafts it against a target step (default dtype)
     fast_target = load_model(cfg.target)
     fast_draft = load_model(str(out), str(fast_target.dtype).removeprefix("torch."))
-    metrics["c"] = step_time(fast_draft.model, fast_draft.vocab_size) / step_time(fast_target.model,
-                                                                                  fast_target.vocab_size)
+    metrics["c"] = draft_token_time(fast_draft.model, fast_draft.vocab_size) / step_time(fast_target.model,
+                                                                                         fast_target.vocab_size)
     metrics.update(steps=cfg.steps, resumed_from=start, final_kl=(sum(losses[-20:]) / len(losses[-20:]))
                    if losses else None, first_kl=losses[0] if losses else None, frozen=sorted(frozen),
                    corpus_sequences=len(records), corpus_tokens=sum(len(r.top_ids) for r in records),
