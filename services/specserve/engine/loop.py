@@ -39,7 +39,9 @@ def draft_block(
         return empty_proposal(vocab), 0
     if proposer.stops_early:  # γ: the depth the draft went on to; verified: what is worth it of that
         proposal = proposer.propose(context, g, params, rng, keep_going=controller.keep_drafting)
-        return proposal.truncate(controller.worth_verifying(proposal.confidences)), len(proposal)
+        if len(proposal.confidences) == len(proposal):
+            return proposal.truncate(controller.worth_verifying(proposal.confidences)), len(proposal)
+        return proposal, len(proposal)
     return proposer.propose(context, g, params, rng), g
 
 

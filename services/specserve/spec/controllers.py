@@ -10,8 +10,9 @@
   expected tokens per second. γ=0 wins when speculation does not pay.
   With a draft that can stop mid-block (a local model draft) it also decides
   token by token: acceptance is calibrated against the draft's confidence
-  (its top probability), and the draft goes on while one more token raises
-  the expected tokens per second of the round.
+  (its top probability); the draft goes on while a deeper block would raise
+  the round's expected tokens per second, and drafted tokens not worth a
+  verify position are dropped.
 """
 
 from __future__ import annotations
