@@ -28,22 +28,25 @@ def models():
     }
 
 
-@pytest.mark.parametrize("draft", ["random draft", "close draft", "target", "ngram"])
+@pytest.mark.parametrize("draft", ["random draft", "close draft", "target", "ngram", "close draft + lookup"])
 @pytest.mark.parametrize("gamma", [1, 3, 8, "heuristic", "auto"])
 def test_greedy_equals_target_only(models, draft, gamma):
     target = models["target"]
     reference = SpeculativeDecoder(target, None, gamma=0).generate(PROMPT, GREEDY, 40)
     assert reference.token_ids == hf_greedy(target, PROMPT, 40)
-    spec = SpeculativeDecoder(target, models.get(draft, draft), gamma=gamma).generate(PROMPT, GREEDY, 40)
+    lookup = draft.endswith(" + lookup")  # prompt lookup first, the model elsewhere (the default for model drafts)
+    draft = draft.removesuffix(" + lookup")
+    spec = SpeculativeDecoder(target, models.get(draft, draft), gamma=gamma, draft_lookup=lookup).generate(
+        PROMPT, GREEDY, 40)
     assert spec.token_ids == reference.token_ids
     if draft == "target" and isinstance(gamma, int):
         assert spec.stats.acceptance_rate == 1.0  # the same model accepts everything
-    if draft == "close draft" and isinstance(gamma, int):
+    if draft == "close draft" and isinstance(gamma, int) and not lookup:
         assert 0.0 < spec.stats.acceptance_rate < 1.0  # partial acceptance exercised rollback
 
 
 def test_greedy_random_draft_accepts_almost_nothing_but_still_matches(models):
-    spec = SpeculativeDecoder(models["target"], models["random draft"], gamma=4).generate(PROMPT, GREEDY, 30)
+    spec = SpeculativeDecoder(models["target"], models["random draft"], gamma=4, draft_lookup=False).generate(PROMPT, GREEDY, 30)
     assert spec.stats.acceptance_rate < 0.3
     assert spec.stats.rounds >= 20
 
@@ -51,10 +54,11 @@ def test_greedy_random_draft_accepts_almost_nothing_but_still_matches(models):
 @pytest.mark.parametrize("draft", ["close draft", "ngram"])
 @pytest.mark.parametrize("mode", [dict(temperature=1.0), dict(temperature=0.8, top_k=10), dict(temperature=1.2, top_p=0.9)])
 def test_seeded_runs_are_reproducible(models, draft, mode):
-    decoder = SpeculativeDecoder(models["target"], models.get(draft, draft), gamma=3)
+    decoder = SpeculativeDecoder(models["target"], models.get(draft, draft), gamma=3, draft_lookup=False)
     params = SamplingParams(**mode, seed=1234, ignore_eos=True)
     first = decoder.generate(PROMPT, params, 40).token_ids
-    again = SpeculativeDecoder(models["target"], models.get(draft, draft), gamma=3).generate(PROMPT, params, 40)
+    again = SpeculativeDecoder(models["target"], models.get(draft, draft), gamma=3, draft_lookup=False).generate(
+        PROMPT, params, 40)
     assert first == again.token_ids
     other = decoder.generate(PROMPT, params.model_copy(update={"seed": 99}), 40).token_ids
     assert other != first
@@ -91,7 +95,7 @@ def test_target_runs_one_forward_per_round_over_new_positions_only(models, monke
     target_calls, hook = _record_forwards(target)
     draft_calls = _record_lean_feeds(monkeypatch)
     try:
-        res = SpeculativeDecoder(target, draft, gamma=4, draft_stop_below=0.0).generate(PROMPT, GREEDY, 50)
+        res = SpeculativeDecoder(target, draft, gamma=4, draft_stop_below=0.0, draft_lookup=False).generate(PROMPT, GREEDY, 50)
     finally:
         hook.remove()
     stats = res.stats
@@ -111,8 +115,8 @@ def test_target_runs_one_forward_per_round_over_new_positions_only(models, monke
 def test_a_draft_that_stops_where_unsure_drafts_less_and_changes_no_token(models):
     target, draft = models["target"], models["random draft"]
     plain = SpeculativeDecoder(target, None).generate(PROMPT, GREEDY, 40).token_ids
-    full = SpeculativeDecoder(target, draft, gamma=4, draft_stop_below=0.0).generate(PROMPT, GREEDY, 40)
-    always_stop = SpeculativeDecoder(target, draft, gamma=4, draft_stop_below=1.01).generate(PROMPT, GREEDY, 40)
+    full = SpeculativeDecoder(target, draft, gamma=4, draft_stop_below=0.0, draft_lookup=False).generate(PROMPT, GREEDY, 40)
+    always_stop = SpeculativeDecoder(target, draft, gamma=4, draft_stop_below=1.01, draft_lookup=False).generate(PROMPT, GREEDY, 40)
     assert full.token_ids == always_stop.token_ids == plain
     assert full.stats.drafted == sum(full.stats.gamma_history)  # every block as long as γ allowed
     # one token a block: never confident enough
@@ -149,7 +153,7 @@ def test_bad_gamma_spec(models):
 
 def test_max_new_tokens_and_eos(models):
     target = models["target"]
-    decoder = SpeculativeDecoder(target, models["close draft"], gamma=5)
+    decoder = SpeculativeDecoder(target, models["close draft"], gamma=5, draft_lookup=False)
     res = decoder.generate(PROMPT, GREEDY, 7)
     assert len(res.token_ids) == 7 and res.finish_reason == "length"
     eos = res.token_ids[3]

@@ -27,22 +27,22 @@ PROMPT = [1, 5, 2, 7]
 N = 1500  # runs per distribution; measured: the broken sampler scores p < 1e-11 in every case, the real one > 5e-3
 
 
-def target_joint(model, mode: dict) -> np.ndarray:
+def target_joint(model, mode: dict, prompt: list[int] = PROMPT) -> np.ndarray:
     """P(first token = a, second = b) under the target with the sampling mode: [vocab, vocab]."""
     vocab = model.config.vocab_size
     args = (mode.get("temperature", 1.0), mode.get("top_k", 0), mode.get("top_p", 1.0))
     with torch.no_grad():
-        first = model(torch.tensor([PROMPT])).logits[0, -1].numpy()
-        seconds = model(torch.tensor([PROMPT + [a] for a in range(vocab)])).logits[:, -1].numpy()
+        first = model(torch.tensor([prompt])).logits[0, -1].numpy()
+        seconds = model(torch.tensor([prompt + [a] for a in range(vocab)])).logits[:, -1].numpy()
     p1 = reference_probs(first, *args)
     return np.stack([p1[a] * reference_probs(seconds[a], *args) for a in range(vocab)])
 
 
-def sampled_joint(decoder, mode: dict, max_new_tokens: int) -> np.ndarray:
+def sampled_joint(decoder, mode: dict, max_new_tokens: int, prompt: list[int] = PROMPT) -> np.ndarray:
     vocab = decoder.target.vocab_size
     counts = np.zeros((vocab, vocab))
     for seed in range(N):
-        res = decoder.generate(PROMPT, SamplingParams(**mode, seed=seed, ignore_eos=True), max_new_tokens)
+        res = decoder.generate(prompt, SamplingParams(**mode, seed=seed, ignore_eos=True), max_new_tokens)
         counts[res.token_ids[0], res.token_ids[1]] += 1
     return counts
 
@@ -65,7 +65,11 @@ CASES = {
     "truncated q": (dict(temperature=1.0), 2, 3),
     "draft stops where unsure": (dict(temperature=1.0), 0, 3),
     "auto: block length from the draft's confidence": (dict(temperature=1.0), 0, 3),
+    "prompt lookup first, the model elsewhere": (dict(temperature=1.0), 0, 3),
 }
+# a model draft with draft_lookup: this prompt ends with a 2-gram seen before, so the first block is the
+# lookup's one-hot [2, 7] and later blocks the model's
+LOOKUP = {"prompt lookup first, the model elsewhere": [1, 5, 2, 7, 3, 1, 5]}
 # block length from the draft's own confidence: here its first distribution (max 0.86) is below 0.9, so the
 # block ends after one token and the second token comes from the bonus path of a γ=2 decoder
 STOP_BELOW = {"draft stops where unsure": 0.9}
@@ -94,21 +98,25 @@ def test_first_two_tokens_follow_target(case, tiny_pair, monkeypatch):
     # with 2 new tokens it drafts 1, so the second token is often the bonus.
     stop = STOP_BELOW.get(case, 0.0)
     decoder = SpeculativeDecoder(target, draft, gamma=GAMMA.get(case, 2), draft_top_k=draft_top_k,
-                                 draft_stop_below=stop)
+                                 draft_stop_below=stop, draft_lookup=case in LOOKUP)
+    prompt = LOOKUP.get(case, PROMPT)
+    if case in LOOKUP:  # the lookup proposes the first block
+        first = decoder.generate(prompt, SamplingParams(**mode, seed=0, ignore_eos=True), max_new).stats
+        assert first.gamma_history[0] == 2 and first.drafted_per_position[0] >= 1
     if case in GAMMA:
         draft = perturbed_copy(target, 0.3)  # often agrees, not always, and is unsure at times
-        decoder = SpeculativeDecoder(target, draft, gamma="auto")
+        decoder = SpeculativeDecoder(target, draft, gamma="auto", draft_lookup=False)
         controller = PinnedCosts()  # one for all requests: learning carries over, as the decoder's warm start does
         monkeypatch.setattr(decoder, "controller", lambda gamma=None: controller)
     if stop:  # the early stop really happens: the draft goes to depth 1 of γ=2
         first = decoder.generate(PROMPT, SamplingParams(**mode, seed=0, ignore_eos=True), max_new).stats
         assert first.gamma_history[0] == 1 < decoder.gamma
-    expected = target_joint(target, mode)
+    expected = target_joint(target, mode, prompt)
 
-    counts = sampled_joint(decoder, mode, max_new)
+    counts = sampled_joint(decoder, mode, max_new, prompt)
     assert chi_square_pvalue(counts, expected) > 1e-3
 
-    drafted = decoder.generate(PROMPT, SamplingParams(**mode, seed=0, ignore_eos=True), max_new).stats
+    drafted = decoder.generate(prompt, SamplingParams(**mode, seed=0, ignore_eos=True), max_new).stats
     assert drafted.drafted > 0 and drafted.rounds >= 1
     if case in GAMMA:  # the draft went on to different depths, and some drafted tokens were not verified
         runs = [decoder.generate(PROMPT, SamplingParams(**mode, seed=s, ignore_eos=True), max_new).stats
@@ -116,7 +124,7 @@ def test_first_two_tokens_follow_target(case, tiny_pair, monkeypatch):
         assert len({tuple(r.gamma_history) for r in runs}) > 1
         assert any(r.drafted < sum(r.gamma_history) for r in runs)
 
-    if case in ("T=1", "truncated q", "T<1 top-k", "draft stops where unsure", *GAMMA):
+    if case in ("T=1", "truncated q", "T<1 top-k", "draft stops where unsure", *GAMMA, *LOOKUP):
         monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: p)
-        broken = sampled_joint(decoder, mode, max_new)
+        broken = sampled_joint(decoder, mode, max_new, prompt)
         assert chi_square_pvalue(broken, expected) < 1e-3, "the test cannot tell a missing residual step"

@@ -95,9 +95,9 @@ def _methods(decoder: SpeculativeDecoder, gammas: list[int], hf_k: list[int], la
     def hf(**kw):
         return lambda ids, n: (*_hf_generate(target, ids, n, **kw), None)
 
-    def ours(gamma):
+    def ours(gamma, lookup=None):
         def fn(ids, n):
-            res = decoder.generate(ids, GREEDY, n, gamma=gamma)
+            res = decoder.generate(ids, GREEDY, n, gamma=gamma, draft_lookup=lookup)
             return res.token_ids, res.stats.total_time_s, res.stats
 
         return fn
@@ -134,6 +134,8 @@ def _methods(decoder: SpeculativeDecoder, gammas: list[int], hf_k: list[int], la
         methods.append((f"{prefix}specserve γ={g}", "specserve", g, ours(g)))
     methods.append((f"{prefix}specserve heuristic", "specserve", "heuristic", ours("heuristic")))
     methods.append((f"{prefix}specserve auto", "specserve", "auto", ours("auto")))
+    if decoder.draft_kind == "model" and decoder.draft_lookup:  # the draft alone, as HF assisted runs it
+        methods.append((f"{prefix}specserve auto, no lookup", "specserve", "auto", ours("auto", lookup=False)))
     return methods
 
 
@@ -244,6 +246,7 @@ def _summary(table: list[dict]) -> dict | None:
         return None
     fixed = [t for t in ours if isinstance(t["gamma"], int)]
     auto = next(t for t in ours if t["gamma"] == "auto")
+    plain = next((t for t in ours if t["method"].endswith("auto, no lookup")), None)
     best_ours = max(fixed + [auto], key=lambda t: t["tokens_per_s"])
     best_fixed = max(fixed, key=lambda t: t["tokens_per_s"]) if fixed else None
     hf_spec = [t for t in table if t["family"] == "hf-spec"]
@@ -256,6 +259,9 @@ def _summary(table: list[dict]) -> dict | None:
         "best_hf_speculative_speedup": best_hf["speedup"] if best_hf else None,
         "specserve_vs_hf_speculative": best_ours["tokens_per_s"] / best_hf["tokens_per_s"] if best_hf else None,
         "auto_vs_best_fixed": auto["tokens_per_s"] / best_fixed["tokens_per_s"] if best_fixed else None,
+        # the same draft without prompt lookup: what HF assisted generation runs
+        "auto_no_lookup_vs_hf_speculative": plain["tokens_per_s"] / best_hf["tokens_per_s"] if plain and best_hf
+        else None,
     }
 
 
@@ -309,5 +315,7 @@ def _report(args, decoder, workloads, runs, verify_costs, costs, specs) -> dict:
                 + (f"vs best HF speculative ({part['best_hf_speculative']}): {part['specserve_vs_hf_speculative']:.2f}x; "
                    if part["best_hf_speculative"] else "")
                 + (f"auto / best fixed γ: {part['auto_vs_best_fixed']:.2f}" if part["auto_vs_best_fixed"] else "")
+                + (f"; auto without lookup vs best HF: {part['auto_no_lookup_vs_hf_speculative']:.2f}x"
+                   if part["auto_no_lookup_vs_hf_speculative"] else "")
             )
     return report

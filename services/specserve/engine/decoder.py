@@ -22,7 +22,7 @@ import torch
 from specserve.engine.profile import draft_step_time, verify_profile
 from specserve.engine.loop import speculate
 from specserve.engine.prompts import Prompt, PromptCodec, cut_at_stop
-from specserve.engine.proposers import ModelProposer, NgramProposer, Proposer, TargetVerifier
+from specserve.engine.proposers import LookupOrModelProposer, ModelProposer, NgramProposer, Proposer, TargetVerifier
 from specserve.engine.stats import GenerationStats
 from specserve.models import LoadedModel, load_model, resolve_draft
 from specserve.spec import PositionRNG, SamplingParams, make_controller
@@ -62,6 +62,10 @@ class SpeculativeDecoder:
       distribution either way. Off by default: seeded outputs then depend on
       the draft's numerics at the threshold (pipelined and sequential seeded
       T=1 runs differed in a test), which fixed γ does not.
+    draft_lookup: a model draft first looks the context up (prompt lookup, a
+      match of 2+ tokens) and proposes what followed there, drafting with the
+      model elsewhere; free, and it wins where output copies the prompt
+      (rewriting, code). Which one drafts depends on the context only.
     """
 
     def __init__(
@@ -74,6 +78,7 @@ class SpeculativeDecoder:
         gamma_max: int = 8,
         draft_top_k: int = 0,
         draft_stop_below: float = 0.0,
+        draft_lookup: bool = True,
         device: str | None = None,
     ):
         make_controller(gamma, gamma_max)  # validate early
@@ -81,6 +86,7 @@ class SpeculativeDecoder:
         self.gamma_max = gamma_max
         self.draft_top_k = draft_top_k
         self.draft_stop_below = draft_stop_below
+        self.draft_lookup = draft_lookup
         self.target: LoadedModel = load_model(target, dtype, device)
         self.tokenizer = self.target.tokenizer
         self.draft: LoadedModel | None = None
@@ -102,13 +108,14 @@ class SpeculativeDecoder:
         self._profile: tuple[dict[int, float], float] | None = None
         self._last_auto = None  # the latest request's AutoGamma, to warm-start the next one
 
-    def new_proposer(self) -> Proposer | None:
+    def new_proposer(self, lookup: bool | None = None) -> Proposer | None:
         vocab = self.target.vocab_size
         if self.draft_kind == "ngram":
             return NgramProposer(vocab)
         if self.draft_kind == "model":
-            return ModelProposer(self.draft.model, vocab, self.draft_top_k, name=self.draft.name,
-                                 stop_below=self.draft_stop_below)
+            model = ModelProposer(self.draft.model, vocab, self.draft_top_k, name=self.draft.name,
+                                  stop_below=self.draft_stop_below)
+            return LookupOrModelProposer(model) if (self.draft_lookup if lookup is None else lookup) else model
         return None
 
     def cost_profile(self) -> tuple[dict[int, float], float]:
@@ -148,6 +155,7 @@ class SpeculativeDecoder:
         params: SamplingParams | None = None,
         max_new_tokens: int = 128,
         gamma: int | str | None = None,
+        draft_lookup: bool | None = None,
     ) -> GenerationResult:
         params = params or SamplingParams()
         stats = GenerationStats()
@@ -157,7 +165,7 @@ class SpeculativeDecoder:
         if (self.gamma if gamma is None else gamma) == "auto" and self.draft_kind != "none":
             self.cost_profile()  # one-time calibration, kept out of the timed generation
         t_start = time.perf_counter()
-        for new, reason in self.rounds(prompt_ids, params, max_new_tokens, gamma, stats):
+        for new, reason in self.rounds(prompt_ids, params, max_new_tokens, gamma, stats, draft_lookup):
             tokens.extend(new)
             finish = reason or finish
         stats.total_time_s = time.perf_counter() - t_start
@@ -175,8 +183,9 @@ class SpeculativeDecoder:
         max_new_tokens: int,
         gamma: int | str | None = None,
         stats: GenerationStats | None = None,
+        draft_lookup: bool | None = None,
     ) -> Iterator[tuple[list[int], str | None]]:
-        """Yield (new tokens, finish reason or None) once per round."""
+        """Yield (new tokens, finish reason or None) once per round (draft_lookup: None = the decoder's)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         room = self.codec.check_length(prompt_ids)
@@ -188,7 +197,7 @@ class SpeculativeDecoder:
         vocab = self.target.vocab_size
         hit_stop = (lambda generated: self._hit_stop(generated, params)) if params.stop else None
         yield from speculate(
-            prompt_ids, self.new_proposer(), TargetVerifier(self.target.model, vocab), controller, params,
+            prompt_ids, self.new_proposer(draft_lookup), TargetVerifier(self.target.model, vocab), controller, params,
             PositionRNG(params.seed), max_new_tokens, vocab, self.eos_ids, stats, hit_stop,
         )
 

@@ -34,6 +34,12 @@ def draft_block(
         full = proposer.propose(context, min(controller.max_gamma, remaining - 1), params, rng)
         g = controller.choose(remaining, key=full.key, available=len(full))
         return full.truncate(g), g
+    lookup = getattr(proposer, "lookup_proposal", None)  # a model draft that copies from the context first
+    if lookup is not None:
+        found = lookup(context, min(controller.max_gamma, remaining - 1), params, rng)
+        g = controller.choose(remaining, key=found.key, available=len(found)) if len(found) else 0
+        if g:
+            return found.truncate(g), g
     g = controller.choose(remaining, open_ended=proposer.stops_early)
     if g == 0:
         return empty_proposal(vocab), 0

@@ -169,6 +169,36 @@ class NgramProposer(Proposer):
         return Proposal(tokens, q, key=f"ngram-{n}")
 
 
+class LookupOrModelProposer(Proposer):
+    """Prompt lookup where the context repeats itself (an earlier match of at least `min_n` tokens), the
+    model draft elsewhere: lookup is free and wins on rewriting and code, the model on new text.
+
+    Which of the two drafts depends on the context only, so the output stays exact. A lookup proposal has
+    no confidences: the controller trims it by its match length's acceptance (`draft_block`).
+    """
+
+    stops_early = True
+
+    def __init__(self, model: ModelProposer, min_n: int = 2, max_n: int = 3):
+        self.model = model
+        self.vocab = model.vocab
+        self.name = f"{model.name}+lookup"
+        self.lookup = NgramProposer(model.vocab, max_n=max_n, min_n=min_n)
+
+    def prefill(self, prompt: list[int]) -> None:
+        self.model.prefill(prompt)
+
+    def lookup_proposal(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG) -> Proposal:
+        return self.lookup.propose(context, gamma, params, rng)
+
+    def propose(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG,
+                keep_going: Callable[[list[float]], bool] | None = None) -> Proposal:
+        return self.model.propose(context, gamma, params, rng, keep_going)
+
+    def release(self) -> None:
+        self.model.release()
+
+
 class TargetVerifier:
     """Scores context + proposal with ONE target forward over k+1 new positions and accepts a prefix."""
 
