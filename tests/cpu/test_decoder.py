@@ -46,7 +46,8 @@ def test_greedy_equals_target_only(models, draft, gamma):
 
 
 def test_greedy_random_draft_accepts_almost_nothing_but_still_matches(models):
-    spec = SpeculativeDecoder(models["target"], models["random draft"], gamma=4, draft_lookup=False).generate(PROMPT, GREEDY, 30)
+    decoder = SpeculativeDecoder(models["target"], models["random draft"], gamma=4, draft_lookup=False)
+    spec = decoder.generate(PROMPT, GREEDY, 30)
     assert spec.stats.acceptance_rate < 0.3
     assert spec.stats.rounds >= 20
 
@@ -95,7 +96,8 @@ def test_target_runs_one_forward_per_round_over_new_positions_only(models, monke
     target_calls, hook = _record_forwards(target)
     draft_calls = _record_lean_feeds(monkeypatch)
     try:
-        res = SpeculativeDecoder(target, draft, gamma=4, draft_stop_below=0.0, draft_lookup=False).generate(PROMPT, GREEDY, 50)
+        decoder = SpeculativeDecoder(target, draft, gamma=4, draft_stop_below=0.0, draft_lookup=False)
+        res = decoder.generate(PROMPT, GREEDY, 50)
     finally:
         hook.remove()
     stats = res.stats
@@ -115,8 +117,12 @@ def test_target_runs_one_forward_per_round_over_new_positions_only(models, monke
 def test_a_draft_that_stops_where_unsure_drafts_less_and_changes_no_token(models):
     target, draft = models["target"], models["random draft"]
     plain = SpeculativeDecoder(target, None).generate(PROMPT, GREEDY, 40).token_ids
-    full = SpeculativeDecoder(target, draft, gamma=4, draft_stop_below=0.0, draft_lookup=False).generate(PROMPT, GREEDY, 40)
-    always_stop = SpeculativeDecoder(target, draft, gamma=4, draft_stop_below=1.01, draft_lookup=False).generate(PROMPT, GREEDY, 40)
+
+    def run(stop_below):
+        decoder = SpeculativeDecoder(target, draft, gamma=4, draft_stop_below=stop_below, draft_lookup=False)
+        return decoder.generate(PROMPT, GREEDY, 40)
+
+    full, always_stop = run(0.0), run(1.01)
     assert full.token_ids == always_stop.token_ids == plain
     assert full.stats.drafted == sum(full.stats.gamma_history)  # every block as long as γ allowed
     # one token a block: never confident enough
