@@ -81,7 +81,8 @@ def test_served_tokens_equal_in_process(models, workers, draft, mode):
     target, draft_model = models
     servicers, stubs = workers
     params = SamplingParams(**MODES[mode], ignore_eos=True)
-    local = SpeculativeDecoder(target, draft_model if draft == "model" else "ngram", gamma=3, draft_top_k=TOP_K_Q)
+    local = SpeculativeDecoder(target, draft_model if draft == "model" else "ngram", gamma=3, draft_top_k=TOP_K_Q,
+                               draft_lookup=False)  # as a remote draft runs
     expected = local.generate(PROMPT, params, 40)
     tokens, finish, stats = remote_generate(
         stubs[draft], stubs["target"], PROMPT, params, 40, make_controller(3), VOCAB, set(), draft_is_free=draft == "ngram"
@@ -184,7 +185,8 @@ def test_pipelined_tokens_equal_sequential(models, workers, mode, monkeypatch):
     finally:
         channel.close()
         server.stop(grace=1).wait()
-    expected = SpeculativeDecoder(target, close_draft, gamma=2, draft_top_k=TOP_K_Q).generate(PROMPT, params, 60)
+    expected = SpeculativeDecoder(target, close_draft, gamma=2, draft_top_k=TOP_K_Q, draft_lookup=False).generate(
+        PROMPT, params, 60)
     assert runs[True][0] == runs[False][0] == expected.token_ids
     sequential, pipelined = proxies
     assert sequential.prefetch_hits == sequential.prefetch_misses == 0
