@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     gen.add_argument("--json", action="store_true", help="print the result and stats as JSON")
+    gen.add_argument("--no-lookup", action="store_true",
+                     help="a model draft drafts alone (default: prompt lookup first where the context repeats)")
 
     bench = sub.add_parser("bench", help="side-by-side speed measurements (JSON + PNG)")
     _add_model_args(bench)
@@ -136,7 +138,8 @@ def _generate(args) -> int:
         return 2
     draft = None if args.draft == "none" else args.draft
     try:
-        decoder = SpeculativeDecoder(args.target, draft, gamma=args.gamma, dtype=args.dtype, gamma_max=args.gamma_max)
+        decoder = SpeculativeDecoder(args.target, draft, gamma=args.gamma, dtype=args.dtype, gamma_max=args.gamma_max,
+                                     draft_lookup=not args.no_lookup)
         prompt = args.prompt
         if not args.raw and decoder.tokenizer is not None and decoder.tokenizer.chat_template:
             prompt = [{"role": "user", "content": args.prompt}]

@@ -25,6 +25,8 @@ def test_generate_json(model_dirs, capsys):
     assert len(out["token_ids"]) <= 12 and out["stats"]["rounds"] >= 1
     assert set(out["stats"]) >= {"acceptance_rate", "mean_accepted_length", "tokens_per_s", "gamma_history",
                                  "draft_time_s", "verify_time_s", "drafted", "accepted", "rounds"}
+    assert main(args + ["--no-lookup"]) == 0  # the model draft alone: greedy, so the same tokens
+    assert json.loads(capsys.readouterr().out)["token_ids"] == out["token_ids"]
 
 
 def test_generate_bad_input_is_a_message_not_a_traceback(model_dirs, tmp_path, capsys):
