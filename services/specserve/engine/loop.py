@@ -30,16 +30,18 @@ def draft_block(
     a draft that stops early gets γ as a ceiling and asks the controller after each token."""
     if proposer is None:
         return empty_proposal(vocab), 0
-    if proposer.free:
-        full = proposer.propose(context, min(controller.max_gamma, remaining - 1), params, rng)
+
+    def trimmed(propose) -> tuple[Proposal, int]:  # a free proposal, cut to the γ its quality class is worth
+        full = propose(context, min(controller.max_gamma, remaining - 1), params, rng)
         g = controller.choose(remaining, key=full.key, available=len(full))
         return full.truncate(g), g
-    lookup = getattr(proposer, "lookup_proposal", None)  # a model draft that copies from the context first
-    if lookup is not None:
-        found = lookup(context, min(controller.max_gamma, remaining - 1), params, rng)
-        g = controller.choose(remaining, key=found.key, available=len(found)) if len(found) else 0
+
+    if proposer.free:
+        return trimmed(proposer.propose)
+    if proposer.looks_up:  # a model draft that copies from the context first, where that pays
+        found, g = trimmed(proposer.lookup_proposal)
         if g:
-            return found.truncate(g), g
+            return found, g
     g = controller.choose(remaining, open_ended=proposer.stops_early)
     if g == 0:
         return empty_proposal(vocab), 0

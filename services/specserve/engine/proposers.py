@@ -52,12 +52,17 @@ class Proposer(ABC):
     # True when `propose` takes keep_going(confidences) -> bool and asks it after each token (a local model
     # draft): γ is then a ceiling and the controller decides token by token
     stops_early: bool = False
+    looks_up: bool = False  # True when `lookup_proposal` offers a free block (prompt lookup) before `propose`
 
     @abstractmethod
     def propose(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG) -> Proposal: ...
 
     def prefill(self, prompt: list[int]) -> None:  # noqa: B027 - optional
         """Warm the cache with the prompt (all but its last token)."""
+
+    def lookup_proposal(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG) -> Proposal:
+        """A free proposal from the context itself (only where `looks_up`)."""
+        raise NotImplementedError
 
     def commit(self, committed: list[int]) -> None:  # noqa: B027 - optional
         """The verifier settled on `committed`: drop cached draft tokens that were rejected."""
@@ -94,20 +99,15 @@ class ModelProposer(Proposer):
         self.name = name
         self.stop_below = stop_below
         # a head over a token subset: draft over it, widen q to the vocabulary once per block
-        self.subset = getattr(self.seq, "token_subset", None)
+        self.subset = self.seq.token_subset
 
     def prefill(self, prompt: list[int]) -> None:
         if len(prompt) > 1:
             self.seq.logits_after(prompt[:-1])
 
-    def _logits_after(self, context: list[int]) -> torch.Tensor:
-        """[1, n] logits after `context`, over the subset when there is one."""
-        if self.subset is None:
-            return self.seq.logits_after(context)[:, : self.vocab]
-        return self.seq.subset_logits_after(context)
-
-    def _logits_feeding(self, token: int) -> torch.Tensor:
-        return self.seq.feed([token])[:, : self.vocab] if self.subset is None else self.seq.feed_subset([token])
+    def _head(self, logits: torch.Tensor) -> torch.Tensor:
+        """[1, n] logits over the subset when there is one, else over the shared vocabulary."""
+        return logits if self.subset is not None else logits[:, : self.vocab]
 
     def _draft_distribution(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         q = probs_from_logits(logits, params)  # [1, n]
@@ -124,7 +124,7 @@ class ModelProposer(Proposer):
         if gamma <= 0:
             return empty_proposal(self.vocab)
         start = len(context)
-        logits = self._logits_after(context)
+        logits = self._head(self.seq.subset_logits_after(context))
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         confidences: list[float] = []
@@ -140,10 +140,10 @@ class ModelProposer(Proposer):
                     break
                 if keep_going is not None and not keep_going(confidences):
                     break
-                logits = self._logits_feeding(tokens[-1])
+                logits = self._head(self.seq.feed_subset([tokens[-1]]))
         q = torch.cat(qs)
         if self.subset is not None:  # sorted subset: the same inverse-CDF draw as over the full vocabulary
-            q = torch.zeros(len(tokens), self.vocab).index_copy_(1, self.subset, q)
+            q = sparse_to_dense(self.subset.expand(len(tokens), -1), q, self.vocab)
         return Proposal(tokens, q, confidences=confidences)
 
     def release(self) -> None:
@@ -178,6 +178,7 @@ class LookupOrModelProposer(Proposer):
     """
 
     stops_early = True
+    looks_up = True
 
     def __init__(self, model: ModelProposer, min_n: int = 2, max_n: int = 3):
         self.model = model

@@ -18,6 +18,7 @@ class TokenSequence:
     """The token bookkeeping every cache shares: which tokens it holds, prefix reuse, one forward per call."""
 
     tokens: list[int]
+    token_subset: torch.Tensor | None = None  # a head over a token subset: its tokens, sorted (see `feed_subset`)
 
     def common_prefix(self, tokens: list[int]) -> int:
         n = min(len(self.tokens), len(tokens))
@@ -34,8 +35,20 @@ class TokenSequence:
     def feed(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
         raise NotImplementedError
 
+    def feed_subset(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
+        """`feed`, with logits over `token_subset` only when there is one (no widening to the vocabulary)."""
+        return self.feed(new_tokens, keep_logits)
+
     def release(self) -> None:
         raise NotImplementedError
+
+    def _unfed(self, tokens: list[int], keep_logits: int) -> list[int]:
+        """Roll back to the longest cached prefix of `tokens` that leaves `keep_logits` to feed; the rest."""
+        if not tokens:
+            raise ValueError("cannot compute logits after an empty sequence")
+        keep = min(self.common_prefix(tokens), len(tokens) - keep_logits)
+        self.rollback(keep)
+        return tokens[keep:]
 
     def logits_after(self, tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
         """Logits predicting the tokens after each of the last `keep_logits` prefixes of `tokens`.
@@ -43,11 +56,11 @@ class TokenSequence:
         Feeds at least the last token (logits come only from a forward), and
         at least `keep_logits` tokens. Returns [keep_logits, vocab].
         """
-        if not tokens:
-            raise ValueError("cannot compute logits after an empty sequence")
-        keep = min(self.common_prefix(tokens), len(tokens) - keep_logits)
-        self.rollback(keep)
-        return self.feed(tokens[keep:], keep_logits)
+        return self.feed(self._unfed(tokens, keep_logits), keep_logits)
+
+    def subset_logits_after(self, tokens: list[int]) -> torch.Tensor:
+        """`logits_after(tokens)` through `feed_subset`: [1, subset or vocabulary]."""
+        return self.feed_subset(self._unfed(tokens, 1))
 
 
 class CachedSequence(TokenSequence):

@@ -122,7 +122,6 @@ class LeanSequence(TokenSequence):
         self.w = _weights(model, dtype)
         self.token_subset = self.w.token_subset
         self.vocab = model.config.vocab_size
-        self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.tokens: list[int] = []
         self.forward_calls = 0
         self.capacity = capacity
@@ -192,14 +191,6 @@ class LeanSequence(TokenSequence):
         full = logits.new_full((logits.shape[0], self.vocab), float("-inf"))
         full[:, self.token_subset] = logits
         return full
-
-    def subset_logits_after(self, tokens: list[int]) -> torch.Tensor:
-        """`logits_after(tokens)` over the head's tokens only: [1, subset]."""
-        if not tokens:
-            raise ValueError("cannot compute logits after an empty sequence")
-        keep = min(self.common_prefix(tokens), len(tokens) - 1)
-        self.rollback(keep)
-        return self.feed_subset(tokens[keep:])
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()  # as HF: normalise in float32, scale in the compute dtype

@@ -195,6 +195,23 @@ class AutoGamma(GammaController):
             self.tables[key] = _AcceptanceTable(self.gamma_max, self.prior_acceptance)
         return self.tables[key]
 
+    def calibration(self, key: str | None = None) -> _ConfidenceTable:
+        if key not in self.by_confidence:
+            self.by_confidence[key] = _ConfidenceTable()
+        return self.by_confidence[key]
+
+    def _drafted_so_far(self, confidences: list[float], key: str | None) -> list[tuple[float, float]]:
+        """(expected tokens of the round, chance all are accepted) with the first k drafted tokens verified,
+        k = 0..len(confidences), each at its confidence-calibrated acceptance."""
+        calibrated = self.calibration(key)
+        tokens, survive = 1.0, 1.0
+        out = [(tokens, survive)]
+        for confidence in confidences:
+            survive *= calibrated.at(confidence)
+            tokens += survive
+            out.append((tokens, survive))
+        return out
+
     def expected_tokens(self, gamma: int, key: str | None = None) -> float:
         table = self.table(key)
         total, survive = 1.0, 1.0
@@ -245,7 +262,7 @@ class AutoGamma(GammaController):
             if self._rounds_at_zero % self.probe_every == 0:
                 return 1  # keep the acceptance estimate alive while not speculating
         if open_ended and limit > 0:  # worth starting if a confident first token would pay
-            first = max(self.by_confidence.setdefault(key, _ConfidenceTable()).acceptance)
+            first = max(self.calibration(key).acceptance)
             if (1.0 + first) / self.round_time(1) > 1.0 / self.round_time(0):
                 return limit
         return best
@@ -259,11 +276,7 @@ class AutoGamma(GammaController):
         drafted = len(confidences)
         if drafted >= self.gamma_max:
             return False
-        calibrated = self.by_confidence.setdefault(key, _ConfidenceTable())
-        survive, tokens = 1.0, 1.0
-        for confidence in confidences:
-            survive *= calibrated.at(confidence)
-            tokens += survive
+        tokens, survive = self._drafted_so_far(confidences, key)[-1]
         now = tokens / self.round_time(drafted)
         table = self.table(key)
         for more in range(drafted + 1, self.gamma_max + 1):
@@ -276,22 +289,14 @@ class AutoGamma(GammaController):
     def worth_verifying(self, confidences: list[float], key: str | None = None) -> int:
         """The count with the best expected tokens per second, the drafting of all of them already paid."""
         sunk = len(confidences) * (self.draft_step_s or 0.0) + self.overhead_s
-        calibrated = self.by_confidence.setdefault(key, _ConfidenceTable())
-        best, best_rate = 0, 1.0 / (sunk + self.verify_time(1))
-        survive, tokens = 1.0, 1.0
-        for k, confidence in enumerate(confidences, start=1):
-            survive *= calibrated.at(confidence)
-            tokens += survive
-            rate = tokens / (sunk + self.verify_time(k + 1))
-            if rate > best_rate:
-                best, best_rate = k, rate
-        return best
+        expected = self._drafted_so_far(confidences, key)
+        return max(range(len(expected)), key=lambda k: expected[k][0] / (sunk + self.verify_time(k + 1)))
 
     def update(self, obs: RoundObservation) -> None:
         w = self.decay
         self.table(obs.key).update(obs.betas[: obs.drafted], w)
         if obs.confidences:
-            self.by_confidence.setdefault(obs.key, _ConfidenceTable()).update(obs.confidences, obs.betas, w)
+            self.calibration(obs.key).update(obs.confidences, obs.betas, w)
         positions = obs.drafted + 1
         if obs.verify_time_s > 0:
             old = self.verify_s.get(positions)
