@@ -10,7 +10,7 @@ import torch
 from specserve import SamplingParams, SpeculativeDecoder
 from specserve.cli import main
 from specserve.distill import prompt_set
-from specserve.distill.core import acceptance, choose_subset, kd_loss
+from specserve.distill.core import PackedCorpus, acceptance, choose_subset, kd_loss
 from specserve.distill.corpus import Record, write_batch
 from tests.conftest import perturbed_copy, save_tokenized_pair, tiny_llama
 
@@ -35,6 +35,39 @@ def test_choose_subset_keeps_the_most_probable_tokens_and_the_special_ones():
     records = [Record([0, 1, 2], 1, torch.tensor([[7, 3, 5], [3, 7, 9]], dtype=torch.int32), logprobs)]
     assert choose_subset(records, 12, 2, set()).tolist() == [3, 7]
     assert choose_subset(records, 12, 3, {11}).tolist() == [3, 7, 11]
+
+
+def test_packed_corpus_batches_line_every_teacher_up_with_the_token_it_predicts():
+    """Windows (long prompts keep their tail, long answers are cut), padding, and each answer position's
+    (row, column) and teacher rows, checked against the records one by one."""
+    gen = torch.Generator().manual_seed(0)
+    records = []
+    for prompt_len, answer_len in [(3, 5), (30, 4), (2, 40), (25, 25), (1, 1)]:
+        ids = torch.randint(0, 50, (prompt_len + answer_len,), generator=gen).tolist()
+        top = torch.randint(0, 50, (answer_len, 4), generator=gen, dtype=torch.int32)
+        top[:, 0] = torch.tensor(ids[prompt_len:])  # the written token is the teacher's top-1 here
+        records.append(Record(ids, prompt_len, top, torch.randn(answer_len, 4).to(torch.float16)))
+    lookup = torch.where(torch.arange(50) % 7 == 3, -1, torch.arange(50) // 2)  # some tokens outside the draft
+    corpus = PackedCorpus(records, 16, 99, lookup)
+    for chosen in ([0, 1, 2, 3, 4], [3, 0], [2], [4, 4, 1]):
+        x, rows, cols, index, logprobs = corpus.batch(chosen)
+        seen = {}
+        for row, col, teacher, values in zip(rows.tolist(), cols.tolist(), index, logprobs):
+            record = records[chosen[row]]
+            window = x[row][x[row] != 99].tolist()
+            start = next(s for s in range(len(record.ids)) if record.ids[s : s + len(window)] == window)
+            answer = start + col + 1 - record.prompt_len  # which answer token column `col` predicts
+            assert 0 <= answer < len(record.top_ids) and x[row, col + 1] == record.ids[record.prompt_len + answer]
+            assert teacher.tolist() == lookup[record.top_ids[answer].long()].tolist()
+            assert torch.equal(values, record.top_logprobs[answer])
+            seen.setdefault(row, []).append(col)
+        # answer positions per window: a long prompt keeps its last 8 tokens (half the window), a long answer is cut
+        expected = [5, 4, 14, 8, 1]
+        for row, r in enumerate(chosen):
+            window = (x[row] != 99).sum().item()
+            assert len(seen[row]) == expected[r] and sorted(set(seen[row])) == seen[row]
+            assert window == min(16, len(records[r].ids))
+        assert x.shape == (len(chosen), max(min(16, len(records[r].ids)) for r in chosen))
 
 
 def test_write_batch_matches_one_sequence_at_a_time_greedy_decoding():

@@ -207,23 +207,50 @@ def kd_loss(student_logits: torch.Tensor, teacher_index: torch.Tensor, teacher_l
     return (p * (p_log - q_log)).masked_fill(p == 0, 0.0).sum(-1).mean() * temperature**2
 
 
-def training_batch(records: list[Record], seq_len: int, pad_id: int, lookup: torch.Tensor):
-    """Right-padded ids [B, T] (causal: padding never reaches a real position), and for the answer positions
-    their (row, column) coordinates, teacher indices into the draft's tokens and log-probabilities."""
-    windows = []
-    for r in records:  # a long prompt keeps its tail: at least half the window is answer when the answer is long
-        start = max(0, min(r.prompt_len - seq_len // 2, len(r.ids) - seq_len))
-        windows.append((r.ids[start : start + seq_len], r.prompt_len - start, r))
-    width = max(len(w) for w, _, _ in windows)
-    x = torch.tensor([w + [pad_id] * (width - len(w)) for w, _, _ in windows])
-    rows, cols, index, logprobs = [], [], [], []
-    for b, (seq, prompt_len, r) in enumerate(windows):
-        n = len(seq) - prompt_len  # answer tokens in the window
-        rows.append(torch.full((n,), b))
-        cols.append(torch.arange(prompt_len - 1, len(seq) - 1))  # logits at i predict token i+1
-        index.append(lookup[r.top_ids[:n].long()])
-        logprobs.append(r.top_logprobs[:n])
-    return x, torch.cat(rows), torch.cat(cols), torch.cat(index), torch.cat(logprobs)
+class PackedCorpus:
+    """The corpus as a few flat tensors on the training device, so a batch is assembled there by indexing.
+
+    Each record's training window is fixed: a long prompt keeps its tail, so at least half the window is answer
+    when the answer is long. Its ids are stored right-padded to `seq_len` (causal: padding never reaches a real
+    position); its answer positions' teacher top-k (as indices into the draft's tokens, -1 for tokens the draft
+    cannot propose) sit in one flat [positions, k] pair of tensors.
+    """
+
+    def __init__(self, records: list[Record], seq_len: int, pad_id: int, lookup: torch.Tensor,
+                 device: torch.device | str = "cpu"):
+        starts = [max(0, min(r.prompt_len - seq_len // 2, len(r.ids) - seq_len)) for r in records]
+        windows = [r.ids[s : s + seq_len] for r, s in zip(records, starts)]
+        self.width = torch.tensor([len(w) for w in windows])  # CPU: a batch's width and size need no device sync
+        self.answers = torch.tensor([len(w) - (r.prompt_len - s) for w, r, s in zip(windows, records, starts)])
+        ids = torch.full((len(records), seq_len), pad_id, dtype=torch.long)
+        for row, window in enumerate(windows):
+            ids[row, : len(window)] = torch.tensor(window)
+        index = torch.cat([lookup[r.top_ids[:n].long()] for r, n in zip(records, self.answers.tolist())])
+        logprobs = torch.cat([r.top_logprobs[:n] for r, n in zip(records, self.answers.tolist())])
+        first = torch.cat([torch.zeros(1, dtype=torch.long), self.answers.cumsum(0)[:-1]])
+        self.device = torch.device(device)
+        self.ids, self.first_answer = ids.to(self.device), first.to(self.device)
+        self.first_col = (self.width - self.answers - 1).to(self.device)  # logits at i predict token i+1
+        self.index, self.logprobs = index.to(torch.int32).to(self.device), logprobs.to(self.device)
+
+    def __len__(self) -> int:
+        return len(self.width)
+
+    def batch(self, chosen: list[int]):
+        """ids [B, T] (T: the widest window chosen), and for every answer position its (row, column), its
+        teacher's indices into the draft's tokens and its full-vocabulary log-probabilities at T=1."""
+        cpu = torch.tensor(chosen)
+        counts = self.answers[cpu]
+        total = int(counts.sum())
+        rec = cpu.to(self.device)
+        rows = torch.repeat_interleave(torch.arange(len(chosen), device=self.device), counts.to(self.device),
+                                       output_size=total)
+        offset = torch.cumsum(counts, 0).to(self.device) - counts.to(self.device)
+        within = torch.arange(total, device=self.device) - offset[rows]
+        cols = self.first_col[rec][rows] + within
+        flat = self.first_answer[rec][rows] + within
+        x = self.ids[rec, : int(self.width[cpu].max())]
+        return x, rows, cols, self.index[flat].long(), self.logprobs[flat]
 
 
 def draft_logits(draft, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -306,29 +333,35 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
         log(f"resuming from step {start}")
-    pad = pad_id(target.tokenizer, target.eos_ids)
+    corpus = PackedCorpus(records, cfg.seq_len, pad_id(target.tokenizer, target.eos_ids), lookup, target.device)
     rng = random.Random(cfg.seed + start)
     losses: list[float] = []
+    pending: list[torch.Tensor] = []  # losses still on the device: read every few steps, not synced every step
     draft.train()
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True  # on a GPU, the draft's updates tolerate TF32 (the teacher was fp32)
     bar = tqdm(range(start, cfg.steps), desc="distilling", initial=start, total=cfg.steps)
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, cfg)
-        batch = training_batch(rng.sample(records, min(cfg.batch, len(records))), cfg.seq_len, pad, lookup)
-        x, rows, cols, index, logprobs = (t.to(target.device) for t in batch)
+        x, rows, cols, index, logprobs = corpus.batch(rng.sample(range(len(corpus)), min(cfg.batch, len(corpus))))
         loss = kd_loss(draft_logits(draft, x, rows, cols), index, logprobs, cfg.kd_temperature)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
-        losses.append(loss.item())
-        bar.set_postfix(kl=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+        pending.append(loss.detach())
+        if len(pending) == 20 or step + 1 == cfg.steps:
+            losses += torch.stack(pending).tolist()
+            pending.clear()
+            bar.set_postfix(kl=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
             tmp = checkpoint.with_suffix(".tmp")
             trained = {k: v for k, v in draft.state_dict().items() if k != EMBEDDING or subset is None}
             torch.save({"step": step + 1, "draft": trained, "optimizer": optimizer.state_dict(), "subset": subset},
                        tmp)
             tmp.replace(checkpoint)
+    torch.backends.cuda.matmul.allow_tf32 = tf32
     draft.eval()
 
     metrics = evaluate(target, draft, cfg, out)
