@@ -33,6 +33,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma-max", type=int, default=8, help="deepest speculation auto/heuristic may choose")
 
 
+def _add_lookup_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-lookup", action="store_true",
+                   help="a model draft drafts alone (default: prompt lookup first where the context repeats)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -49,8 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     gen.add_argument("--json", action="store_true", help="print the result and stats as JSON")
-    gen.add_argument("--no-lookup", action="store_true",
-                     help="a model draft drafts alone (default: prompt lookup first where the context repeats)")
+    _add_lookup_arg(gen)
 
     bench = sub.add_parser("bench", help="side-by-side speed measurements (JSON + PNG)")
     _add_model_args(bench)
@@ -110,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(srv)
     srv.add_argument("--gamma", type=_gamma, default="auto", help="default γ: int, 'auto' or 'heuristic'")
     srv.add_argument("--no-pipeline", action="store_true", help="do not overlap drafting with verification")
+    _add_lookup_arg(srv)
     srv.add_argument("--model-name", default=None, help="model id clients pass (default: the target's name)")
     srv.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 to listen on all interfaces)")
     srv.add_argument("--http-port", type=int, default=8000)

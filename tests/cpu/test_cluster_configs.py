@@ -34,11 +34,13 @@ def test_broken_config_names_the_problem(tmp_path):
 
 
 def test_flags_make_the_same_shape_of_config():
-    args = build_parser().parse_args(["serve", "--gamma", "3", "--http-port", "8100", "--no-pipeline"])
+    args = build_parser().parse_args(["serve", "--gamma", "3", "--http-port", "8100", "--no-pipeline", "--no-lookup"])
     config = config_from_flags(args)
     assert config["http_options"]["port"] == 8100 and config["grpc_options"]["port"] == 9000
     assert config["applications"][0]["args"]["gamma"] == 3
     assert config["applications"][0]["args"]["pipelined"] is False
+    assert config["applications"][0]["args"]["draft_lookup"] is False
+    assert "draft_lookup" not in config_from_flags(build_parser().parse_args(["serve"]))["applications"][0]["args"]
 
 
 def test_pipelining_is_on_by_default_only_when_both_workers_have_gpus():

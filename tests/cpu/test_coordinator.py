@@ -36,7 +36,7 @@ def setup():
         addresses[name] = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
         server.start()
         servers.append(server)
-    local = SpeculativeDecoder(target, draft, gamma=3, draft_top_k=TOP_K_Q, draft_lookup=False)  # as served
+    local = SpeculativeDecoder(target, draft, gamma=3, draft_top_k=TOP_K_Q)  # as served: prompt lookup first
     yield {"addresses": addresses, "servicers": {k: v[0] for k, v in servicers.items()}, "local": local}
     for server in servers:
         server.stop(0)

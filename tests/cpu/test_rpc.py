@@ -75,25 +75,31 @@ MODES = {
 }
 
 
-@pytest.mark.parametrize("draft", ["model", "ngram"])
+@pytest.mark.parametrize("draft", ["model + lookup", "model", "ngram"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_served_tokens_equal_in_process(models, workers, draft, mode):
+    """Prompt lookup in front of a remote model draft runs in the client, as it does in process; this prompt
+    ends with a 2-gram seen before, so the first block is the lookup's."""
     target, draft_model = models
     servicers, stubs = workers
     params = SamplingParams(**MODES[mode], ignore_eos=True)
-    local = SpeculativeDecoder(target, draft_model if draft == "model" else "ngram", gamma=3, draft_top_k=TOP_K_Q,
-                               draft_lookup=False)  # as a remote draft runs
-    expected = local.generate(PROMPT, params, 40)
+    lookup, kind = draft == "model + lookup", draft.split()[0]
+    prompt = PROMPT + [2, 6, 8, 3, 1, 4] if lookup else PROMPT
+    local = SpeculativeDecoder(target, draft_model if kind == "model" else "ngram", gamma=3, draft_top_k=TOP_K_Q,
+                               draft_lookup=lookup)
+    expected = local.generate(prompt, params, 40)
     tokens, finish, stats = remote_generate(
-        stubs[draft], stubs["target"], PROMPT, params, 40, make_controller(3), VOCAB, set(), draft_is_free=draft == "ngram"
+        stubs[kind], stubs["target"], prompt, params, 40, make_controller(3), VOCAB, set(),
+        draft_is_free=kind == "ngram", draft_lookup=lookup,
     )
     assert tokens == expected.token_ids and finish == "length"
     assert stats.accepted == expected.stats.accepted and stats.rounds == expected.stats.rounds
-    if draft == "model":
+    assert stats.lookup_rounds == expected.stats.lookup_rounds and (stats.lookup_rounds > 0) == lookup
+    if kind == "model":
         assert 0 < stats.acceptance_rate < 1
     if mode == "greedy":
-        assert tokens == SpeculativeDecoder(target, None, gamma=0).generate(PROMPT, params, 40).token_ids
-    assert len(servicers[draft].sessions) == 0 and len(servicers["target"].sessions) == 0
+        assert tokens == SpeculativeDecoder(target, None, gamma=0).generate(prompt, params, 40).token_ids
+    assert len(servicers[kind].sessions) == 0 and len(servicers["target"].sessions) == 0
 
 
 def test_q_crosses_the_wire_sparse(workers):
@@ -185,8 +191,7 @@ def test_pipelined_tokens_equal_sequential(models, workers, mode, monkeypatch):
     finally:
         channel.close()
         server.stop(grace=1).wait()
-    expected = SpeculativeDecoder(target, close_draft, gamma=2, draft_top_k=TOP_K_Q, draft_lookup=False).generate(
-        PROMPT, params, 60)
+    expected = SpeculativeDecoder(target, close_draft, gamma=2, draft_top_k=TOP_K_Q).generate(PROMPT, params, 60)
     assert runs[True][0] == runs[False][0] == expected.token_ids
     sequential, pipelined = proxies
     assert sequential.prefetch_hits == sequential.prefetch_misses == 0

@@ -52,8 +52,8 @@ def test_draft_and_target_land_where_the_config_says(cluster, tmp_path):
         assert ray.get(draft_actor.node_id.remote()) == cluster["small"].node_id
         params = SamplingParams(temperature=1.0, seed=5, ignore_eos=True)
         tokens, _ = served(target_actor, draft_actor, params)
-        local = SpeculativeDecoder(config.target, config.draft, gamma=3, dtype="float32", draft_top_k=4,
-                                   draft_lookup=False)  # as a served draft runs
+        # as served: prompt lookup first, then the model draft
+        local = SpeculativeDecoder(config.target, config.draft, gamma=3, dtype="float32", draft_top_k=4)
         assert tokens == local.generate(PROMPT, params, 30).token_ids
     finally:
         ray.kill(target_actor)
@@ -100,8 +100,8 @@ def test_two_stage_target_matches_the_unsharded_one(cluster, tmp_path):
         assert tokens == plain.generate(PROMPT, greedy, 30).token_ids
         assert stats.accepted > 0
         seeded = SamplingParams(temperature=1.0, seed=9, ignore_eos=True)
-        local = SpeculativeDecoder(config.target, config.draft, gamma=3, dtype="float32", draft_top_k=4,
-                                   draft_lookup=False)  # as a served draft runs
+        # as served: prompt lookup first, then the model draft
+        local = SpeculativeDecoder(config.target, config.draft, gamma=3, dtype="float32", draft_top_k=4)
         assert served(target_actor, draft_actor, seeded)[0] == local.generate(PROMPT, seeded, 30).token_ids
         profile = ray.get(target_actor.verify_profile.remote(4))
         assert sorted(profile) == [1, 2, 3, 4] and all(t > 0 for t in profile.values())

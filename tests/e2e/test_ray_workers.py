@@ -58,8 +58,8 @@ def test_ray_workers_serve_the_same_tokens_as_in_process(local_ray, model_dirs, 
     )
     target_actor, draft_actor = start_workers(config)
     try:
-        local = SpeculativeDecoder(config.target, config.draft, gamma=3, dtype="float32", draft_top_k=4,
-                                   draft_lookup=False)  # as a served draft runs
+        # as served: prompt lookup first, then the model draft
+        local = SpeculativeDecoder(config.target, config.draft, gamma=3, dtype="float32", draft_top_k=4)
         for mode in (dict(temperature=0.0), dict(temperature=1.0, seed=21), dict(temperature=0.7, top_p=0.9, seed=22)):
             params = SamplingParams(**mode, ignore_eos=True)
             tokens, stats = served(target_actor, draft_actor, params)

@@ -62,8 +62,8 @@ def server(tmp_path_factory):
 def local(server):
     root = server["root"]
     return {
-        "spec": SpeculativeDecoder(str(root / "target"), str(root / "draft"), gamma=3, dtype="float32", draft_top_k=64,
-                                    draft_lookup=False),  # as a served draft runs
+        # as served: prompt lookup first, then the model draft
+        "spec": SpeculativeDecoder(str(root / "target"), str(root / "draft"), gamma=3, dtype="float32", draft_top_k=64),
         "plain": SpeculativeDecoder(str(root / "target"), None, dtype="float32"),
     }
 

@@ -81,7 +81,7 @@ def run_served_bench(args) -> int:
     top_k = 64 if model_draft else 0  # the served draft worker ships its top-64 q
     print(f"specserve bench --served: loading target={args.target} draft={args.draft} γ={gamma} ...", flush=True)
     decoder = SpeculativeDecoder(args.target, draft, gamma=gamma, dtype=args.dtype, gamma_max=args.gamma_max,
-                                 draft_top_k=top_k, draft_lookup=False)  # served drafts have no lookup yet
+                                 draft_top_k=top_k)
     prompts = [(w, decoder.encode([{"role": "user", "content": p}])) for w in workloads
                for p in SUITE[w][: args.prompts]]
 

@@ -71,7 +71,9 @@ class Coordinator:
     draft: "ngram" (prompt lookup run here: it needs only the committed
     tokens, so a worker hop would only add latency), "remote" (a DraftWorker
     at `draft_address`; `draft_free` when that worker is an n-gram draft) or
-    "none" (plain target decoding through the same path).
+    "none" (plain target decoding through the same path). draft_lookup: a model
+    draft first looks the context up here (prompt lookup) and is called only
+    where that finds nothing worth verifying, as the in-process decoder does.
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class Coordinator:
         draft: str = "ngram",
         draft_address: str | None = None,
         draft_free: bool = False,
+        draft_lookup: bool = True,
         gamma: int | str = "auto",
         gamma_max: int = 8,
         pipelined: bool = True,
@@ -101,6 +104,7 @@ class Coordinator:
         self.eos_ids = set(eos_ids)
         self.draft = draft
         self.draft_free = draft_free or draft == "ngram"
+        self.draft_lookup = draft_lookup and draft == "remote" and not self.draft_free
         self.gamma = gamma
         self.gamma_max = gamma_max
         self.pipelined = pipelined and draft == "remote" and not self.draft_free
@@ -131,7 +135,8 @@ class Coordinator:
 
     def describe(self) -> dict[str, Any]:
         return {
-            "draft": self.draft, "gamma": self.gamma, "gamma_max": self.gamma_max, "pipelined": self.pipelined,
+            "draft": self.draft, "draft_lookup": self.draft_lookup, "gamma": self.gamma, "gamma_max": self.gamma_max,
+            "pipelined": self.pipelined,
             "active_sessions": self.active_sessions(), "max_sessions": self.max_sessions,
         }
 
@@ -154,7 +159,8 @@ class Coordinator:
         if self.draft == "ngram":
             proposer = NgramProposer(self.vocab)
         elif self.draft == "remote":
-            proposer = RemoteProposer(self._draft, sid, params, rng.seed, self.vocab, self.draft_free)
+            proposer = RemoteProposer(self._draft, sid, params, rng.seed, self.vocab, self.draft_free,
+                                      self.draft_lookup)
         verifier = RemoteVerifier(self._target, sid, params, rng.seed, self.vocab)
         controller = self.controller(request.gamma)
         stats.controller = controller.name
@@ -245,7 +251,7 @@ class Coordinator:
 
 
 def start_coordinator(config, target_actor, draft_actor=None, *, gamma="auto", gamma_max: int = 8, pipelined=True,
-                      max_sessions: int = 64):
+                      max_sessions: int = 64, draft_lookup: bool = True):
     """Create the coordinator actor for started workers, calibrating the γ cost model on them."""
     import ray
 
@@ -264,7 +270,8 @@ def start_coordinator(config, target_actor, draft_actor=None, *, gamma="auto", g
     actor = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=max(1000, 4 * max_sessions))
     return actor.remote(
         ray.get(target_actor.address.remote()), info["vocab"], info["eos_ids"],
-        draft=draft_mode, draft_address=draft_address, draft_free=free, gamma=gamma, gamma_max=gamma_max,
+        draft=draft_mode, draft_address=draft_address, draft_free=free, draft_lookup=draft_lookup, gamma=gamma,
+        gamma_max=gamma_max,
         pipelined=pipelined, verify_profile=profile, draft_step_s=step, max_sessions=max_sessions,
         model_name=getattr(config, "model_name", None) or info["name"], export_metrics=True,
     )

@@ -25,11 +25,12 @@ def draft_block(
     params: SamplingParams,
     rng: PositionRNG,
     vocab: int,
-) -> tuple[Proposal, int]:
-    """(proposal, γ chosen). A free draft proposes first so γ can depend on the proposal's quality;
-    a draft that stops early gets γ as a ceiling and asks the controller after each token."""
+) -> tuple[Proposal, int, bool]:
+    """(proposal, γ chosen, whether prompt lookup drafted it). A free draft proposes first so γ can depend on
+    the proposal's quality; a draft that stops early gets γ as a ceiling and asks the controller after each
+    token."""
     if proposer is None:
-        return empty_proposal(vocab), 0
+        return empty_proposal(vocab), 0, False
 
     def trimmed(propose) -> tuple[Proposal, int]:  # a free proposal, cut to the γ its quality class is worth
         full = propose(context, min(controller.max_gamma, remaining - 1), params, rng)
@@ -37,20 +38,20 @@ def draft_block(
         return full.truncate(g), g
 
     if proposer.free:
-        return trimmed(proposer.propose)
+        return *trimmed(proposer.propose), False
     if proposer.looks_up:  # a model draft that copies from the context first, where that pays
         found, g = trimmed(proposer.lookup_proposal)
         if g:
-            return found, g
+            return found, g, True
     g = controller.choose(remaining, open_ended=proposer.stops_early)
     if g == 0:
-        return empty_proposal(vocab), 0
+        return empty_proposal(vocab), 0, False
     if proposer.stops_early:  # γ: the depth the draft went on to; verified: what is worth it of that
         proposal = proposer.propose(context, g, params, rng, keep_going=controller.keep_drafting)
         if len(proposal.confidences) == len(proposal):
-            return proposal.truncate(controller.worth_verifying(proposal.confidences)), len(proposal)
-        return proposal, len(proposal)
-    return proposer.propose(context, g, params, rng), g
+            return proposal.truncate(controller.worth_verifying(proposal.confidences)), len(proposal), False
+        return proposal, len(proposal), False
+    return proposer.propose(context, g, params, rng), g, False
 
 
 def finish_reason(new: list[int], eos_ids: set[int], params: SamplingParams, room: int) -> tuple[list[int], str | None]:
@@ -95,7 +96,7 @@ def speculate(
         while produced < max_new_tokens:
             t_round = time.perf_counter()
             remaining = max_new_tokens - produced
-            proposal, g = draft_block(proposer, controller, context, remaining, params, rng, vocab)
+            proposal, g, looked_up = draft_block(proposer, controller, context, remaining, params, rng, vocab)
             t_drafted = time.perf_counter()
             after = remaining - len(proposal) - 1  # tokens still wanted if this block is fully accepted
             if pipelined and proposer is not None and not proposer.free and len(proposal) and after > 0:
@@ -103,7 +104,7 @@ def speculate(
             verdict = verifier.verify(context, proposal, params, rng)
             t_verified = time.perf_counter()
             draft_s, verify_s = t_drafted - t_round, t_verified - t_drafted
-            stats.record_round(g, len(proposal), verdict.n_accepted, draft_s, verify_s)
+            stats.record_round(g, len(proposal), verdict.n_accepted, draft_s, verify_s, looked_up)
             controller.update(
                 RoundObservation(
                     g, len(proposal), verdict.n_accepted, verdict.betas,

@@ -14,6 +14,7 @@ class GenerationStats:
     # γ each round: the depth asked for, or for a draft that stops early (a local model draft) the depth it went to
     gamma_history: list[int] = field(default_factory=list)
     accepted_history: list[int] = field(default_factory=list)  # draft tokens kept each round
+    lookup_rounds: int = 0  # rounds whose block came from prompt lookup in front of a model draft
     accepted_per_position: list[int] = field(default_factory=list)  # [i] = rounds whose draft token i+1 was kept
     drafted_per_position: list[int] = field(default_factory=list)
     prefill_time_s: float = 0.0
@@ -38,8 +39,10 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
 
-    def record_round(self, gamma: int, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def record_round(self, gamma: int, drafted: int, accepted: int, draft_s: float, verify_s: float,
+                     looked_up: bool = False) -> None:
         self.rounds += 1
+        self.lookup_rounds += looked_up
         self.drafted += drafted
         self.accepted += accepted
         self.emitted += accepted + 1

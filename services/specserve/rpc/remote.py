@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 
 from specserve.engine.loop import speculate
-from specserve.engine.proposers import Proposal, Proposer
+from specserve.engine.proposers import LOOKUP_MAX_N, LOOKUP_MIN_N, NgramProposer, Proposal, Proposer
 from specserve.engine.stats import GenerationStats
 from specserve.rpc.convert import q_from_wire, q_to_wire, sampling_to_proto
 from specserve.spec import GammaController, PositionRNG, SamplingParams, Verdict
@@ -46,12 +46,16 @@ class _SessionProxy:
 
 
 class RemoteProposer(_SessionProxy, Proposer):
-    """A DraftWorker session. free: the worker's draft costs ~nothing (n-gram)."""
+    """A DraftWorker session. free: the worker's draft costs ~nothing (n-gram). lookup: a model draft that
+    first looks the context up here (prompt lookup needs only the committed tokens: no worker call), as
+    `LookupOrModelProposer` does in process."""
 
-    def __init__(self, stub, session_id, params, seed, vocab, free: bool = False):
+    def __init__(self, stub, session_id, params, seed, vocab, free: bool = False, lookup: bool = False):
         super().__init__(stub, session_id, params, seed, vocab)
         self.free = free
         self.name = "remote"
+        self.looks_up = lookup and not free
+        self._lookup = NgramProposer(vocab, max_n=LOOKUP_MAX_N, min_n=LOOKUP_MIN_N)
         self._prefetched = None  # (branch context, gamma, future of ProposeReply)
         self.prefetch_hits = 0
         self.prefetch_misses = 0
@@ -59,17 +63,30 @@ class RemoteProposer(_SessionProxy, Proposer):
     def _proposal(self, reply, skip: int = 0) -> Proposal:
         return Proposal(list(reply.tokens)[skip:], q_from_wire(reply.q[skip:], self.vocab), reply.key or None)
 
+    def lookup_proposal(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG) -> Proposal:
+        return self._lookup.propose(context, gamma, params, rng)
+
+    def _settle(self):
+        """(branch, γ, reply) of the pending prefetch, waited for (None if there is none)."""
+        if self._prefetched is None:
+            return None
+        (branch, gamma, future), self._prefetched = self._prefetched, None
+        return branch, gamma, future.result()
+
     def prefetch(self, context, proposal, gamma, params, rng) -> None:
+        # A prefetch nobody used (a lookup block came first) is waited for: the worker applies a session's
+        # updates in the order they were sent.
+        if self._settle() is not None:
+            self.prefetch_misses += 1
         # Draft the bonus position too (a guess of the target's bonus token), then γ tokens after it.
         branch = context + proposal.tokens
         request = workers_pb2.ProposeRequest(update=self._update(branch), gamma=gamma + 1)
         self._prefetched = (branch, gamma, self.stub.Propose.future(request))
 
     def propose(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG) -> Proposal:
-        if self._prefetched is not None:
-            branch, pre_gamma, future = self._prefetched
-            self._prefetched = None
-            reply = future.result()
+        settled = self._settle()
+        if settled is not None:
+            branch, pre_gamma, reply = settled
             guess = reply.tokens[0] if reply.tokens else None
             if context == branch + [guess] and gamma <= pre_gamma:
                 # The worker holds `branch` as committed; the next update appends the guess and what follows.
@@ -111,11 +128,13 @@ def remote_generate(
     draft_is_free: bool = False,
     stats: GenerationStats | None = None,
     pipelined: bool = False,
+    draft_lookup: bool = True,
 ) -> tuple[list[int], str, GenerationStats]:
     """Run one session over gRPC workers; returns (new tokens, finish reason, stats). Both sessions are released."""
     rng = PositionRNG(params.seed)  # fixes the seed both workers key their randomness on
     session_id = uuid.uuid4().hex
-    proposer = RemoteProposer(draft_stub, session_id, params, rng.seed, vocab, draft_is_free) if draft_stub else None
+    proposer = (RemoteProposer(draft_stub, session_id, params, rng.seed, vocab, draft_is_free, draft_lookup)
+                if draft_stub else None)
     verifier = RemoteVerifier(target_stub, session_id, params, rng.seed, vocab)
     stats = stats if stats is not None else GenerationStats()
     stats.controller = controller.name

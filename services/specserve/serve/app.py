@@ -98,7 +98,7 @@ class SpecServe:
         self.target, self.draft = start_workers(cfg)
         self.coordinator = start_coordinator(
             cfg, self.target, self.draft, gamma=cfg.gamma, gamma_max=cfg.gamma_max, pipelined=cfg.pipelining(),
-            max_sessions=cfg.max_sessions,
+            max_sessions=cfg.max_sessions, draft_lookup=cfg.draft_lookup,
         )
         info = ray.get(self.target.info.remote())
         self.info = info

@@ -22,6 +22,11 @@ class AppConfig(WorkersConfig):
         "and target both have GPUs; on shared CPU cores the two forwards fight over the cores (measured 0.25-0.4x "
         "of sequential on 2 cores).",
     )
+    draft_lookup: bool = Field(
+        True,
+        description="A model draft first looks the context up (prompt lookup, in the coordinator: no worker call) "
+        "and is asked only where that finds nothing worth verifying; false: the model drafts every block.",
+    )
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request does not say.")
     max_sessions: int = Field(64, ge=1, description="Concurrent sessions the coordinator runs.")
 

@@ -47,6 +47,8 @@ def config_from_flags(args) -> dict[str, Any]:
                                 "gamma_max": args.gamma_max}
     if args.no_pipeline:
         app_args["pipelined"] = False
+    if args.no_lookup:
+        app_args["draft_lookup"] = False
     if args.dtype:
         app_args["dtype"] = args.dtype
     if args.model_name:
