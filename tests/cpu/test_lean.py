@@ -28,13 +28,18 @@ def subset_draft(seed: int = 3) -> SubsetDraftForCausalLM:
 
 def hf_logits(model, tokens: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return model(torch.tensor([tokens])).logits[0].float()
+        return model(torch.tensor([tokens], device=model.device)).logits[0].float()
 
 
+# CUDA runs only where there is a GPU (a device session: `pytest tests/cpu/test_lean.py`); CI has none
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("make", [lambda: tiny_llama(5, vocab=VOCAB, layers=2, hidden=32, scale=8), subset_draft],
                          ids=["llama", "subset-draft"])
-def test_feeds_rollbacks_and_growth_match_the_hf_forward(make):
-    model = make()
+def test_feeds_rollbacks_and_growth_match_the_hf_forward(make, device):
+    model = make().to(device)
     seq = LeanSequence(model, capacity=4)  # small, so the cache grows several times
     assert draft_sequence(model).__class__ is LeanSequence
     tokens = [1, 7, 3, 9, 2, 30, 4, 4, 8, 12, 6]
