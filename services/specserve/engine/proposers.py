@@ -52,7 +52,7 @@ class Proposer(ABC):
     # True when `propose` takes keep_going(confidences) -> bool and asks it after each token (a local model
     # draft): γ is then a ceiling and the controller decides token by token
     stops_early: bool = False
-    looks_up: bool = False  # True when `lookup_proposal` offers a free block (prompt lookup) before `propose`
+    lookup: Proposer | None = None  # prompt lookup tried before `propose` (a free block where the context repeats)
 
     @abstractmethod
     def propose(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG) -> Proposal: ...
@@ -60,9 +60,13 @@ class Proposer(ABC):
     def prefill(self, prompt: list[int]) -> None:  # noqa: B027 - optional
         """Warm the cache with the prompt (all but its last token)."""
 
+    @property
+    def looks_up(self) -> bool:
+        return self.lookup is not None
+
     def lookup_proposal(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG) -> Proposal:
         """A free proposal from the context itself (only where `looks_up`)."""
-        raise NotImplementedError
+        return self.lookup.propose(context, gamma, params, rng)
 
     def commit(self, committed: list[int]) -> None:  # noqa: B027 - optional
         """The verifier settled on `committed`: drop cached draft tokens that were rejected."""
@@ -150,11 +154,6 @@ class ModelProposer(Proposer):
         self.seq.release()
 
 
-# Prompt lookup in front of a model draft: an earlier occurrence of the context's last 2-3 tokens (a 1-gram
-# match's first token is accepted ~25% of the time on the bench prompts; 2- and 3-gram matches pay).
-LOOKUP_MIN_N, LOOKUP_MAX_N = 2, 3
-
-
 class NgramProposer(Proposer):
     """Prompt lookup; q is one-hot on each proposed token; the key is the match length."""
 
@@ -174,6 +173,12 @@ class NgramProposer(Proposer):
         return Proposal(tokens, q, key=f"ngram-{n}")
 
 
+def prompt_lookup(vocab: int) -> NgramProposer:
+    """Prompt lookup in front of a model draft: an earlier occurrence of the context's last 2-3 tokens (a 1-gram
+    match's first token is accepted ~25% of the time on the bench prompts; 2- and 3-gram matches pay)."""
+    return NgramProposer(vocab, max_n=3, min_n=2)
+
+
 class LookupOrModelProposer(Proposer):
     """Prompt lookup where the context repeats itself (an earlier match of at least `min_n` tokens), the
     model draft elsewhere: lookup is free and wins on rewriting and code, the model on new text.
@@ -183,19 +188,15 @@ class LookupOrModelProposer(Proposer):
     """
 
     stops_early = True
-    looks_up = True
 
-    def __init__(self, model: ModelProposer, min_n: int = LOOKUP_MIN_N, max_n: int = LOOKUP_MAX_N):
+    def __init__(self, model: ModelProposer):
         self.model = model
         self.vocab = model.vocab
         self.name = f"{model.name}+lookup"
-        self.lookup = NgramProposer(model.vocab, max_n=max_n, min_n=min_n)
+        self.lookup = prompt_lookup(model.vocab)
 
     def prefill(self, prompt: list[int]) -> None:
         self.model.prefill(prompt)
-
-    def lookup_proposal(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG) -> Proposal:
-        return self.lookup.propose(context, gamma, params, rng)
 
     def propose(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG,
                 keep_going: Callable[[list[float]], bool] | None = None) -> Proposal:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 
 from specserve.engine.loop import speculate
-from specserve.engine.proposers import LOOKUP_MAX_N, LOOKUP_MIN_N, NgramProposer, Proposal, Proposer
+from specserve.engine.proposers import Proposal, Proposer, prompt_lookup
 from specserve.engine.stats import GenerationStats
 from specserve.rpc.convert import q_from_wire, q_to_wire, sampling_to_proto
 from specserve.spec import GammaController, PositionRNG, SamplingParams, Verdict
@@ -54,17 +54,13 @@ class RemoteProposer(_SessionProxy, Proposer):
         super().__init__(stub, session_id, params, seed, vocab)
         self.free = free
         self.name = "remote"
-        self.looks_up = lookup and not free
-        self._lookup = NgramProposer(vocab, max_n=LOOKUP_MAX_N, min_n=LOOKUP_MIN_N)
+        self.lookup = prompt_lookup(vocab) if lookup and not free else None
         self._prefetched = None  # (branch context, gamma, future of ProposeReply)
         self.prefetch_hits = 0
         self.prefetch_misses = 0
 
     def _proposal(self, reply, skip: int = 0) -> Proposal:
         return Proposal(list(reply.tokens)[skip:], q_from_wire(reply.q[skip:], self.vocab), reply.key or None)
-
-    def lookup_proposal(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG) -> Proposal:
-        return self._lookup.propose(context, gamma, params, rng)
 
     def _settle(self):
         """(branch, γ, reply) of the pending prefetch, waited for (None if there is none)."""
