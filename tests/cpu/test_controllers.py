@@ -92,19 +92,6 @@ def test_auto_keeps_acceptance_per_proposal_key():
     assert auto.choose(key="ngram-3", available=2) == 2  # never deeper than the proposal
 
 
-def test_a_lookup_block_in_front_of_a_model_draft_is_free():
-    """Prompt lookup costs nothing to draft: trimming it weighs verification only, and its near-zero draft time
-    does not teach the controller that the model draft is cheap."""
-    auto = AutoGamma(gamma_max=8, verify_profile=MID, draft_step_s=0.030)  # a draft step nearly a target step
-    for _ in range(40):
-        auto.update(RoundObservation(3, 3, 3, [0.9] * 3, 1e-5, MID[4], MID[4] + 1e-5, "ngram-3", free=True))
-    assert auto.draft_step_s == 0.030
-    assert auto.choose(key="ngram-3", available=3) == 3  # drafted already: worth verifying at β = 0.9
-    assert auto.tokens_per_second(3, "ngram-3") < auto.tokens_per_second(3, "ngram-3", drafting=False)
-    auto.update(RoundObservation(2, 2, 1, [0.5, 0.5], 0.010, MID[3], MID[3] + 0.010))  # a model block: learnt
-    assert auto.draft_step_s < 0.030
-
-
 def test_auto_warm_start_carries_learning():
     first = AutoGamma(gamma_max=8, verify_profile=FLAT, draft_step_s=0.001)
     feed(first, 0.95)

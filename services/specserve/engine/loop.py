@@ -109,7 +109,6 @@ def speculate(
                 RoundObservation(
                     g, len(proposal), verdict.n_accepted, verdict.betas,
                     draft_s, verify_s, time.perf_counter() - t_round, proposal.key, proposal.confidences,
-                    free=looked_up or proposer is not None and proposer.free,
                 )
             )
             new = proposal.tokens[: verdict.n_accepted] + [verdict.next_token]
