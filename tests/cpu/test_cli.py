@@ -56,6 +56,13 @@ def test_bench_model_draft_writes_json_and_png(model_dirs, tmp_path, capsys):
     assert "[1/" in capsys.readouterr().out  # progress lines
 
 
+def test_bench_rejects_more_prompts_than_the_suite_has(capsys):
+    assert main(["bench", "--prompts", "7"]) == 2
+    assert "--prompts must be 1-6" in capsys.readouterr().err
+    assert main(["bench", "--served", "--prompts", "0"]) == 2
+    assert "--prompts" in capsys.readouterr().err
+
+
 def test_bench_served_compares_the_served_path_with_in_process(model_dirs, tmp_path):
     """Starts a local Ray + Serve, two applications (sequential, pipelined): same text as in-process."""
     out = tmp_path / "served"

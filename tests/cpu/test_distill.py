@@ -92,6 +92,18 @@ def test_held_out_prompts_share_no_subject_with_training_prompts():
     assert any("```python" in p for p in train) and any(p.startswith("Rewrite") for p in train)
 
 
+def test_bench_prompts_are_not_prompts_distill_trains_on():
+    from specserve.bench.prompts import PER_WORKLOAD, SUITE
+    from specserve.distill.corpus import CHAT, CODE, REWRITE, SUBJECTS
+
+    assert PER_WORKLOAD == 6 and all(len(prompts) == PER_WORKLOAD for prompts in SUITE.values())
+    bench = {p for prompts in SUITE.values() for p in prompts}
+    training = {t.format(s=s) for t in CHAT + REWRITE + CODE for s in SUBJECTS}
+    assert len(bench) == 3 * PER_WORKLOAD and len(training) > 5000
+    assert not bench & training
+    assert set(prompt_set(len(training))) <= training  # what prompt_set draws from is what was checked
+
+
 @pytest.mark.slow
 def test_distill_trains_resumes_and_writes_a_usable_subset_draft(tmp_path, capsys):
     root = save_tokenized_pair(tmp_path / "models")
