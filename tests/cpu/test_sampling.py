@@ -5,7 +5,16 @@ import pytest
 import torch
 from scipy import stats
 
-from specserve.spec import PositionRNG, Purpose, SamplingParams, accept_prefix, probs_from_logits, sample_from_probs
+from specserve.engine.proposers import Proposal, TargetVerifier, one_hot_on
+from specserve.spec import (
+    PositionRNG,
+    Purpose,
+    SamplingParams,
+    accept_greedy,
+    accept_prefix,
+    probs_from_logits,
+    sample_from_probs,
+)
 from specserve.spec.sampling import sparse_to_dense, truncate_top_k
 from tests.reference import reference_accept, reference_probs
 
@@ -82,6 +91,50 @@ def test_greedy_accept_is_argmax_equality():
     zeros = torch.zeros(4, dtype=torch.float64)
     verdict = accept_prefix(torch.tensor([3, 1, 0]), q, p, zeros[:3], zeros)
     assert (verdict.n_accepted, verdict.next_token) == (2, 4)
+
+
+def test_accept_greedy_is_accept_prefix_at_temperature_zero():
+    """Same verdict, acceptance probabilities and betas as the vocabulary-wide path, ties in the logits included."""
+    gen = torch.Generator().manual_seed(3)
+    rng, greedy, lengths = PositionRNG(3), SamplingParams(temperature=0), set()
+    for trial in range(300):
+        gamma, vocab = trial % 6, 5
+        logits = torch.randint(0, 3, (gamma + 1, vocab), generator=gen).float()  # many ties: argmax takes the first
+        p = probs_from_logits(logits, greedy)
+        draft = torch.randint(0, vocab, (gamma,), generator=gen)
+        hit = torch.rand(gamma, generator=gen) < 0.7  # mostly the target's argmax, so long prefixes occur
+        draft = torch.where(hit, logits[:gamma].argmax(-1), draft)
+        q = torch.nn.functional.one_hot(draft, vocab).float()
+        want = accept_prefix(draft, q, p, rng.uniforms(trial, gamma, Purpose.ACCEPT),
+                             rng.uniforms(trial, gamma + 1, Purpose.FINAL))
+        got = accept_greedy(draft.tolist(), logits.argmax(-1).tolist())
+        assert (got.n_accepted, got.next_token, got.accept_probs, got.betas) == (
+            want.n_accepted, want.next_token, want.accept_probs, want.betas)
+        lengths.add(got.n_accepted)
+    assert lengths == {0, 1, 2, 3, 4, 5}
+
+
+def test_verifier_takes_the_greedy_path_only_for_one_hot_drafts(tiny_pair, monkeypatch):
+    target = tiny_pair[0]
+    vocab = target.config.vocab_size
+    tokens = torch.tensor([5, 6, 2])
+    one_hot = torch.nn.functional.one_hot(tokens, vocab).float()
+    assert one_hot_on(one_hot, tokens) and one_hot_on(torch.zeros(0, vocab), tokens[:0])
+    smooth = 0.5 * one_hot + 0.5 / vocab
+    assert not one_hot_on(smooth, tokens) and not one_hot_on(one_hot, torch.tensor([5, 6, 3]))
+    calls = []
+    monkeypatch.setattr("specserve.engine.proposers.accept_prefix",
+                        lambda *a: calls.append("prefix") or accept_prefix(*a))
+    monkeypatch.setattr("specserve.engine.proposers.accept_greedy",
+                        lambda *a: calls.append("greedy") or accept_greedy(*a))
+    context, greedy = [1, 4, 7, 3], SamplingParams(temperature=0)
+    verdicts = []
+    for q in (one_hot, smooth):  # the same target argmaxes decide both at T=0
+        verifier = TargetVerifier(target, vocab)
+        verdicts.append(verifier.verify(context, Proposal(tokens.tolist(), q), greedy, PositionRNG(0)))
+        assert len(verifier.seq.tokens) == len(context) + verdicts[-1].n_accepted  # rejected positions dropped
+    assert calls == ["greedy", "prefix"]
+    assert (verdicts[0].n_accepted, verdicts[0].next_token) == (verdicts[1].n_accepted, verdicts[1].next_token)
 
 
 def test_position_rng_is_keyed_not_streamed():

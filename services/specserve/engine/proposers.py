@@ -18,7 +18,15 @@ import torch
 
 from specserve.models import CachedSequence, match_ngram
 from specserve.models.lean import draft_sequence
-from specserve.spec import PositionRNG, Purpose, SamplingParams, Verdict, accept_prefix, probs_from_logits
+from specserve.spec import (
+    PositionRNG,
+    Purpose,
+    SamplingParams,
+    Verdict,
+    accept_greedy,
+    accept_prefix,
+    probs_from_logits,
+)
 from specserve.spec.sampling import sample_from_probs, sparse_to_dense, truncate_top_k
 
 
@@ -206,6 +214,14 @@ class LookupOrModelProposer(Proposer):
         self.model.release()
 
 
+def one_hot_on(q: torch.Tensor, tokens: torch.Tensor) -> bool:
+    """Whether each row of q ([k, vocab], non-negative) is one-hot on its token: what every draft samples from
+    at temperature 0 (a draft's argmax, a lookup's copy)."""
+    if not len(tokens):
+        return True
+    return bool((q[torch.arange(len(tokens)), tokens] == 1.0).all() and (q.sum(-1) == 1.0).all())
+
+
 class TargetVerifier:
     """Scores context + proposal with ONE target forward over k+1 new positions and accepts a prefix."""
 
@@ -219,16 +235,19 @@ class TargetVerifier:
 
     def verify(self, context: list[int], proposal: Proposal, params: SamplingParams, rng: PositionRNG) -> Verdict:
         k = len(proposal)
-        logits = self.seq.logits_after(context + proposal.tokens, keep_logits=k + 1)  # [k+1, vocab]
-        p = probs_from_logits(logits[:, : self.vocab], params)
+        logits = self.seq.logits_after(context + proposal.tokens, keep_logits=k + 1)[:, : self.vocab]  # [k+1, vocab]
         start = len(context)
-        verdict = accept_prefix(
-            torch.tensor(proposal.tokens, dtype=torch.long),
-            proposal.q,
-            p,
-            rng.uniforms(start, k, Purpose.ACCEPT),
-            rng.uniforms(start, k + 1, Purpose.FINAL),
-        )
+        tokens = torch.tensor(proposal.tokens, dtype=torch.long)
+        if params.greedy and one_hot_on(proposal.q, tokens):  # the same verdict without the vocabulary-wide work
+            verdict = accept_greedy(proposal.tokens, logits.argmax(-1).tolist())
+        else:
+            verdict = accept_prefix(
+                tokens,
+                proposal.q,
+                probs_from_logits(logits, params),
+                rng.uniforms(start, k, Purpose.ACCEPT),
+                rng.uniforms(start, k + 1, Purpose.FINAL),
+            )
         self.seq.rollback(start + verdict.n_accepted)  # drop rejected positions now
         return verdict
 

@@ -15,7 +15,7 @@ from specserve.spec.controllers import (
     make_controller,
 )
 from specserve.spec.params import SamplingParams
-from specserve.spec.rejection import Verdict, accept_prefix, residual_distribution
+from specserve.spec.rejection import Verdict, accept_greedy, accept_prefix, residual_distribution
 from specserve.spec.rng import PositionRNG, Purpose
 from specserve.spec.sampling import probs_from_logits, sample_from_probs, sparse_to_dense
 
@@ -29,6 +29,7 @@ __all__ = [
     "RoundObservation",
     "SamplingParams",
     "Verdict",
+    "accept_greedy",
     "accept_prefix",
     "expected_tokens_per_round",
     "make_controller",

@@ -43,6 +43,21 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return residual / total if total > 0 else p
 
 
+def accept_greedy(draft_tokens: list[int], target_argmax: list[int]) -> Verdict:
+    """`accept_prefix` for greedy decoding, without touching the vocabulary.
+
+    There p_i is one-hot on the target's argmax and each q_i one-hot on its drafted token, so a token is
+    kept iff it equals the argmax (min(1, p/q) is 1 or 0, whatever the uniform), the residual after a
+    rejection is one-hot on the argmax, and so is the bonus. target_argmax: [γ+1].
+    """
+    gamma = len(draft_tokens)
+    n = 0
+    while n < gamma and draft_tokens[n] == target_argmax[n]:
+        n += 1
+    verdicts = [1.0] * n + ([0.0] if n < gamma else [])  # min(1, p/q) and Σ min(p, q) of the positions drawn
+    return Verdict(n, int(target_argmax[n]), verdicts, list(verdicts))
+
+
 def accept_prefix(
     draft_tokens: torch.Tensor,  # [γ] int64
     draft_probs: torch.Tensor,  # [γ, vocab] q_i, the distributions the tokens were sampled from
