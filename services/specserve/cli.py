@@ -9,7 +9,7 @@ import sys
 
 import yaml
 
-from specserve.bench.prompts import PER_WORKLOAD as SUITE_SIZE
+from specserve.bench.prompts import PER_WORKLOAD
 
 
 def _gamma(value: str) -> int | str:
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=int, default=96)
     bench.add_argument("--workloads", default="chat,rewrite,code", help="comma-separated subset")
     bench.add_argument("--prompts", type=int, default=2,
-                       help=f"prompts per workload, 1-{SUITE_SIZE} (default 2: the suite's first two)")
+                       help=f"prompts per workload, 1-{PER_WORKLOAD} (default 2: the suite's first two)")
     bench.add_argument("--gammas", default="1,2,3,4,5,6,7,8", help="fixed γ values to run")
     bench.add_argument("--repeats", type=int, default=1, help="runs per prompt and method; the fastest counts")
     bench.add_argument("--draft-stop-below", type=float, default=0.0,
@@ -234,8 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         from specserve.serve.run import serve_main
 
         return serve_main(args)
-    if not 1 <= args.prompts <= SUITE_SIZE:
-        print(f"specserve bench: --prompts must be 1-{SUITE_SIZE} (prompts per workload), got {args.prompts}",
+    # bench, in process or --served, from here on
+    if not 1 <= args.prompts <= PER_WORKLOAD:
+        print(f"specserve bench: --prompts must be 1-{PER_WORKLOAD} (prompts per workload), got {args.prompts}",
               file=sys.stderr)
         return 2
     if args.served:

@@ -3,9 +3,10 @@
 These are the seams the distributed workers reuse: a proposer turns the
 committed tokens into a `Proposal` (tokens and the q they were sampled
 from); the verifier scores context + proposal in one target forward and
-applies `spec.accept_prefix`. Both are told the full committed token list
-every round and bring their caches to it themselves (crop + feed), so they
-need no separate commit/rollback message and can be rebuilt from scratch.
+applies `spec.accept_prefix` (`spec.accept_greedy` at T=0, the same verdict).
+Both are told the full committed token list every round and bring their
+caches to it themselves (crop + feed), so they need no separate
+commit/rollback message and can be rebuilt from scratch.
 """
 
 from __future__ import annotations
