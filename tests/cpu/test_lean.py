@@ -8,7 +8,8 @@ import torch
 from specserve.engine.proposers import ModelProposer
 from specserve.models import CachedSequence, SubsetDraftConfig, SubsetDraftForCausalLM
 from specserve.models.lean import LeanSequence, draft_sequence, unsupported_reason
-from specserve.spec import PositionRNG, SamplingParams
+from specserve.spec import PositionRNG, Purpose, SamplingParams, probs_from_logits
+from specserve.spec.sampling import sample_from_probs
 from tests.conftest import tiny_llama
 
 VOCAB = 40
@@ -90,6 +91,31 @@ def test_drafting_over_the_subset_proposes_what_the_full_vocabulary_would(mode, 
         torch.testing.assert_close(a.q, b.q, atol=1e-6, rtol=0)
         assert a.q.shape == (4, VOCAB) and (a.q[:, [t for t in range(VOCAB) if t not in SUBSET]] == 0).all()
         context = context + a.tokens[: step % 4] + [step]  # accept a prefix, then a correction
+
+
+@pytest.mark.parametrize("make", [lambda: tiny_llama(5, vocab=VOCAB, layers=2, hidden=32, scale=8), subset_draft],
+                         ids=["llama", "subset-draft"])
+def test_greedy_drafting_is_the_sampling_rule_at_temperature_zero(make):
+    """At T=0 a draft takes its argmax and writes the one-hot q itself: the same tokens and q as drawing from
+    `probs_from_logits`' one-hot with the position's uniform, ties included (every head row has a twin)."""
+    model = make()
+    with torch.no_grad():
+        model.lm_head.weight[1::2] = model.lm_head.weight[0::2]  # token 2j+1 ties with token 2j (rows in order)
+    proposer, greedy = ModelProposer(model, VOCAB), SamplingParams(temperature=0)
+    ties = 0
+    for seed, context in [(0, [3, 14, 15, 9, 2, 6]), (1, [7, 1]), (2, [30, 30, 30, 4, 11, 0, 5, 2])]:
+        rng = PositionRNG(seed)
+        got = proposer.propose(context, 5, greedy, rng)
+        expected, rows = [], []
+        for i in range(5):
+            logits = hf_logits(model, context + expected)[-1:]
+            ties += int((logits == logits.max()).sum() > 1)
+            rows.append(probs_from_logits(logits, greedy))
+            uniform = torch.tensor([rng.uniform(len(context) + i, Purpose.DRAFT)])
+            expected.append(int(sample_from_probs(rows[-1], uniform)))
+        assert got.tokens == expected
+        assert torch.equal(got.q, torch.cat(rows)) and got.q.dtype == torch.float32
+    assert ties == 15  # every step's argmax was tied, and the first of the tie won on both paths
 
 
 def test_half_precision_drafts_compute_in_float32_on_a_cpu():

@@ -49,6 +49,12 @@ class Proposal:
         return Proposal(self.tokens[:k], self.q[:k], self.key, self.confidences)
 
 
+def one_hot(tokens: list[int], vocab: int) -> torch.Tensor:
+    """[k, vocab] float32 rows, each one-hot on its token: the q of a greedy draft or a lookup copy."""
+    rows = torch.arange(len(tokens))
+    return torch.zeros(len(tokens), vocab).index_put_((rows, torch.tensor(tokens, dtype=torch.long)), torch.tensor(1.0))
+
+
 def empty_proposal(vocab: int) -> Proposal:
     return Proposal([], torch.zeros(0, vocab))
 
@@ -142,10 +148,13 @@ class ModelProposer(Proposer):
         qs: list[torch.Tensor] = []
         confidences: list[float] = []
         for i in range(gamma):
-            q = self._draft_distribution(logits, params)
-            token = int(sample_from_probs(q, torch.tensor([rng.uniform(start + i, Purpose.DRAFT)])))
+            if params.greedy:  # q is the one-hot of the argmax: any uniform's inverse-CDF draw lands on it
+                token = int(logits[0].argmax())
+            else:
+                q = self._draft_distribution(logits, params)
+                token = int(sample_from_probs(q, torch.tensor([rng.uniform(start + i, Purpose.DRAFT)])))
+                qs.append(q)
             tokens.append(token if self.subset is None else int(self.subset[token]))
-            qs.append(q)
             if keep_going is not None or self.stop_below:
                 confidences.append(float(torch.softmax(logits[0], -1).max()))
             if i + 1 < gamma:
@@ -154,9 +163,12 @@ class ModelProposer(Proposer):
                 if keep_going is not None and not keep_going(confidences):
                     break
                 logits = self._head(self.seq.feed_subset([tokens[-1]]))
-        q = torch.cat(qs)
-        if self.subset is not None:  # sorted subset: the same inverse-CDF draw as over the full vocabulary
-            q = sparse_to_dense(self.subset.expand(len(tokens), -1), q, self.vocab)
+        if params.greedy:
+            q = one_hot(tokens, self.vocab)
+        else:
+            q = torch.cat(qs)
+            if self.subset is not None:  # sorted subset: the same inverse-CDF draw as over the full vocabulary
+                q = sparse_to_dense(self.subset.expand(len(tokens), -1), q, self.vocab)
         return Proposal(tokens, q, confidences=confidences)
 
     def release(self) -> None:
@@ -178,8 +190,7 @@ class NgramProposer(Proposer):
         n, tokens = match_ngram(context, gamma, self.max_n, self.min_n)
         if not tokens:
             return empty_proposal(self.vocab)
-        q = torch.nn.functional.one_hot(torch.tensor(tokens), self.vocab).float()
-        return Proposal(tokens, q, key=f"ngram-{n}")
+        return Proposal(tokens, one_hot(tokens, self.vocab), key=f"ngram-{n}")
 
 
 def prompt_lookup(vocab: int) -> NgramProposer:
