@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -120,7 +121,7 @@ def test_distill_trains_resumes_and_writes_a_usable_subset_draft(tmp_path, capsy
     assert 4 <= report["corpus_sequences"] <= 7  # 4 templated answers + up to 3 self-written requests' answers
     assert set(report["held_out"]) == {"templates", "self_written", "bench_suite"}
     assert 0 <= report["alpha_t0"] <= 1 and 0 <= report["alpha_t1"] <= 1 and report["c"] > 0
-    assert 0 < report["subset_mass"] <= 1 and report["head_tokens"] == 300
+    assert 0 < report["subset_mass"] <= 1 and 0 <= report["subset_argmax"] <= 1 and report["head_tokens"] == 300
     assert report["frozen"] == ["model.embed_tokens.weight"]  # the target's own, shared and not shipped
 
     from safetensors import safe_open
@@ -190,3 +191,25 @@ def test_acceptance_counts_answer_positions_only():
     full = acceptance(target, other, [([1, 2, 3, 4, 5, 6], 1)])
     answer = acceptance(target, other, [([1, 2, 3, 4, 5, 6], 4)])
     assert 0 <= answer["alpha_t1"] < 1 and answer != full
+    # a draft that cannot propose tokens 8-15: α at T=0 counts only the target argmaxes it can reach
+    masked = MaskedDraft(target, blocked=range(8, 16))
+    ids = [3, 9, 1, 14, 2, 7, 11, 5, 0, 6]
+    report = acceptance(target, masked, [(ids, 2)])
+    with torch.inference_mode():
+        argmax = target(torch.tensor([ids])).logits[0, 1:-1].argmax(-1)
+    reachable = float((argmax < 8).float().mean())
+    assert 0 < reachable < 1 and report["argmax_covered"] == pytest.approx(reachable)
+    assert report["alpha_t0"] == pytest.approx(reachable) and same["argmax_covered"] == 1.0
+
+
+class MaskedDraft(torch.nn.Module):
+    """A model's logits with some tokens at -inf: a draft whose head cannot propose them."""
+
+    def __init__(self, model, blocked):
+        super().__init__()
+        self.model, self.blocked = model, list(blocked)
+
+    def forward(self, x):
+        logits = self.model(x).logits.clone()
+        logits[..., self.blocked] = float("-inf")
+        return SimpleNamespace(logits=logits)

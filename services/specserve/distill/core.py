@@ -275,7 +275,7 @@ def acceptance(target_model, draft_model, sequences: list[tuple[list[int], int]]
     sequences: (token ids, prompt length). Only the distributions that predict answer tokens count: those
     are the positions a draft proposes for (a chat template's boilerplate is easy and would inflate α).
     """
-    agree = total = 0
+    agree = total = reachable = 0
     overlap = covered = 0.0
     for ids, prompt_len in sequences:
         x = torch.tensor([ids], device=next(target_model.parameters()).device)
@@ -283,11 +283,13 @@ def acceptance(target_model, draft_model, sequences: list[tuple[list[int], int]]
         p = target_model(x).logits[0, answer].float()
         q = draft_model(x).logits[0, answer].float()
         agree += int((p.argmax(-1) == q.argmax(-1)).sum())
+        reachable += int((~q.isinf()).gather(-1, p.argmax(-1, keepdim=True)).sum())  # a target argmax it can draft
         overlap += float(torch.minimum(p.softmax(-1), q.softmax(-1)).sum(-1).sum())
         covered += float(p.softmax(-1).masked_fill(q.isinf(), 0.0).sum())  # mass on tokens the draft can propose
         total += p.shape[0]
     n = max(total, 1)
-    return {"alpha_t0": agree / n, "alpha_t1": overlap / n, "covered": covered / n, "positions": total}
+    return {"alpha_t0": agree / n, "alpha_t1": overlap / n, "covered": covered / n, "argmax_covered": reachable / n,
+            "positions": total}
 
 
 def step_time(model, vocab: int) -> float:
@@ -381,6 +383,8 @@ def distill(cfg: DistillConfig, log=print) -> dict:
     for label, part in metrics["held_out"].items():
         log(f"  held-out {label}: α(T=0) {part['alpha_t0']:.3f}, α(T=1) {part['alpha_t1']:.3f}")
     log(f"held-out α at T=0: {metrics['alpha_t0']:.3f}, at T=1: {metrics['alpha_t1']:.3f}; c = {metrics['c']:.3f}")
+    log(f"the draft's head covers {metrics['subset_argmax']:.1%} of the target's greedy tokens and "
+        f"{metrics['subset_mass']:.1%} of its probability mass at T=1")
     return metrics
 
 
@@ -404,18 +408,20 @@ def evaluate(target: LoadedModel, draft, cfg: DistillConfig, out: pathlib.Path) 
     pad = pad_id(tok, target.eos_ids)
     metrics: dict = {"held_out": {}}
     for name, temperature in (("t0", 0.0), ("t1", 1.0)):
-        pooled = {"alpha_t0": 0.0, "alpha_t1": 0.0, "covered": 0.0, "positions": 0}
+        pooled = {"alpha_t0": 0.0, "alpha_t1": 0.0, "covered": 0.0, "argmax_covered": 0.0, "positions": 0}
         for label, prompts in sets.items():
             gen = torch.Generator().manual_seed(cfg.seed + 7)
             written = write_batch(target.model, [encode_chat(tok, p) for p in prompts], [temperature] * len(prompts),
                                   cfg.eval_tokens, target.eos_ids, pad, 1, gen)
             result = acceptance(target.model, draft, [(r.ids, r.prompt_len) for r in written])
             metrics["held_out"].setdefault(label, {})[f"alpha_{name}"] = result[f"alpha_{name}"]
-            for key in ("alpha_t0", "alpha_t1", "covered"):
+            for key in ("alpha_t0", "alpha_t1", "covered", "argmax_covered"):
                 pooled[key] += result[key] * result["positions"]
             pooled["positions"] += result["positions"]
         n = max(pooled["positions"], 1)
         metrics[f"alpha_{name}"] = pooled[f"alpha_{name}"] / n
+        if name == "t0":  # α at T=0 cannot exceed the share of greedy tokens the draft's head can propose
+            metrics["subset_argmax"] = pooled["argmax_covered"] / n
         if name == "t1":
             metrics["subset_mass"] = pooled["covered"] / n
     return metrics
