@@ -76,12 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
     dst = sub.add_parser("distill", help="train a small draft against the target's own distributions")
     dst.add_argument("--target", default="embedded", help="HF id/dir, .gguf file, or 'embedded' (default)")
     dst.add_argument("--out", required=True, help="output model directory (also holds corpus + checkpoint)")
-    dst.add_argument("--layers", type=int, default=2, help="draft layers (default 2)")
+    dst.add_argument("--layers", type=int, default=None, help="draft layers (default 2)")
     dst.add_argument("--hidden", type=int, default=None,
                      help="default: the target's (start from its layers, share its embedding); smaller: a fresh model")
-    dst.add_argument("--subset", type=int, default=8192,
-                     help="LM-head rows: the tokens with the most target probability mass (0: full vocabulary)")
-    dst.add_argument("--prompts", type=int, default=2400, help="training prompts the target answers")
+    dst.add_argument("--subset", type=int, default=None,
+                     help="LM-head rows: the tokens with the most target probability mass (default 8192; 0: full "
+                          "vocabulary)")
+    dst.add_argument("--init", default=None,
+                     help="go on training this draft of the target ('embedded-draft' or a directory distill wrote) "
+                          "instead of a new one: adapts it to new data (e.g. --text) in minutes; keeps its shape")
+    dst.add_argument("--prompts", type=int, default=2400, help="training prompts the target answers (0: none)")
     dst.add_argument("--self-prompts", type=int, default=1200,
                      help="requests the target writes itself and then answers (0: templates only)")
     dst.add_argument("--gen-tokens", type=int, default=128, help="longest answer the target writes")
@@ -173,21 +177,29 @@ def _generate(args) -> int:
 def _distill(args) -> int:
     from specserve.distill import DistillConfig, distill
 
-    sizes = {"--layers": args.layers, "--prompts": args.prompts, "--gen-tokens": args.gen_tokens,
+    shape = [name for name, value in (("--layers", args.layers), ("--hidden", args.hidden), ("--subset", args.subset))
+             if value is not None]
+    if args.init and shape:
+        print(f"specserve distill: {', '.join(shape)} cannot be changed with --init (the draft keeps its shape)",
+              file=sys.stderr)
+        return 2
+    layers = 2 if args.layers is None else args.layers
+    subset = 8192 if args.subset is None else args.subset
+    sizes = {"--layers": layers, "--gen-tokens": args.gen_tokens,
              "--gen-batch": args.gen_batch, "--top-k": args.top_k, "--steps": args.steps, "--batch": args.batch,
              "--seq-len": args.seq_len, "--eval-prompts": args.eval_prompts, "--eval-tokens": args.eval_tokens,
              "--checkpoint-every": args.checkpoint_every}
     bad = [name for name, value in sizes.items() if value < 1]
-    bad += [name for name, value in (("--subset", args.subset), ("--warmup", args.warmup),
+    bad += [name for name, value in (("--subset", subset), ("--warmup", args.warmup), ("--prompts", args.prompts),
                                      ("--self-prompts", args.self_prompts)) if value < 0]
     bad += [name for name, value in (("--lr", args.lr), ("--kd-temperature", args.kd_temperature)) if value <= 0]
     bad += ["--hidden"] if args.hidden is not None and args.hidden < 1 else []
     if bad:
-        print(f"specserve distill: invalid {', '.join(bad)} (sizes must be >= 1, --subset/--warmup >= 0, "
-              "--lr/--kd-temperature > 0)", file=sys.stderr)
+        print(f"specserve distill: invalid {', '.join(bad)} (sizes must be >= 1, --subset/--warmup/--prompts/"
+              "--self-prompts >= 0, --lr/--kd-temperature > 0)", file=sys.stderr)
         return 2
     cfg = DistillConfig(
-        target=args.target, out=args.out, layers=args.layers, hidden=args.hidden, subset=args.subset,
+        target=args.target, out=args.out, layers=layers, hidden=args.hidden, subset=subset, init=args.init,
         prompts=args.prompts, self_prompts=args.self_prompts, gen_tokens=args.gen_tokens, gen_temperatures=args.gen_temperatures,
         gen_batch=args.gen_batch, top_k=args.top_k, texts=args.text, steps=args.steps, batch=args.batch,
         seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, kd_temperature=args.kd_temperature,

@@ -173,6 +173,45 @@ def test_a_subset_draft_refuses_a_target_with_another_embedding(tmp_path):
         load_model(str(out), "float32")
 
 
+@pytest.mark.slow
+def test_init_goes_on_training_a_draft_on_text_alone(tmp_path, capsys):
+    root = save_tokenized_pair(tmp_path / "models")
+    target, first, second = str(root / "target"), tmp_path / "first", tmp_path / "second"
+    small = ["--gen-tokens", "6", "--warmup", "1", "--batch", "2", "--seq-len", "64", "--eval-prompts", "1",
+             "--eval-tokens", "4"]
+    assert main(["distill", "--target", target, "--out", str(first), "--layers", "1", "--subset", "100",
+                 "--prompts", "2", "--self-prompts", "0", "--steps", "2"] + small) == 0
+    text = tmp_path / "notes.txt"
+    text.write_text(" ".join(f"Note {i}: the library opens at nine and closes at five on weekdays." for i in range(40)))
+    adapt = ["distill", "--target", target, "--init", str(first), "--out", str(second), "--prompts", "0",
+             "--self-prompts", "0", "--text", str(text), "--steps", "3", "--lr", "1e-2"] + small
+    assert main(adapt) == 0
+    report = json.loads((second / "distill.json").read_text())
+    assert report["config"]["init"] == str(first)
+    assert (report["config"]["layers"], report["config"]["subset"]) == (1, 100)  # the init draft's shape, recorded
+    assert report["metrics"]["head_tokens"] == 100 and report["metrics"]["corpus_sequences"] >= 3  # text chunks only
+    from specserve.models import load_model
+
+    before, after = load_model(str(first), "float32").model, load_model(str(second), "float32").model
+    assert torch.equal(before.token_subset, after.token_subset)
+    assert not torch.equal(before.model.layers[0].mlp.up_proj.weight, after.model.layers[0].mlp.up_proj.weight)
+    assert torch.equal(before.model.embed_tokens.weight, after.model.embed_tokens.weight)  # the target's, frozen
+    capsys.readouterr()
+
+    # what --init refuses, each with the reason named
+    assert main(adapt[:-len(small)] + ["--layers", "2"]) == 2
+    assert "--layers cannot be changed with --init" in capsys.readouterr().err
+    assert main(["distill", "--target", target, "--init", str(root / "draft"), "--out", str(tmp_path / "x"),
+                 "--prompts", "1"] + small) == 2
+    assert "not a subset-head draft" in capsys.readouterr().err
+    assert main(["distill", "--target", str(root / "draft"), "--init", str(first), "--out", str(tmp_path / "y"),
+                 "--prompts", "1"] + small) == 2
+    assert "distilled for another target" in capsys.readouterr().err
+    assert main(["distill", "--target", target, "--init", str(first), "--out", str(tmp_path / "z"), "--prompts", "0",
+                 "--self-prompts", "0"] + small) == 2
+    assert "the corpus is empty" in capsys.readouterr().err
+
+
 def test_distill_rejects_bad_sizes(tmp_path, capsys):
     assert main(["distill", "--out", str(tmp_path / "x"), "--layers", "0"]) == 2
     assert "--layers" in capsys.readouterr().err

@@ -11,7 +11,9 @@
    tokens carrying most of the target's probability mass on the corpus
    (initialised from the target's head rows). `subset 0` keeps the full head
    (a truncated copy of the target); `hidden` smaller than the target's
-   trains a fresh small Llama with its own tied embedding.
+   trains a fresh small Llama with its own tied embedding. `init` starts
+   from an existing subset-head draft of the same target instead (e.g. the
+   shipped one), to adapt it to new data in minutes rather than train anew.
 3. Training: forward KL(p_target ‖ q_draft) at `kd_temperature` over the
    answer positions, p restricted to what the draft can express; AdamW with
    warm-up and cosine decay; `OUT/checkpoint.pt` every `checkpoint_every`
@@ -32,7 +34,7 @@ import json
 import math
 import pathlib
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from tqdm import tqdm
@@ -65,6 +67,7 @@ class DistillConfig:
     gen_batch: int = 48
     top_k: int = 32
     texts: list[str] = field(default_factory=list)  # extra plain-text files
+    init: str | None = None  # go on training this subset-head draft (its shape replaces layers/hidden/subset)
     steps: int = 1200
     batch: int = 8
     seq_len: int = 384
@@ -102,7 +105,7 @@ def load_corpus(target: LoadedModel, cfg: DistillConfig, directory: pathlib.Path
     temps = list(cfg.gen_temperatures)
     _check_manifest(directory, cfg.corpus_settings("prompts"))
     records = build_corpus(model, tokenizer, eos, directory, prompt_set(cfg.prompts, cfg.seed), temps,
-                           cfg.gen_tokens, cfg.gen_batch, cfg.top_k, cfg.seed)
+                           cfg.gen_tokens, cfg.gen_batch, cfg.top_k, cfg.seed) if cfg.prompts else []
     if cfg.self_prompts:
         own = directory / "self"
         _check_manifest(own, cfg.corpus_settings("self_prompts"))
@@ -136,14 +139,18 @@ def _draft_config(tcfg, cfg: DistillConfig, embedding: torch.Tensor, head_tokens
                              shared_embedding_digest=embedding_digest(embedding), **fields)
 
 
-def make_draft(target_model, cfg: DistillConfig, subset: torch.Tensor | None = None):
+def make_draft(target_model, cfg: DistillConfig, subset: torch.Tensor | None = None,
+               start_from: SubsetDraftForCausalLM | None = None):
     """(draft model, names of parameters frozen because they are the target's own).
 
     subset: the head's tokens (needed unless cfg.subset is 0 or a smaller hidden size is asked for).
+    start_from: a subset-head draft to go on training (`initial_draft`) instead of a new one.
     """
     tcfg = target_model.config
     hidden = cfg.hidden or tcfg.hidden_size
-    if hidden != tcfg.hidden_size:
+    if start_from is not None:
+        draft, frozen = start_from, {EMBEDDING}
+    elif hidden != tcfg.hidden_size:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         heads = max(1, hidden // 64)
@@ -182,6 +189,20 @@ def make_draft(target_model, cfg: DistillConfig, subset: torch.Tensor | None = N
     for name, param in draft.named_parameters():
         param.requires_grad_(name not in frozen)
     return draft, frozen
+
+
+def initial_draft(spec: str, target: LoadedModel) -> SubsetDraftForCausalLM:
+    """The draft `--init` names (a directory `distill` wrote, or 'embedded-draft'), in float32, checked to be a
+    subset-head draft distilled for this very target (the same shared embedding)."""
+    model = load_model(spec, "float32", str(target.device)).model
+    if not isinstance(model, SubsetDraftForCausalLM):
+        raise ValueError(f"--init {spec!r} is a {type(model).__name__}, not a subset-head draft (what `specserve "
+                         "distill` writes by default); distill a new draft without --init")
+    digest = embedding_digest(target.model.state_dict()[EMBEDDING])
+    if model.config.shared_embedding_digest != digest:
+        raise ValueError(f"--init {spec!r} was distilled for another target (its embedding digest "
+                         f"{model.config.shared_embedding_digest} != {digest}); pass that target as --target")
+    return model
 
 
 def kd_loss(student_logits: torch.Tensor, teacher_index: torch.Tensor, teacher_logprobs: torch.Tensor,
@@ -314,16 +335,24 @@ def distill(cfg: DistillConfig, log=print) -> dict:
     target = load_model(cfg.target, "float32")  # the teacher in fp32: its distributions should not be rounded
     if target.tokenizer is None:
         raise ValueError("the target needs a tokenizer (its prompts are chat-templated)")
+    start_from = initial_draft(cfg.init, target) if cfg.init else None
+    if start_from is not None:  # the draft's own shape, recorded in distill.json
+        cfg = replace(cfg, layers=start_from.config.num_hidden_layers, hidden=None,
+                      subset=start_from.config.token_subset_size)
     records = load_corpus(target, cfg, out / "corpus")
+    if not records:
+        raise ValueError("the corpus is empty: pass --prompts, --self-prompts or --text")
     log(f"corpus: {len(records)} sequences, {sum(len(r.top_ids) for r in records)} answer tokens")
 
     checkpoint, start = out / "checkpoint.pt", 0
     state = torch.load(checkpoint) if checkpoint.is_file() else None
     subset = None
-    if (cfg.hidden or target.model.config.hidden_size) == target.model.config.hidden_size and cfg.subset:
+    if start_from is not None:
+        subset = start_from.token_subset.clone().cpu()  # in the head's row order
+    elif (cfg.hidden or target.model.config.hidden_size) == target.model.config.hidden_size and cfg.subset:
         subset = state["subset"] if state else choose_subset(
             records, target.vocab_size, cfg.subset, target.eos_ids | set(target.tokenizer.all_special_ids))
-    draft, frozen = make_draft(target.model, cfg, subset)
+    draft, frozen = make_draft(target.model, cfg, subset, start_from)
     draft = draft.to(target.device)  # trains where the target runs (a GPU when there is one)
     lookup = torch.arange(target.vocab_size)  # vocabulary id -> the draft's logit index (-1: none)
     if subset is not None:
