@@ -183,8 +183,8 @@ def _distill(args) -> int:
         print(f"specserve distill: {', '.join(shape)} cannot be changed with --init (the draft keeps its shape)",
               file=sys.stderr)
         return 2
-    layers = 2 if args.layers is None else args.layers
-    subset = 8192 if args.subset is None else args.subset
+    layers = DistillConfig.layers if args.layers is None else args.layers
+    subset = DistillConfig.subset if args.subset is None else args.subset
     sizes = {"--layers": layers, "--gen-tokens": args.gen_tokens,
              "--gen-batch": args.gen_batch, "--top-k": args.top_k, "--steps": args.steps, "--batch": args.batch,
              "--seq-len": args.seq_len, "--eval-prompts": args.eval_prompts, "--eval-tokens": args.eval_tokens,

@@ -303,10 +303,11 @@ def acceptance(target_model, draft_model, sequences: list[tuple[list[int], int]]
         answer = slice(prompt_len - 1, len(ids) - 1)  # logits at i predict token i+1
         p = target_model(x).logits[0, answer].float()
         q = draft_model(x).logits[0, answer].float()
-        agree += int((p.argmax(-1) == q.argmax(-1)).sum())
-        reachable += int((~q.isinf()).gather(-1, p.argmax(-1, keepdim=True)).sum())  # a target argmax it can draft
-        overlap += float(torch.minimum(p.softmax(-1), q.softmax(-1)).sum(-1).sum())
-        covered += float(p.softmax(-1).masked_fill(q.isinf(), 0.0).sum())  # mass on tokens the draft can propose
+        top, probs, proposable = p.argmax(-1, keepdim=True), p.softmax(-1), ~q.isinf()
+        agree += int((top.squeeze(-1) == q.argmax(-1)).sum())
+        reachable += int(proposable.gather(-1, top).sum())  # target argmaxes the draft can propose at all
+        overlap += float(torch.minimum(probs, q.softmax(-1)).sum(-1).sum())
+        covered += float(probs.masked_fill(~proposable, 0.0).sum())  # mass on tokens the draft can propose
         total += p.shape[0]
     n = max(total, 1)
     return {"alpha_t0": agree / n, "alpha_t1": overlap / n, "covered": covered / n, "argmax_covered": reachable / n,

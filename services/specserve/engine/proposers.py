@@ -51,8 +51,7 @@ class Proposal:
 
 def one_hot(tokens: list[int], vocab: int) -> torch.Tensor:
     """[k, vocab] float32 rows, each one-hot on its token: the q of a greedy draft or a lookup copy."""
-    rows = torch.arange(len(tokens))
-    return torch.zeros(len(tokens), vocab).index_put_((rows, torch.tensor(tokens, dtype=torch.long)), torch.tensor(1.0))
+    return torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long), vocab).float()
 
 
 def empty_proposal(vocab: int) -> Proposal:

@@ -54,8 +54,8 @@ def accept_greedy(draft_tokens: list[int], target_argmax: list[int]) -> Verdict:
     n = 0
     while n < gamma and draft_tokens[n] == target_argmax[n]:
         n += 1
-    verdicts = [1.0] * n + ([0.0] if n < gamma else [])  # min(1, p/q) and Σ min(p, q) of the positions drawn
-    return Verdict(n, int(target_argmax[n]), verdicts, list(verdicts))
+    drawn = [1.0] * n + ([0.0] if n < gamma else [])  # min(1, p/q) and Σ min(p, q) of the positions tested
+    return Verdict(n, int(target_argmax[n]), drawn, list(drawn))
 
 
 def accept_prefix(
