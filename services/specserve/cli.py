@@ -73,6 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--served", action="store_true",
                        help="measure the served path (Ray Serve + gRPC workers) against the in-process engine")
     bench.add_argument("--served-gamma", default="3", help="γ for --served (fixed, so both paths emit the same tokens)")
+    bench.add_argument("--load", action="store_true",
+                       help="concurrent streams with the openai client: aggregate tok/s, TTFT, ITL per concurrency "
+                       "(load.json/.png; starts a server unless --url)")
+    bench.add_argument("--url", default=None, help="--load: a running server's base URL (e.g. http://127.0.0.1:8000/v1)")
+    bench.add_argument("--concurrency", default="1,4,16,32", help="--load: concurrency levels")
+    bench.add_argument("--load-requests", type=int, default=2, help="--load: requests per stream and level")
+    bench.add_argument("--long-prompt", type=int, default=0,
+                       help="--load: also measure short streams' TTFT while a prompt of this many tokens is prefilled")
+    bench.add_argument("--load-configs", default="gamma0,auto",
+                       help="--load: gamma0, auto (batched server, per-request γ), unbatched, unbatched-auto "
+                       "(a second application with batching off)")
     dst = sub.add_parser("distill", help="train a small draft against the target's own distributions")
     dst.add_argument("--target", default="embedded", help="HF id/dir, .gguf file, or 'embedded' (default)")
     dst.add_argument("--out", required=True, help="output model directory (also holds corpus + checkpoint)")
@@ -251,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specserve bench: --prompts must be 1-{PER_WORKLOAD} (prompts per workload), got {args.prompts}",
               file=sys.stderr)
         return 2
+    if args.load:
+        from specserve.bench.load import run_load_bench
+
+        return run_load_bench(args)
     if args.served:
         from specserve.bench.served import run_served_bench
 

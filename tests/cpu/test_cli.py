@@ -64,14 +64,15 @@ def test_bench_rejects_more_prompts_than_the_suite_has(capsys):
 
 
 def test_bench_served_compares_the_served_path_with_in_process(model_dirs, tmp_path):
-    """Starts a local Ray + Serve, two applications (sequential, pipelined): same text as in-process."""
+    """Starts a local Ray + Serve, three applications (colocated; split sequential, pipelined): same text as
+    in-process."""
     out = tmp_path / "served"
     args = ["bench", "--served", "--quick", "--workloads", "code", "--target", str(model_dirs / "target"),
             "--draft", str(model_dirs / "draft"), "--dtype", "float32", "--out", str(out)]
     assert main(args) == 0
     row = json.loads((out / "served.json").read_text())["workloads"]["code"]
     assert (out / "served.png").stat().st_size > 5_000
-    for name in ("sequential", "pipelined"):
+    for name in ("colocated", "sequential", "pipelined"):
         assert row[name]["same_text_as_in_process"]
         assert row[name]["tokens_per_s"] > 0 and row[name]["rounds"] > 0
         assert row[name]["per_round_ms"]["worker_verify"] > 0

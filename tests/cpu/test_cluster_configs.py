@@ -53,10 +53,15 @@ def test_pipelining_is_on_by_default_only_when_both_workers_have_gpus():
     assert AppConfig(pipelined=True).pipelining() is True
 
 
-def test_the_default_draft_is_the_distilled_one_only_where_the_draft_worker_has_a_gpu():
+def test_the_default_draft_is_the_distilled_one_where_it_is_colocated_or_has_a_gpu():
     from specserve.workers.config import WorkersConfig
 
-    assert WorkersConfig().draft == "ngram"  # CPU: a draft process would compete with the target for the cores
-    assert WorkersConfig(draft_resources={"num_gpus": 1}).draft == "embedded-draft"
+    colocated = WorkersConfig()  # CPU: the draft runs inside the target worker, no second process
+    assert colocated.draft == "embedded-draft" and colocated.colocated() and not colocated.has_draft_worker()
+    # a split draft worker on the same CPU would compete with the target for the cores
+    assert WorkersConfig(draft_placement="split").draft == "ngram"
+    split = WorkersConfig(draft_resources={"num_gpus": 1})
+    assert split.draft == "embedded-draft" and not split.colocated() and split.has_draft_worker()
+    assert not WorkersConfig(draft="ngram").colocated() and not WorkersConfig(draft="none").has_draft_worker()
     assert WorkersConfig(target="/models/t", draft_resources={"num_gpus": 1}).draft == "ngram"
     assert WorkersConfig(draft="embedded-draft").draft == "embedded-draft"  # explicit choices stand

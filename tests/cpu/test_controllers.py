@@ -137,3 +137,22 @@ def test_fixed_gamma_ignores_the_draft_s_confidence():
     fixed = FixedGamma(3)
     assert fixed.choose(open_ended=True) == 3
     assert fixed.keep_drafting([0.01, 0.01]) and fixed.worth_verifying([0.01, 0.01, 0.01]) == 3
+
+
+def test_auto_weighs_a_shared_step_for_everyone_and_stops_speculating_under_load():
+    """Alone, an extra verify position costs 5% of a step, so speculating at α=0.25 pays. In a step shared by
+    32 sessions the same position slows all of them: only a draft that is usually right is worth it."""
+    from specserve.spec import AutoGamma, RoundObservation
+
+    profile = {n: 0.040 + 0.002 * (n - 1) for n in range(1, 10)}
+    for alpha, pays_under_load in ((0.25, False), (0.95, True)):
+        auto = AutoGamma(8, profile, 0.0)
+        for _ in range(40):
+            auto.update(RoundObservation(1, 1, int(alpha > 0.5), [alpha], 0.0, 0.042, 0.042, key="k",
+                                         step_tokens=2, step_sessions=1, step_time_s=0.042))
+        assert not auto.loaded and auto.choose(100, key="k", available=8) >= 1
+        for _ in range(40):  # 32 sessions, 2 positions each: a 64-token step of 0.16 s
+            auto.update(RoundObservation(1, 1, int(alpha > 0.5), [alpha], 0.0, 0.2, 0.2, key="k",
+                                         step_tokens=64, step_sessions=32, step_time_s=0.16))
+        assert auto.loaded and auto.load_sessions > 30
+        assert (auto.choose(100, key="k", available=8) >= 1) == pays_under_load, alpha

@@ -7,6 +7,7 @@ import torch
 
 from specserve import SamplingParams, SpeculativeDecoder
 from specserve.models.lean import LeanSequence
+from specserve.models.pool import KVPool
 from tests.conftest import perturbed_copy, tiny_llama
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -67,15 +68,17 @@ def test_seeded_runs_are_reproducible(models, draft, mode):
     assert len(unseeded) > 1  # seed=None draws a fresh seed per request
 
 
-def _record_forwards(model):
+def _record_pool_forwards(monkeypatch):
+    """A Llama target runs on the KV pool's forward (a batch of one in process): record (new, cached) per sequence."""
     calls = []
+    forward = KVPool.forward
 
-    def hook(_module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        cache = kwargs.get("past_key_values")
-        calls.append((ids.shape[1], cache.get_seq_length() if cache is not None else 0))
+    def recording(self, seqs, new_tokens, keeps):
+        calls.extend((len(t), len(s.tokens)) for s, t in zip(seqs, new_tokens))
+        return forward(self, seqs, new_tokens, keeps)
 
-    return calls, model.register_forward_pre_hook(hook, with_kwargs=True)
+    monkeypatch.setattr(KVPool, "forward", recording)
+    return calls
 
 
 def _record_lean_feeds(monkeypatch):
@@ -93,13 +96,10 @@ def _record_lean_feeds(monkeypatch):
 
 def test_target_runs_one_forward_per_round_over_new_positions_only(models, monkeypatch):
     target, draft = models["target"], models["close draft"]
-    target_calls, hook = _record_forwards(target)
+    target_calls = _record_pool_forwards(monkeypatch)
     draft_calls = _record_lean_feeds(monkeypatch)
-    try:
-        decoder = SpeculativeDecoder(target, draft, gamma=4, draft_stop_below=0.0, draft_lookup=False)
-        res = decoder.generate(PROMPT, GREEDY, 50)
-    finally:
-        hook.remove()
+    decoder = SpeculativeDecoder(target, draft, gamma=4, draft_stop_below=0.0, draft_lookup=False)
+    res = decoder.generate(PROMPT, GREEDY, 50)
     stats = res.stats
     assert 0 < stats.acceptance_rate < 1  # rejections happened, so caches were cropped
     # The prompt is prefilled once: all of it but the last token, on an empty cache.

@@ -55,6 +55,7 @@ def test_ray_workers_serve_the_same_tokens_as_in_process(local_ray, model_dirs, 
         draft_top_k=4,
         target_resources=RoleResources(torch_threads=1),
         draft_resources=RoleResources(torch_threads=1),
+        draft_placement="split",
     )
     target_actor, draft_actor = start_workers(config)
     try:

@@ -1,7 +1,7 @@
 """The Serve application end to end: real local Ray, real HTTP (openai client, raw SSE with requests) and a real gRPC stub.
 
-Two applications run side by side on the same tiny model pair (real tokenizer): one with pipelined
-drafting, one sequential. Served tokens must equal the in-process engine's for the same seed and
+Three applications run side by side on the same tiny model pair (real tokenizer): the draft in its own
+worker with pipelined drafting or sequential, and the draft colocated in the target worker. Served tokens must equal the in-process engine's for the same seed and
 fixed γ, and greedy output must equal target-only greedy decoding.
 """
 
@@ -27,7 +27,7 @@ from tests.conftest import save_tokenized_pair
 
 pytestmark = pytest.mark.slow
 
-APPS = {"pipelined": "/", "sequential": "/sequential"}
+APPS = {"pipelined": "/", "sequential": "/sequential", "colocated": "/colocated"}
 PROMPT = "Write a short poem about the sea."
 
 
@@ -49,9 +49,11 @@ def server(tmp_path_factory):
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER_FUNCTION]),
     )
     args = {"target": str(root / "target"), "draft": str(root / "draft"), "dtype": "float32", "gamma": 3,
-            "model_name": "tiny", "target_resources": {"torch_threads": 1}, "draft_resources": {"torch_threads": 1}}
+            "model_name": "tiny", "target_resources": {"torch_threads": 1}, "draft_resources": {"torch_threads": 1},
+            "draft_placement": "split"}
     for name, prefix in APPS.items():
-        serve.run(build_app({**args, "pipelined": name == "pipelined"}), name=name, route_prefix=prefix)
+        placement = {"draft_placement": "colocated"} if name == "colocated" else {}
+        serve.run(build_app({**args, "pipelined": name == "pipelined", **placement}), name=name, route_prefix=prefix)
     yield {"root": root, "http": f"http://127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}",
            "metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
     serve.shutdown()
@@ -350,3 +352,32 @@ def test_metrics_endpoint_counts_real_requests(server):
     itl = moved("inter_token_latency_seconds")
     assert 0 < itl <= sum(c for _, c in usage) - 3
     assert total(after, series["active_sessions"]) == 0
+
+
+def test_load_bench_drives_concurrent_streams_and_writes_its_report(server, tmp_path):
+    from specserve.cli import main
+
+    url = server["http"] + "/v1"
+    code = main(["bench", "--load", "--url", url, "--concurrency", "1,6", "--max-new-tokens", "12",
+                 "--load-requests", "2", "--load-configs", "gamma0,auto", "--out", str(tmp_path)])
+    assert code == 0 and (tmp_path / "load.png").stat().st_size > 0
+    report = json.loads((tmp_path / "load.json").read_text())
+    for name in ("gamma0", "auto"):
+        one, six = report["levels"][name]
+        assert (one["concurrency"], six["concurrency"]) == (1, 6)
+        assert one["requests"] == 2 and six["requests"] == 12 and one["errors"] == six["errors"] == 0
+        assert six["tokens"] == 12 * 12  # eos ignored: every answer is max_tokens long
+        assert six["aggregate_tokens_per_s"] > 0 and 0 < six["ttft_p50_s"] <= six["ttft_p95_s"] <= six["wall_s"]
+    assert report["levels"]["gamma0"][1]["mean_gamma"] == 0 < report["levels"]["auto"][1]["mean_gamma"]
+    assert main(["bench", "--load", "--url", url, "--load-configs", "nope", "--out", str(tmp_path)]) == 2
+
+
+def test_colocated_app_runs_sessions_in_the_target_worker_and_frees_them(server):
+    health = requests.get(server["http"] + "/colocated/health").json()
+    assert health["draft"] == "colocated" and health["target"]["colocated_draft"] and health["target"]["batching"]
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "temperature": 1.0, "ignore_eos": True,
+            "stream": True}
+    with requests.post(server["http"] + "/colocated/v1/completions", json=body, timeout=60, stream=True) as response:
+        assert next(response.iter_lines(decode_unicode=True)).startswith("data: ")
+        assert set(sessions("colocated")) == {"target", "coordinator"}  # no draft worker at all
+    assert wait_for_no_sessions("colocated") == {"target": 0, "coordinator": 0}

@@ -6,8 +6,8 @@ driver) and again after it stops:
 a driver that hosts Ray's own threads decodes slower, and the served path
 should be compared with the engine at its best. Reports tokens/s of both,
 their ratio, the overhead per round in ms, and — for a model draft — the
-pipelined vs sequential ratio of the served path (two applications side by
-side). Writes served.json and served.png.
+pipelined vs sequential ratio of the split served path, beside the draft
+colocated in the target worker (three applications side by side). Writes served.json and served.png.
 """
 
 from __future__ import annotations
@@ -89,7 +89,10 @@ def run_served_bench(args) -> int:
     before = _in_process(decoder, prompts, args, gamma)
 
     # the n-gram draft runs inside the coordinator: nothing to overlap, one application
-    apps = {"served": "/"} if not model_draft else {"sequential": "/", "pipelined": "/pipelined"}
+    # a model draft: colocated in the target worker (the default), and split into its own worker, sequential and
+    # pipelined
+    apps = {"served": "/"} if not model_draft else {"colocated": "/", "sequential": "/sequential",
+                                                     "pipelined": "/pipelined"}
     port = _free_port()
     served: dict[str, dict[int, tuple[float, int, str, int]]] = {name: {} for name in apps}
     during: dict[int, tuple[float, int, str]] = {}  # in-process while Ray + Serve are up and idle
@@ -97,7 +100,10 @@ def run_served_bench(args) -> int:
     metrics: dict[str, float] = {}
     requests_sent = 0
     # a 1 s export interval (Ray's default is 10 s) so the scrape at the end sees every request
-    ray.init(address="local", include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
+    # logical CPU slots for the applications' actors (half a slot each by default: three applications with a
+    # split draft want more than two); the cores are shared all the same
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=8,
+             _metrics_export_port=metrics_port,
              _system_config={"metrics_report_interval_ms": 1000})
     try:
         serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
@@ -106,7 +112,9 @@ def run_served_bench(args) -> int:
             app_args["dtype"] = args.dtype
         for name, prefix in apps.items():
             print(f"  deploying the {name} application ...", flush=True)
-            serve.run(build_app({**app_args, "pipelined": name == "pipelined"}), name=name, route_prefix=prefix)
+            placement = "colocated" if name == "colocated" else "split"
+            serve.run(build_app({**app_args, "pipelined": name == "pipelined", "draft_placement": placement}),
+                      name=name, route_prefix=prefix)
         for i, (workload, ids) in enumerate(prompts):
             for name, prefix in apps.items():
                 url = f"http://127.0.0.1:{port}{prefix.rstrip('/')}/v1/completions"
@@ -205,7 +213,7 @@ def _plot(report: dict, path: pathlib.Path) -> None:
 
     workloads = list(report["workloads"])
     series = {"in-process": [report["workloads"][w]["in_process_tokens_per_s"] for w in workloads]}
-    for name in ("served", "sequential", "pipelined"):
+    for name in ("served", "colocated", "sequential", "pipelined"):
         if name in report["workloads"][workloads[0]]:
             series[f"served ({name})"] = [report["workloads"][w][name]["tokens_per_s"] for w in workloads]
     fig, ax = plt.subplots(figsize=(7, 4))

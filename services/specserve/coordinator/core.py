@@ -29,10 +29,11 @@ from typing import Any
 import grpc
 
 from specserve.coordinator.metrics import ServingMetrics, SessionMetrics
+from specserve.engine.batching import one_thread_torch
 from specserve.engine.loop import speculate
 from specserve.engine.proposers import NgramProposer
 from specserve.engine.stats import GenerationStats
-from specserve.rpc.remote import RemoteProposer, RemoteVerifier
+from specserve.rpc.remote import RemoteProposer, RemoteSession, RemoteVerifier
 from specserve.spec import AutoGamma, PositionRNG, SamplingParams, make_controller
 from specserve.v1 import workers_pb2_grpc
 
@@ -70,7 +71,9 @@ class Coordinator:
 
     draft: "ngram" (prompt lookup run here: it needs only the committed
     tokens, so a worker hop would only add latency), "remote" (a DraftWorker
-    at `draft_address`; `draft_free` when that worker is an n-gram draft) or
+    at `draft_address`; `draft_free` when that worker is an n-gram draft),
+    "colocated" (the target worker holds the draft and runs whole sessions,
+    controller included: one stream per session, one message per round) or
     "none" (plain target decoding through the same path). draft_lookup: a model
     draft first looks the context up here (prompt lookup) and is called only
     where that finds nothing worth verifying, as the in-process decoder does.
@@ -95,8 +98,8 @@ class Coordinator:
         model_name: str = "",
         export_metrics: bool = False,
     ):
-        if draft not in ("ngram", "remote", "none"):
-            raise ValueError(f"draft must be 'ngram', 'remote' or 'none', got {draft!r}")
+        if draft not in ("ngram", "remote", "colocated", "none"):
+            raise ValueError(f"draft must be 'ngram', 'remote', 'colocated' or 'none', got {draft!r}")
         if draft == "remote" and not draft_address:
             raise ValueError("draft='remote' needs draft_address")
         make_controller(gamma, gamma_max)  # validate early
@@ -105,6 +108,7 @@ class Coordinator:
         self.draft = draft
         self.draft_free = draft_free or draft == "ngram"
         self.draft_lookup = draft_lookup and draft == "remote" and not self.draft_free
+        self.colocated_lookup = draft_lookup
         self.gamma = gamma
         self.gamma_max = gamma_max
         self.pipelined = pipelined and draft == "remote" and not self.draft_free
@@ -114,7 +118,8 @@ class Coordinator:
         self._draft = (
             workers_pb2_grpc.DraftWorkerStub(grpc.insecure_channel(draft_address)) if draft == "remote" else None
         )
-        self._pool = ThreadPoolExecutor(max_sessions, thread_name_prefix="specserve-session")
+        self._pool = ThreadPoolExecutor(max_sessions, thread_name_prefix="specserve-session",
+                                        initializer=one_thread_torch)
         self._sessions: dict[str, threading.Event] = {}
         self._last_auto: AutoGamma | None = None
         self.max_sessions = max_sessions
@@ -155,6 +160,12 @@ class Coordinator:
     def _rounds(self, request: SessionRequest, stats: GenerationStats):
         params, rng = request.params, PositionRNG(request.params.seed)
         sid = request.request_id
+        if self.draft == "colocated":
+            gamma = self.gamma if request.gamma is None else request.gamma
+            session = RemoteSession(self._target, sid, request.prompt_ids, params, rng.seed, request.max_tokens,
+                                    gamma, self.colocated_lookup)
+            stats.controller = str(gamma)
+            return session, session.rounds(stats)
         proposer = None
         if self.draft == "ngram":
             proposer = NgramProposer(self.vocab)
@@ -257,7 +268,9 @@ def start_coordinator(config, target_actor, draft_actor=None, *, gamma="auto", g
 
     info = ray.get(target_actor.info.remote())
     draft_mode, draft_address, free, step = "none", None, False, None
-    if draft_actor is not None:
+    if info.get("colocated_draft"):
+        draft_mode = "colocated"
+    elif draft_actor is not None:
         draft_mode = "remote"
         draft_address, free, step = ray.get(
             [draft_actor.address.remote(), draft_actor.is_free.remote(), draft_actor.step_time.remote()]
@@ -265,7 +278,7 @@ def start_coordinator(config, target_actor, draft_actor=None, *, gamma="auto", g
     elif config.draft == "ngram":
         draft_mode, free = "ngram", True
     profile = None
-    if gamma == "auto" and draft_mode != "none":
+    if gamma == "auto" and draft_mode not in ("none", "colocated"):  # a colocated worker calibrates itself
         profile = ray.get(target_actor.verify_profile.remote(gamma_max + 1))
     actor = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=max(1000, 4 * max_sessions))
     return actor.remote(

@@ -24,7 +24,9 @@ from specserve.engine.loop import speculate
 from specserve.engine.prompts import Prompt, PromptCodec, cut_at_stop
 from specserve.engine.proposers import LookupOrModelProposer, ModelProposer, NgramProposer, Proposer, TargetVerifier
 from specserve.engine.stats import GenerationStats
-from specserve.models import LoadedModel, load_model, resolve_draft
+from specserve.models import CachedSequence, LoadedModel, load_model, resolve_draft
+from specserve.models.lean import unsupported_reason
+from specserve.models.pool import KVPool
 from specserve.spec import PositionRNG, SamplingParams, make_controller
 
 @dataclass
@@ -66,6 +68,9 @@ class SpeculativeDecoder:
       match of 2+ tokens) and proposes what followed there, drafting with the
       model elsewhere; free, and it wins where output copies the prompt
       (rewriting, code). Which one drafts depends on the context only.
+    kv_cache_tokens: a Llama-family target runs on the serving workers' lean forward and KV pool (a batch of
+      one here); the pool holds this many positions (default: two sequences of the model's full context).
+      Other targets run the HF forward with a per-generation cache.
     """
 
     def __init__(
@@ -80,6 +85,7 @@ class SpeculativeDecoder:
         draft_stop_below: float = 0.0,
         draft_lookup: bool = True,
         device: str | None = None,
+        kv_cache_tokens: int | None = None,
     ):
         make_controller(gamma, gamma_max)  # validate early
         self.gamma = gamma
@@ -105,6 +111,10 @@ class SpeculativeDecoder:
         if self.target.tokenizer is None and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self.codec = PromptCodec(self.tokenizer, self.target.vocab_size, self.target.max_positions)
+        self.kv_pool: KVPool | None = None
+        if unsupported_reason(self.target.model) is None:
+            tokens = kv_cache_tokens or 2 * (self.target.max_positions or 4096)
+            self.kv_pool = KVPool(self.target.model, tokens)
         self._profile: tuple[dict[int, float], float] | None = None
         self._last_auto = None  # the latest request's AutoGamma, to warm-start the next one
 
@@ -118,11 +128,15 @@ class SpeculativeDecoder:
             return LookupOrModelProposer(model) if (self.draft_lookup if lookup is None else lookup) else model
         return None
 
+    def target_sequence(self):
+        """A fresh cache of the target for one generation."""
+        return self.kv_pool.sequence() if self.kv_pool is not None else CachedSequence(self.target.model)
+
     def cost_profile(self) -> tuple[dict[int, float], float]:
         """(seconds per target forward over n positions, seconds per draft token); measured once."""
         if self._profile is None:
             vocab = self.target.vocab_size
-            verify = verify_profile(self.target.model, vocab, self.gamma_max + 1)
+            verify = verify_profile(self.target.model, vocab, self.gamma_max + 1, sequence=self.target_sequence())
             proposer = self.new_proposer()
             step = draft_step_time(proposer, vocab) if proposer is not None else 0.0
             self._profile = (verify, step)
@@ -197,7 +211,8 @@ class SpeculativeDecoder:
         vocab = self.target.vocab_size
         hit_stop = (lambda generated: self._hit_stop(generated, params)) if params.stop else None
         yield from speculate(
-            prompt_ids, self.new_proposer(draft_lookup), TargetVerifier(self.target.model, vocab), controller, params,
+            prompt_ids, self.new_proposer(draft_lookup), TargetVerifier(self.target.model, vocab, self.target_sequence()),
+            controller, params,
             PositionRNG(params.seed), max_new_tokens, vocab, self.eos_ids, stats, hit_stop,
         )
 

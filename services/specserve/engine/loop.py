@@ -105,10 +105,12 @@ def speculate(
             t_verified = time.perf_counter()
             draft_s, verify_s = t_drafted - t_round, t_verified - t_drafted
             stats.record_round(g, len(proposal), verdict.n_accepted, draft_s, verify_s, looked_up)
+            step = getattr(verifier, "last_step", None)  # a batched target step reports itself
             controller.update(
                 RoundObservation(
                     g, len(proposal), verdict.n_accepted, verdict.betas,
                     draft_s, verify_s, time.perf_counter() - t_round, proposal.key, proposal.confidences,
+                    *((step.tokens, step.sessions, step.seconds) if step is not None else ()),
                 )
             )
             new = proposal.tokens[: verdict.n_accepted] + [verdict.next_token]

@@ -110,8 +110,9 @@ class ModelProposer(Proposer):
 
     stops_early = True
 
-    def __init__(self, model, vocab: int, top_k_q: int = 0, name: str = "model", stop_below: float = 0.0):
-        self.seq = draft_sequence(model)
+    def __init__(self, model, vocab: int, top_k_q: int = 0, name: str = "model", stop_below: float = 0.0,
+                 sequence=None):
+        self.seq = sequence if sequence is not None else draft_sequence(model)  # or a colocated worker's
         self.vocab = vocab
         self.top_k_q = top_k_q
         self.name = name
@@ -246,8 +247,15 @@ class TargetVerifier:
 
     def verify(self, context: list[int], proposal: Proposal, params: SamplingParams, rng: PositionRNG) -> Verdict:
         k = len(proposal)
-        logits = self.seq.logits_after(context + proposal.tokens, keep_logits=k + 1)[:, : self.vocab]  # [k+1, vocab]
-        start = len(context)
+        logits = self.seq.logits_after(context + proposal.tokens, keep_logits=k + 1)  # [k+1, vocab]
+        return self.judge(logits, len(context), proposal, params, rng)
+
+    def judge(self, logits: torch.Tensor, start: int, proposal: Proposal, params: SamplingParams,
+              rng: PositionRNG) -> Verdict:
+        """Accept a prefix of `proposal` given the target's logits after context + each drafted token
+        ([k+1, ≥ vocab]; the context is `start` tokens long), and drop the rejected positions from the cache."""
+        k = len(proposal)
+        logits = logits[:, : self.vocab]
         tokens = torch.tensor(proposal.tokens, dtype=torch.long)
         if params.greedy and one_hot_on(proposal.q, tokens):  # the same verdict without the vocabulary-wide work
             verdict = accept_greedy(proposal.tokens, logits.argmax(-1).tolist())

@@ -48,6 +48,14 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
+def draft_dtype(model) -> torch.dtype:
+    """The dtype a draft computes in: its own, except half precision on a CPU, which computes in float32
+    (faster there for a small draft's matrix-vector products)."""
+    param = next(model.parameters())
+    half = param.dtype in (torch.bfloat16, torch.float16)
+    return torch.float32 if half and param.device.type == "cpu" else param.dtype
+
+
 def draft_sequence(model) -> TokenSequence:
     """The fastest cache this package has for running `model` as a draft."""
     return LeanSequence(model) if unsupported_reason(model) is None else CachedSequence(model)
@@ -111,15 +119,151 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-b, a), -1)
 
 
+def lean_forward(w: _LeanWeights, caches: list, new_tokens: list[list[int]], keeps: list[int],
+                 arena: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None) -> torch.Tensor:
+    """ONE forward over the new tokens of several sequences, each against its own cache.
+
+    caches[j] has `tokens` (the tokens its cache holds; the new ones go right after) and `kv(layer)` -> (k, v),
+    each [kv_heads, capacity, head_dim] with room for the new tokens. The matmuls run over all new tokens at
+    once. Attention runs per sequence over its own cache (a view, no copy), or, given the pool's `arena`
+    (k, v: [layers, kv_heads, positions, head_dim]; each cache's block offset), as ONE padded call for the
+    sequences with short blocks (`_PaddedAttention`). Returns the head's float32 logits for the last
+    `keeps[j]` new tokens of each sequence, in order: [sum(keeps), head rows]. The caller extends each
+    cache's `tokens`.
+    """
+    h, kvh, d = w.heads, w.kv_heads, w.head_dim
+    group = h // kvh
+    starts = [len(c.tokens) for c in caches]
+    sizes = [len(t) for t in new_tokens]
+    ids = torch.tensor([t for ts in new_tokens for t in ts], dtype=torch.long, device=w.device)
+    total = ids.shape[0]
+    x = w.embed[ids].to(w.dtype)  # [T, hidden]
+    positions = torch.cat([torch.arange(s, s + n, dtype=torch.float32) for s, n in zip(starts, sizes)])
+    angles = positions.to(w.device)[:, None] * w.inv_freq
+    angles = torch.cat((angles, angles), -1)
+    cos, sin = angles.cos().to(w.dtype)[:, None], angles.sin().to(w.dtype)[:, None]  # [T, 1, head_dim]
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + n)
+    # query i of a sequence sees its cache and its new tokens up to itself; one row per (head in group, query)
+    padded = _PaddedAttention.plan(w, arena, starts, sizes, offsets) if arena is not None else None
+    looped = [j for j in range(len(caches)) if padded is None or j not in padded.members]
+    masks = {j: torch.ones(sizes[j], starts[j] + sizes[j], dtype=torch.bool, device=w.device).tril(starts[j])
+             .repeat(group, 1) for j in looped if sizes[j] > 1}
+    for i, (norm_in, w_qkv, b_qkv, w_o, b_o, norm_post, w_gate_up, w_down) in enumerate(w.layers):
+        qkv = F.linear(_rms(x, norm_in, w.eps), w_qkv, b_qkv)
+        q = qkv[:, : h * d].view(total, h, d)
+        k = qkv[:, h * d : (h + kvh) * d].view(total, kvh, d)
+        v = qkv[:, (h + kvh) * d :].view(total, kvh, d)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        outs = []
+        for j in looped:
+            s, n, o = starts[j], sizes[j], offsets[j]
+            k_cache, v_cache = caches[j].kv(i)
+            k_cache[:, s : s + n] = k[o : o + n].transpose(0, 1)
+            v_cache[:, s : s + n] = v[o : o + n].transpose(0, 1)
+            # grouped-query attention as kvh batches of (group · n) queries: no key/value copies
+            att = F.scaled_dot_product_attention(
+                q[o : o + n].transpose(0, 1).reshape(kvh, group * n, d), k_cache[:, : s + n], v_cache[:, : s + n],
+                attn_mask=masks.get(j), scale=w.scale,
+            )  # [kvh, group·n, d] = [h, n, d]
+            outs.append(att.view(h, n, d).transpose(0, 1).reshape(n, h * d))
+        if padded is None:
+            att = outs[0] if len(outs) == 1 else torch.cat(outs)
+        else:
+            att = padded.attend(i, q, k, v)
+            if looped:
+                att = att.index_copy(0, padded.looped_rows, torch.cat(outs))
+        x = x + F.linear(att, w_o, b_o)
+        gate, up = F.linear(_rms(x, norm_post, w.eps), w_gate_up).chunk(2, -1)
+        x = x + F.linear(F.silu(gate) * up, w_down)
+    if len(caches) == 1:
+        rows = x[total - keeps[0] :]
+    else:
+        rows = x[torch.cat([torch.arange(offsets[j + 1] - keep, offsets[j + 1]) for j, keep in enumerate(keeps)])]
+    return F.linear(_rms(rows, w.norm, w.eps), w.head).float()
+
+
+class _PaddedAttention:
+    """Attention of several pooled sequences in ONE call: their keys and values gathered from the arena into
+    a padded batch [B, kv_heads, longest, head_dim], their queries padded to the longest new block, a mask for
+    causality and length. Per sequence, a loop costs ~10 small ops per layer (about 0.1 ms each on the 2-core
+    CPU, 3 ms per session per step for a 30-layer target); this is ~10 ops per layer for all of them, at the
+    price of copying their caches once per layer. Sequences with long new blocks (prefill chunks) stay in
+    the loop: padding every query to theirs would cost more than it saves.
+    """
+
+    MAX_NEW = 16  # sequences feeding at most this many tokens are padded together
+
+    @classmethod
+    def plan(cls, w: _LeanWeights, arena, starts, sizes, offsets) -> _PaddedAttention | None:
+        members = [j for j, n in enumerate(sizes) if n <= cls.MAX_NEW]
+        return cls(w, arena, members, starts, sizes, offsets) if len(members) > 1 else None
+
+    def __init__(self, w: _LeanWeights, arena, members: list[int], starts, sizes, offsets):
+        self.k_arena, self.v_arena, blocks = arena
+        self.w, self.members = w, members
+        dev = w.device
+        start = torch.tensor([starts[j] for j in members])
+        new = torch.tensor([sizes[j] for j in members])
+        base = torch.tensor([blocks[j] for j in members])
+        self.batch, self.nmax, self.lmax = len(members), int(new.max()), int((start + new).max())
+        query = torch.arange(self.nmax).expand(self.batch, -1).minimum(new[:, None] - 1)  # [B, nmax], pads repeat
+        self.query_rows = (torch.tensor([offsets[j] for j in members])[:, None] + query).flatten().to(dev)
+        # key t is seen by query i iff t <= start + i (its cache, the new tokens up to itself); pads copy a row
+        keys = torch.arange(self.lmax).expand(self.batch, -1)
+        seen = keys[:, None, :] <= (start[:, None] + query)[..., None]  # [B, nmax, lmax]
+        group = w.heads // w.kv_heads
+        self.mask = seen.repeat(1, group, 1)[:, None].to(dev)  # [B, 1, group·nmax, lmax]
+        self.key_rows = (base[:, None] + keys.minimum((start + new)[:, None] - 1)).flatten().to(dev)
+        rows = [(b, offsets[j], i) for b, j in enumerate(members) for i in range(sizes[j])]
+        self.new_rows = torch.tensor([o + i for _, o, i in rows], device=dev)  # flat rows of the members' tokens
+        self.arena_rows = torch.tensor([blocks[j] + starts[j] + i for j in members for i in range(sizes[j])],
+                                       device=dev)
+        self.out_rows = torch.tensor([b * self.nmax + i for b, _, i in rows], device=dev)
+        member_set = set(members)
+        self.looped_rows = torch.tensor([offsets[j] + i for j in range(len(sizes)) if j not in member_set
+                                         for i in range(sizes[j])], dtype=torch.long, device=dev)
+        self.total = sum(sizes)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, heads, d], k, v: [T, kv_heads, d] (all new tokens, rotated) → [T, heads·d], zeros outside
+        the members' rows."""
+        w, b, nmax, lmax = self.w, self.batch, self.nmax, self.lmax
+        h, kvh, d = w.heads, w.kv_heads, w.head_dim
+        k_layer, v_layer = self.k_arena[layer], self.v_arena[layer]  # [kvh, positions, d]
+        k_layer.index_copy_(1, self.arena_rows, k[self.new_rows].transpose(0, 1))
+        v_layer.index_copy_(1, self.arena_rows, v[self.new_rows].transpose(0, 1))
+        keys = k_layer[:, self.key_rows].view(kvh, b, lmax, d).transpose(0, 1)  # [B, kvh, lmax, d]
+        values = v_layer[:, self.key_rows].view(kvh, b, lmax, d).transpose(0, 1)
+        queries = q[self.query_rows].view(b, nmax, h, d).permute(0, 2, 1, 3).reshape(b, kvh, h // kvh * nmax, d)
+        att = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=w.scale)
+        att = att.view(b, h, nmax, d).permute(0, 2, 1, 3).reshape(b * nmax, h * d)
+        if len(self.new_rows) == self.total:  # every sequence is a member: rows already in order
+            return att[self.out_rows]
+        return att.new_zeros(self.total, h * d).index_copy_(0, self.new_rows, att[self.out_rows])
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()  # as HF: normalise in float32, scale in the compute dtype
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def widen(logits: torch.Tensor, token_subset: torch.Tensor | None, vocab: int) -> torch.Tensor:
+    """[n, subset] logits -> [n, vocab] with -inf outside the subset (unchanged without one)."""
+    if token_subset is None:
+        return logits
+    full = logits.new_full((logits.shape[0], vocab), float("-inf"))
+    full[:, token_subset] = logits
+    return full
+
+
 class LeanSequence(TokenSequence):
     """One sequence's cache for a Llama-family model, with the `TokenSequence` contract of `CachedSequence`."""
 
     def __init__(self, model, dtype: torch.dtype | None = None, capacity: int = 256):
-        param = next(model.parameters())
-        if dtype is None:  # half precision computes in float32 on a CPU (faster there for a small draft)
-            half = param.dtype in (torch.bfloat16, torch.float16)
-            dtype = torch.float32 if half and param.device.type == "cpu" else param.dtype
-        self.w = _weights(model, dtype)
+        self.w = _weights(model, dtype or draft_dtype(model))
         self.token_subset = self.w.token_subset
         self.vocab = model.config.vocab_size
         self.tokens: list[int] = []
@@ -142,59 +286,26 @@ class LeanSequence(TokenSequence):
             v[:, :, :n] = self.v[:, :, :n]
         self.k, self.v = k, v
 
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer], self.v[layer]
+
     def rollback(self, length: int) -> None:
         del self.tokens[length:]  # the cache rows past `length` are overwritten by the next feed
 
     @torch.inference_mode()
     def feed_subset(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
         """Append tokens; float32 CPU logits over the head's tokens (the subset, or the vocabulary): [keep, n]."""
-        w, n, start = self.w, len(new_tokens), len(self.tokens)
-        if not n:
+        if not new_tokens:
             raise ValueError("feed needs at least one token")
-        self._reserve(start + n)
-        end = start + n
-        ids = torch.tensor(new_tokens, dtype=torch.long, device=w.device)
-        x = w.embed[ids].to(w.dtype)  # [n, hidden]
-        angles = torch.arange(start, end, dtype=torch.float32, device=w.device)[:, None] * w.inv_freq
-        angles = torch.cat((angles, angles), -1)
-        cos, sin = angles.cos().to(w.dtype), angles.sin().to(w.dtype)  # [n, head_dim]
-        h, kvh, d = w.heads, w.kv_heads, w.head_dim
-        group = h // kvh
-        mask = None
-        if n > 1:  # query i sees the cache and new tokens up to itself; one row per (head in group, query)
-            mask = torch.ones(n, end, dtype=torch.bool, device=w.device).tril(start).repeat(group, 1)
-        for i, (norm_in, w_qkv, b_qkv, w_o, b_o, norm_post, w_gate_up, w_down) in enumerate(w.layers):
-            r = self._rms(x, norm_in)
-            qkv = F.linear(r, w_qkv, b_qkv)
-            q = qkv[:, : h * d].view(n, h, d).transpose(0, 1)  # [h, n, d]
-            k = qkv[:, h * d : (h + kvh) * d].view(n, kvh, d).transpose(0, 1)  # [kvh, n, d]
-            v = qkv[:, (h + kvh) * d :].view(n, kvh, d).transpose(0, 1)
-            q = q * cos + _rotate_half(q) * sin
-            self.k[i, :, start:end] = k * cos + _rotate_half(k) * sin
-            self.v[i, :, start:end] = v
-            # grouped-query attention as kvh batches of (group · n) queries: no key/value copies
-            att = F.scaled_dot_product_attention(
-                q.reshape(kvh, group * n, d), self.k[i, :, :end], self.v[i, :, :end], attn_mask=mask, scale=w.scale
-            )  # [kvh, group·n, d] = [h, n, d]
-            x = x + F.linear(att.view(h, n, d).transpose(0, 1).reshape(n, h * d), w_o, b_o)
-            gate, up = F.linear(self._rms(x, norm_post), w_gate_up).chunk(2, -1)
-            x = x + F.linear(F.silu(gate) * up, w_down)
+        self._reserve(len(self.tokens) + len(new_tokens))
+        logits = lean_forward(self.w, [self], [new_tokens], [keep_logits])
         self.tokens.extend(new_tokens)
         self.forward_calls += 1
-        return F.linear(self._rms(x[-keep_logits:], w.norm), w.head).float().cpu()
+        return logits.cpu()
 
     def feed(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
         """Append tokens; float32 CPU logits over the full vocabulary (-inf outside a subset): [keep, vocab]."""
-        logits = self.feed_subset(new_tokens, keep_logits)
-        if self.token_subset is None:
-            return logits
-        full = logits.new_full((logits.shape[0], self.vocab), float("-inf"))
-        full[:, self.token_subset] = logits
-        return full
-
-    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()  # as HF: normalise in float32, scale in the compute dtype
-        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.w.eps)).to(x.dtype)
+        return widen(self.feed_subset(new_tokens, keep_logits), self.token_subset, self.vocab)
 
     def release(self) -> None:
         self.k = self.v = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 
+from specserve.engine.batching import StepInfo
 from specserve.engine.loop import speculate
 from specserve.engine.proposers import Proposal, Proposer, prompt_lookup
 from specserve.engine.stats import GenerationStats
@@ -100,16 +101,45 @@ class RemoteProposer(_SessionProxy, Proposer):
 
 
 class RemoteVerifier(_SessionProxy):
-    """A TargetWorker session; `worker_time_s` sums the compute time the worker reported."""
+    """A TargetWorker session; `worker_time_s` sums the compute time the worker reported, `last_step` is the
+    batched step that verified the latest block."""
 
     worker_time_s = 0.0
+    last_step: StepInfo | None = None
 
     def verify(self, context: list[int], proposal: Proposal, params: SamplingParams, rng: PositionRNG) -> Verdict:
         reply = self.stub.Verify(
             workers_pb2.VerifyRequest(update=self._update(context), tokens=proposal.tokens, q=q_to_wire(proposal.q))
         )
         self.worker_time_s += reply.verify_time_s
+        if reply.step_sessions:
+            self.last_step = StepInfo(reply.step_tokens, reply.step_sessions, reply.verify_time_s)
         return Verdict(reply.n_accepted, reply.next_token, list(reply.accept_probs), list(reply.betas))
+
+
+class RemoteSession:
+    """A whole session on a TargetWorker that holds the draft (colocated): one stream, one message per round.
+    `rounds` yields what `engine.loop.speculate` yields and records each round in the stats."""
+
+    def __init__(self, stub, session_id: str, prompt: list[int], params: SamplingParams, seed: int,
+                 max_tokens: int, gamma: int | str, lookup: bool = True):
+        self.stub = stub
+        self.request = workers_pb2.SessionRequest(
+            session_id=session_id, prompt_ids=prompt, sampling=sampling_to_proto(params, seed),
+            max_tokens=max_tokens, gamma=str(gamma), no_lookup=not lookup,
+        )
+        self.worker_time_s = 0.0  # the batched steps' compute time (as RemoteVerifier's)
+
+    def rounds(self, stats: GenerationStats):
+        call = self.stub.Generate(self.request)
+        try:
+            for reply in call:
+                stats.record_round(reply.gamma, reply.drafted, reply.accepted, reply.draft_time_s,
+                                   reply.verify_time_s, reply.looked_up)
+                self.worker_time_s += reply.step_time_s
+                yield list(reply.tokens), reply.finish_reason or None
+        finally:
+            call.cancel()  # a consumer that stops early ends the session on the worker
 
 
 def remote_generate(

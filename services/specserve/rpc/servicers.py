@@ -11,9 +11,11 @@ All model work of a servicer runs on ONE compute thread, whatever gRPC
 thread received the call. torch's OpenMP pool belongs to the thread that
 launches the work: forwards issued from a rotating pool of gRPC threads each
 built their own pool and oversubscribed the cores (a verify forward measured
-80-100 ms against 45 ms on the 2-core dev machine). One thread also
-serialises the sessions' forwards, which a single model on one device
-executes one at a time anyway.
+80-100 ms against 45 ms on the 2-core dev machine). That thread is the
+target's step scheduler (`engine.batching`): Prefill and Verify calls of all
+sessions are queued and run as one batched forward per step over the KV
+pool (`models.pool`) where the model is Llama-family, one session at a time
+otherwise. A full KV pool is RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -21,16 +23,20 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from specserve.engine.batching import StepScheduler
+from specserve.engine.colocated import ColocatedSessions
 from specserve.engine.proposers import Proposal, Proposer, TargetVerifier
+from specserve.engine.stats import GenerationStats
+from specserve.models.lean import unsupported_reason
+from specserve.models.pool import KVCacheFull, KVPool
 from specserve.rpc.convert import q_from_wire, q_to_wire, sampling_from_proto
-from specserve.spec import PositionRNG, SamplingParams
+from specserve.spec import PositionRNG, SamplingParams, make_controller
 from specserve.v1 import workers_pb2, workers_pb2_grpc
 
 
@@ -98,6 +104,18 @@ class SessionTable:
         return session, session.tokens
 
 
+_ERRORS = (KeyError, ValueError, KVCacheFull)
+
+
+def _abort(context, exc: Exception) -> None:
+    """Map an engine error onto its gRPC status (unknown session, bad input, no room in the KV pool)."""
+    if isinstance(exc, KeyError):
+        context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+    if isinstance(exc, KVCacheFull):
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
 def _rpc(method):
     """Map engine errors onto gRPC status codes."""
 
@@ -105,10 +123,21 @@ def _rpc(method):
     def wrapper(self, request, context):
         try:
             return method(self, request, context)
-        except KeyError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except _ERRORS as exc:
+            _abort(context, exc)
+
+    return wrapper
+
+
+def _rpc_stream(method):
+    """`_rpc` for a server-streaming method (its errors surface while the stream is consumed)."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            yield from method(self, request, context)
+        except _ERRORS as exc:
+            _abort(context, exc)
 
     return wrapper
 
@@ -117,24 +146,34 @@ class _SessionService:
     """Prefill and Release, the same for both workers; subclasses say which engine a session gets."""
 
     sessions: SessionTable
+    scheduler: StepScheduler
 
-    def _init_compute(self, threads: int | None) -> None:
-        import torch
+    def _init_compute(self, threads: int | None, scheduler: StepScheduler | None, **scheduling) -> None:
+        """Use `scheduler` (a compute thread the model was loaded on: keep torch on one thread) or start one."""
+        self.scheduler = scheduler or StepScheduler(threads=threads)
+        self.scheduler.expected = lambda: len(self.sessions)
+        for name, value in scheduling.items():
+            setattr(self.scheduler, name, value)
 
-        init = (lambda: torch.set_num_threads(threads)) if threads else None
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix="specserve-compute", initializer=init)
+    direct = False  # the engines send their forwards to the scheduler themselves: run calls where they arrive
 
     def _run(self, fn: Callable[..., Any], *args) -> Any:
         """Run fn on the compute thread (every torch op of the servicer goes through here)."""
-        return self._compute.submit(fn, *args).result()
+        if self.direct:
+            return fn(*args)
+        return self.scheduler.call(fn, *args).result()
 
     def new_engine(self):
         raise NotImplementedError
 
+    def _prefill(self, session: Session) -> None:
+        self._run(session.engine.prefill, session.tokens)
+
     @_rpc
     def Prefill(self, request, context):
-        session = self.sessions.open(request, self.new_engine())
-        self._run(session.engine.prefill, session.tokens)
+        # on the compute thread: a re-prefill releases the session's old cache, which a step may be using
+        session = self._run(self.sessions.open, request, self.new_engine())
+        self._prefill(session)
         return workers_pb2.PrefillReply(cached_tokens=len(session.tokens))
 
     @_rpc
@@ -144,10 +183,15 @@ class _SessionService:
 
 
 class DraftWorkerServicer(_SessionService, workers_pb2_grpc.DraftWorkerServicer):
-    def __init__(self, new_proposer: Callable[[], Proposer], vocab: int, threads: int | None = None):
+    """scheduled: the proposers' forwards are `scheduler`'s batched draft steps (a `ScheduledDraft`), so each
+    call runs on its own gRPC thread and the sessions' draft tokens share forwards."""
+
+    def __init__(self, new_proposer: Callable[[], Proposer], vocab: int, threads: int | None = None,
+                 scheduler: StepScheduler | None = None, scheduled: bool = False):
         self.new_engine = new_proposer
         self.sessions = SessionTable(vocab)
-        self._init_compute(threads)
+        self.direct = scheduled
+        self._init_compute(threads, scheduler)
 
     @_rpc
     def Propose(self, request, context):
@@ -173,31 +217,84 @@ class DraftWorkerServicer(_SessionService, workers_pb2_grpc.DraftWorkerServicer)
 
 
 class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerServicer):
-    def __init__(self, model, vocab: int, threads: int | None = None, new_sequence: Callable | None = None):
-        """new_sequence: makes each session's KV cache (default: a local cache of `model`; a stage pipeline's)."""
+    """batching: run Llama-family targets through the KV pool, one forward per step over all sessions
+    (kv_cache_tokens positions in all; max_step_tokens and prefill_chunk bound a step, see `StepScheduler`).
+    Other models, stage pipelines (`new_sequence`) and batching=False run one session at a time."""
+
+    def __init__(self, model, vocab: int, threads: int | None = None, new_sequence: Callable | None = None, *,
+                 batching: bool = True, kv_cache_tokens: int = 65536, max_step_tokens: int = 512,
+                 prefill_chunk: int = 256, scheduler: StepScheduler | None = None):
         self.model = model
         self.new_sequence = new_sequence
         self.sessions = SessionTable(vocab)
-        self._init_compute(threads)
+        self._init_compute(threads, scheduler, max_step_tokens=max_step_tokens, prefill_chunk=prefill_chunk)
+        self.pool = None
+        if batching and new_sequence is None and model is not None and unsupported_reason(model) is None:
+            self.pool = self.scheduler.pool = self._run(KVPool, model, kv_cache_tokens)
+            self.new_sequence = self.pool.sequence
+        self.kv_cache_tokens = kv_cache_tokens
+        self.colocated: ColocatedSessions | None = None
+
+    def attach_draft(self, draft, eos_ids, gamma_max: int = 8, name: str = "draft", top_k_q: int = 0) -> None:
+        """Hold a draft model too (colocated): `Generate` then runs whole sessions here."""
+        self.colocated = ColocatedSessions(self.scheduler, self.model, draft, self.sessions.vocab, eos_ids,
+                                           gamma_max=gamma_max, kv_cache_tokens=self.kv_cache_tokens, name=name,
+                                           top_k_q=top_k_q)
 
     def new_engine(self) -> TargetVerifier:
         sequence = self.new_sequence() if self.new_sequence is not None else None
         return TargetVerifier(self.model, self.sessions.vocab, sequence)
+
+    def _prefill(self, session: Session) -> None:
+        self.scheduler.prefill(session.engine, session.tokens).result()
 
     @_rpc
     def Verify(self, request, context):
         session, tokens = self.sessions.apply(request.update)
         if len(request.q) != len(request.tokens):
             raise ValueError(f"q: expected one distribution per token ({len(request.tokens)}), got {len(request.q)}")
+        proposal = Proposal(list(request.tokens), q_from_wire(request.q, self.sessions.vocab))
+        verdict, step = self.scheduler.verify(session.engine, tokens, proposal, session.params, session.rng).result()
+        return workers_pb2.VerifyReply(
+            n_accepted=verdict.n_accepted, next_token=verdict.next_token,
+            accept_probs=verdict.accept_probs, betas=verdict.betas, verify_time_s=step.seconds,
+            step_tokens=step.tokens, step_sessions=step.sessions,
+        )
 
-        def verify():
-            proposal = Proposal(list(request.tokens), q_from_wire(request.q, self.sessions.vocab))
-            t0 = time.perf_counter()
-            verdict = session.engine.verify(tokens, proposal, session.params, session.rng)
-            elapsed = time.perf_counter() - t0
-            return workers_pb2.VerifyReply(
-                n_accepted=verdict.n_accepted, next_token=verdict.next_token,
-                accept_probs=verdict.accept_probs, betas=verdict.betas, verify_time_s=elapsed,
-            )
-
-        return self._run(verify)
+    @_rpc_stream
+    def Generate(self, request, context):
+        if self.colocated is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this target worker holds no draft (not colocated)")
+        gamma: int | str = int(request.gamma) if request.gamma.isdigit() else (request.gamma or "auto")
+        try:
+            make_controller(gamma, self.colocated.gamma_max)
+        except ValueError as exc:
+            raise ValueError(f"gamma: {exc}") from None
+        if request.max_tokens < 1:
+            raise ValueError("max_tokens: must be >= 1")
+        session = self._run(self.sessions.open, request, self.new_engine())
+        stats = GenerationStats()
+        verifier, rounds = self.colocated.rounds(session.engine, session.tokens, session.params, session.rng,
+                                                 request.max_tokens, gamma, not request.no_lookup, stats)
+        before, last = (0, 0.0, 0.0, 0), None
+        try:
+            for new, reason in rounds:
+                now = (stats.drafted, stats.draft_time_s, stats.verify_time_s, stats.lookup_rounds)
+                reply = workers_pb2.RoundReply(
+                    tokens=new, finish_reason=reason or "", gamma=stats.gamma_history[-1],
+                    drafted=now[0] - before[0], accepted=stats.accepted_history[-1],
+                    draft_time_s=now[1] - before[1], verify_time_s=now[2] - before[2],
+                    looked_up=now[3] > before[3], step_time_s=verifier.last_step.seconds,
+                )
+                before = now
+                if reason is not None:
+                    last = reply
+                    break
+                yield reply
+                if not context.is_active():
+                    break
+        finally:
+            rounds.close()
+            self._run(self.sessions.close, request.session_id)
+        if last is not None:  # after the release: a client that has the last round has a clean worker
+            yield last

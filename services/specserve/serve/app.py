@@ -85,6 +85,8 @@ class _WorkerError(Exception):
             message = f"worker: {cause.code().name}: {cause.details()}"
             if cause.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 return cls(message, 400, grpc.StatusCode.INVALID_ARGUMENT)
+            if cause.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the target's KV pool is full
+                return cls(message, 503, grpc.StatusCode.RESOURCE_EXHAUSTED)
             return cls(message, 502, grpc.StatusCode.UNAVAILABLE)
         return cls(f"{type(cause).__name__}: {cause}", 500, grpc.StatusCode.INTERNAL)  # a message, never a traceback
 
@@ -95,7 +97,7 @@ class SpecServe:
     def __init__(self, config: "dict[str, Any] | None" = None):
         self.config = AppConfig(**(config or {}))
         cfg = self.config
-        self.target, self.draft = start_workers(cfg)
+        self.target, self.draft = start_workers(cfg, gamma_max=cfg.gamma_max)
         self.coordinator = start_coordinator(
             cfg, self.target, self.draft, gamma=cfg.gamma, gamma_max=cfg.gamma_max, pipelined=cfg.pipelining(),
             max_sessions=cfg.max_sessions, draft_lookup=cfg.draft_lookup,
@@ -145,9 +147,10 @@ class SpecServe:
     async def health(self):
         try:
             state = await self.coordinator.describe.remote()
+            target = await self.target.info.remote()  # live: the KV pool's use changes
         except Exception as exc:  # noqa: BLE001 - report, do not crash the probe
             return JSONResponse({"status": "unavailable", "error": str(exc)}, status_code=503)
-        return {"status": "ok", "model": self.model_name, "target": self.info, **state}
+        return {"status": "ok", "model": self.model_name, "target": target, **state}
 
     @api.get("/v1/models")
     async def models(self):

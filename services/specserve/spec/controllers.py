@@ -13,6 +13,9 @@
   (its top probability); the draft goes on while a deeper block would raise
   the round's expected tokens per second, and drafted tokens not worth a
   verify position are dropped.
+  Under load (a batched target step shared with other sessions) it learns the step's time as a function of
+  the step's total tokens and maximises the batch's goodput instead of its own speed: a deeper block for one
+  session makes every session's step slower, so the extra expected tokens must pay for that (`_StepCost`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ class RoundObservation:
     round_time_s: float = 0.0
     key: str | None = None  # the proposal's quality class (see `choose`)
     confidences: list[float] = field(default_factory=list)  # the draft's top probability at each token it drafted
+    # the batched target step that verified the block (0 where unknown, e.g. in process): its new tokens, all
+    # sessions, how many sessions shared it and its compute seconds
+    step_tokens: int = 0
+    step_sessions: int = 0
+    step_time_s: float = 0.0
 
 
 def expected_tokens_per_round(alpha: float, gamma: int) -> float:
@@ -154,6 +162,36 @@ class _ConfidenceTable:
             self.acceptance[b] += weight * (beta - self.acceptance[b])
 
 
+class _StepCost:
+    """Seconds of a batched target step as a function of its new tokens, t(N) = a + b·N: a least-squares
+    fit over an EWMA of observed steps, its slope shrunk toward the single-session calibration's (steady load
+    varies N little, so the data alone rarely pins the slope down)."""
+
+    PRIOR = 4.0  # strength of the prior slope, in tokens² of spread
+
+    def __init__(self, prior_slope: float, decay: float):
+        self.prior_slope = max(0.0, prior_slope)
+        self.decay = decay
+        self.n = self.t = self.nn = self.nt = 0.0
+        self.seen = 0
+
+    def update(self, tokens: int, seconds: float) -> None:
+        w = self.decay if self.seen else 1.0
+        self.n += w * (tokens - self.n)
+        self.t += w * (seconds - self.t)
+        self.nn += w * (tokens * tokens - self.nn)
+        self.nt += w * (tokens * seconds - self.nt)
+        self.seen += 1
+
+    def slope(self) -> float:
+        var = max(0.0, self.nn - self.n * self.n)
+        cov = self.nt - self.n * self.t
+        return max(0.0, (cov + self.PRIOR * self.prior_slope) / (var + self.PRIOR))
+
+    def at(self, tokens: float) -> float:
+        return max(1e-6, self.t + self.slope() * (tokens - self.n))
+
+
 class AutoGamma(GammaController):
     """Maximise expected tokens per second from measured acceptance and costs.
 
@@ -188,6 +226,11 @@ class AutoGamma(GammaController):
         self.draft_step_s = draft_step_s
         self.overhead_s = 0.0
         self._rounds_at_zero = 0
+        self.step_cost: _StepCost | None = None  # learned once batched steps report themselves
+        self.load_sessions = 1.0  # EWMA of the sessions sharing this session's steps
+        self.load_tokens = 0.0  # EWMA of the tokens of those steps
+        self.own_positions = 1.0  # EWMA of the positions this session put into them
+        self.tokens_per_round = 1.0  # EWMA of the tokens this session's rounds emitted
 
     # -- estimates -------------------------------------------------------
     def table(self, key: str | None = None) -> _AcceptanceTable:
@@ -220,7 +263,18 @@ class AutoGamma(GammaController):
             total += survive
         return total
 
+    @property
+    def loaded(self) -> bool:
+        """Whether this session's steps are shared with others (then `_StepCost` prices its verify)."""
+        return self.step_cost is not None and self.load_sessions > 1.25
+
+    def others_tokens(self) -> float:
+        """Tokens the other sessions of a step emit per round (credited to every choice alike: goodput)."""
+        return (self.load_sessions - 1.0) * self.tokens_per_round if self.loaded else 0.0
+
     def verify_time(self, positions: int) -> float:
+        if self.loaded:  # the step with the others' tokens and these positions
+            return self.step_cost.at(max(0.0, self.load_tokens - self.own_positions) + positions)
         if positions in self.verify_s:
             return self.verify_s[positions]
         known = sorted(self.verify_s)
@@ -242,7 +296,8 @@ class AutoGamma(GammaController):
         return core + self.overhead_s
 
     def tokens_per_second(self, gamma: int, key: str | None = None) -> float:
-        return self.expected_tokens(gamma, key) / self.round_time(gamma)
+        """Expected tokens per second of the round, the other sessions' of a shared step included."""
+        return (self.expected_tokens(gamma, key) + self.others_tokens()) / self.round_time(gamma)
 
     def warm_start(self, previous: AutoGamma) -> None:
         """Carry learned acceptance and costs over from an earlier request's controller."""
@@ -251,6 +306,9 @@ class AutoGamma(GammaController):
         self.verify_s = dict(previous.verify_s)
         self.draft_step_s = previous.draft_step_s
         self.overhead_s = previous.overhead_s
+        self.step_cost = copy.deepcopy(previous.step_cost)
+        self.load_sessions, self.load_tokens = previous.load_sessions, previous.load_tokens
+        self.own_positions, self.tokens_per_round = previous.own_positions, previous.tokens_per_round
 
     # -- interface ---------------------------------------------------------
     def choose(self, remaining: int | None = None, key: str | None = None, available: int | None = None,
@@ -262,8 +320,8 @@ class AutoGamma(GammaController):
             if self._rounds_at_zero % self.probe_every == 0:
                 return 1  # keep the acceptance estimate alive while not speculating
         if open_ended and limit > 0:  # worth starting if a confident first token would pay
-            first = max(self.calibration(key).acceptance)
-            if (1.0 + first) / self.round_time(1) > 1.0 / self.round_time(0):
+            first, others = max(self.calibration(key).acceptance), self.others_tokens()
+            if (1.0 + first + others) / self.round_time(1) > (1.0 + others) / self.round_time(0):
                 return limit
         return best
 
@@ -277,20 +335,21 @@ class AutoGamma(GammaController):
         if drafted >= self.gamma_max:
             return False
         tokens, survive = self._drafted_so_far(confidences, key)[-1]
-        now = tokens / self.round_time(drafted)
+        others = self.others_tokens()
+        now = (tokens + others) / self.round_time(drafted)
         table = self.table(key)
         for more in range(drafted + 1, self.gamma_max + 1):
             survive *= table.at(more)
             tokens += survive
-            if tokens / self.round_time(more) > now:
+            if (tokens + others) / self.round_time(more) > now:
                 return True
         return False
 
     def worth_verifying(self, confidences: list[float], key: str | None = None) -> int:
         """The count with the best expected tokens per second, the drafting of all of them already paid."""
         sunk = len(confidences) * (self.draft_step_s or 0.0) + self.overhead_s
-        expected = self._drafted_so_far(confidences, key)
-        return max(range(len(expected)), key=lambda k: expected[k][0] / (sunk + self.verify_time(k + 1)))
+        expected, others = self._drafted_so_far(confidences, key), self.others_tokens()
+        return max(range(len(expected)), key=lambda k: (expected[k][0] + others) / (sunk + self.verify_time(k + 1)))
 
     def update(self, obs: RoundObservation) -> None:
         w = self.decay
@@ -298,7 +357,17 @@ class AutoGamma(GammaController):
         if obs.confidences:
             self.calibration(obs.key).update(obs.confidences, obs.betas, w)
         positions = obs.drafted + 1
-        if obs.verify_time_s > 0:
+        self.tokens_per_round += w * (obs.accepted + 1 - self.tokens_per_round)
+        if obs.step_sessions > 0:  # a batched step: learn its cost per token and the load around this session
+            if self.step_cost is None:
+                ns = sorted(self.verify_s)
+                slope = (self.verify_s[ns[-1]] - self.verify_s[ns[0]]) / (ns[-1] - ns[0]) if len(ns) > 1 else 0.0
+                self.step_cost = _StepCost(slope, w)
+            self.step_cost.update(obs.step_tokens, obs.step_time_s)
+            self.load_sessions += w * (obs.step_sessions - self.load_sessions)
+            self.load_tokens += w * (obs.step_tokens - self.load_tokens)
+            self.own_positions += w * (positions - self.own_positions)
+        if obs.verify_time_s > 0 and (obs.step_sessions <= 1 or not self.loaded):
             old = self.verify_s.get(positions)
             self.verify_s[positions] = obs.verify_time_s if old is None else old + w * (obs.verify_time_s - old)
         # Prompt-lookup blocks in front of a model draft (near-zero draft time) count here too. Leaving them out,
@@ -309,9 +378,9 @@ class AutoGamma(GammaController):
             step = obs.draft_time_s / steps
             self.draft_step_s = step if self.draft_step_s is None else self.draft_step_s + w * (step - self.draft_step_s)
         if obs.round_time_s > 0:
-            core = obs.draft_time_s + obs.verify_time_s
-            if self.pipelined:
-                core = max(obs.draft_time_s, obs.verify_time_s)
+            # under load the step's compute is priced by `_StepCost`; waiting for a step is overhead
+            verify = obs.step_time_s if self.loaded and obs.step_time_s > 0 else obs.verify_time_s
+            core = max(obs.draft_time_s, verify) if self.pipelined else obs.draft_time_s + verify
             extra = max(0.0, obs.round_time_s - core)
             self.overhead_s += w * (extra - self.overhead_s)
 

@@ -250,6 +250,11 @@ class TargetWorkerStub:
                 request_serializer=specserve_dot_v1_dot_workers__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=specserve_dot_v1_dot_workers__pb2.ReleaseReply.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_stream(
+                '/specserve.v1.TargetWorker/Generate',
+                request_serializer=specserve_dot_v1_dot_workers__pb2.SessionRequest.SerializeToString,
+                response_deserializer=specserve_dot_v1_dot_workers__pb2.RoundReply.FromString,
+                _registered_method=True)
 
 
 class TargetWorkerServicer:
@@ -273,6 +278,14 @@ class TargetWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request, context):
+        """Only on a worker that holds the draft (draft_placement: colocated): draft, verify and the gamma
+        controller all run here, batched with the other sessions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -290,6 +303,11 @@ def add_TargetWorkerServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=specserve_dot_v1_dot_workers__pb2.ReleaseRequest.FromString,
                     response_serializer=specserve_dot_v1_dot_workers__pb2.ReleaseReply.SerializeToString,
+            ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=specserve_dot_v1_dot_workers__pb2.SessionRequest.FromString,
+                    response_serializer=specserve_dot_v1_dot_workers__pb2.RoundReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -373,6 +391,33 @@ class TargetWorker:
             '/specserve.v1.TargetWorker/Release',
             specserve_dot_v1_dot_workers__pb2.ReleaseRequest.SerializeToString,
             specserve_dot_v1_dot_workers__pb2.ReleaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specserve.v1.TargetWorker/Generate',
+            specserve_dot_v1_dot_workers__pb2.SessionRequest.SerializeToString,
+            specserve_dot_v1_dot_workers__pb2.RoundReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,8 +15,10 @@ from typing import Any
 import grpc
 import ray
 
+from specserve.engine.batching import StepScheduler, one_thread_torch
+from specserve.engine.colocated import ScheduledDraft
 from specserve.engine.profile import draft_step_time, verify_profile
-from specserve.engine.proposers import ModelProposer, NgramProposer
+from specserve.engine.proposers import NgramProposer
 from specserve.models import load_model
 from specserve.models.loading import resolve_model_path
 from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
@@ -25,12 +27,16 @@ from specserve.workers.config import RoleResources, WorkersConfig
 
 
 class _GrpcActor:
-    def _start(self, servicer, add, threads: int | None) -> None:
-        import torch
+    def _compute_thread(self, threads: int | None) -> StepScheduler:
+        """The actor's one torch thread, started first so the model is loaded on it too (`one_thread_torch`)."""
+        one_thread_torch()  # the actor's own thread
+        self.compute = StepScheduler(threads=threads or os.cpu_count() or 1)
+        return self.compute
 
-        torch.set_num_threads(threads or os.cpu_count() or 1)
+    def _start(self, servicer, add) -> None:
         self.servicer = servicer
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        # each in-flight call holds a thread while it waits for its step: room for every session
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=512, initializer=one_thread_torch))
         add(servicer, self.server)
         self.port = self.server.add_insecure_port("0.0.0.0:0")
         self.server.start()
@@ -49,24 +55,27 @@ class _GrpcActor:
 
 
 class DraftWorkerActor(_GrpcActor):
-    def __init__(self, draft: Any, vocab: int, dtype: str | None = None, top_k_q: int = 64, threads: int | None = None):
+    def __init__(self, draft: Any, vocab: int, dtype: str | None = None, top_k_q: int = 64, threads: int | None = None,
+                 kv_cache_tokens: int = 65536):
+        compute = self._compute_thread(threads)
         if draft == "ngram":
             new_proposer = lambda: NgramProposer(vocab)  # noqa: E731
             self.free = True
         else:
-            loaded = load_model(draft, dtype)
+            loaded = compute.call(load_model, draft, dtype).result()
             if loaded.vocab_size != vocab:
                 raise ValueError(f"draft vocab size {loaded.vocab_size} != target vocab size {vocab}")
-            new_proposer = lambda: ModelProposer(loaded.model, vocab, top_k_q, name=loaded.name)  # noqa: E731
+            new_proposer = ScheduledDraft(compute, loaded.model, vocab, top_k_q, loaded.name, kv_cache_tokens).proposer
             self.free = False
         self.vocab = vocab
-        self._start(DraftWorkerServicer(new_proposer, vocab, threads), workers_pb2_grpc.add_DraftWorkerServicer_to_server, threads)
+        self._start(DraftWorkerServicer(new_proposer, vocab, threads, compute, scheduled=not self.free),
+                    workers_pb2_grpc.add_DraftWorkerServicer_to_server)
 
     def is_free(self) -> bool:
         return self.free
 
     def step_time(self) -> float:
-        """Seconds per drafted token (0 for a free draft), measured on the worker's compute thread."""
+        """Seconds per drafted token (0 for a free draft), as the worker drafts (its batched draft steps)."""
         if self.free:
             return 0.0
         return self.servicer._run(draft_step_time, self.servicer.new_engine(), self.vocab)
@@ -75,10 +84,14 @@ class DraftWorkerActor(_GrpcActor):
 class TargetWorkerActor(_GrpcActor):
     """The target: loads the model and shards it over its GPUs, or fronts a pipeline of stage actors."""
 
-    def __init__(self, target: Any, dtype: str | None = None, threads: int | None = None, stages: list | None = None):
+    def __init__(self, target: Any, dtype: str | None = None, threads: int | None = None, stages: list | None = None,
+                 scheduling: dict | None = None, draft: Any = None, gamma_max: int = 8, draft_top_k: int = 0):
+        """scheduling: TargetWorkerServicer's batching / kv_cache_tokens / max_step_tokens / prefill_chunk.
+        draft: a model draft to hold here too (colocated: whole sessions run in this worker)."""
         import torch
 
         self._profile: dict[int, float] = {}
+        compute = self._compute_thread(threads)
         if stages:
             from specserve.workers.stages import StagedSequence
 
@@ -90,7 +103,7 @@ class TargetWorkerActor(_GrpcActor):
         else:
             # A target that owns several GPUs shards its layers over them (accelerate device_map).
             device_map = "auto" if torch.cuda.device_count() > 1 else None
-            loaded = load_model(target, dtype, device_map=device_map)
+            loaded = compute.call(load_model, target, dtype, None, device_map).result()
             self._info = {
                 "vocab": loaded.vocab_size, "eos_ids": sorted(loaded.eos_ids), "max_positions": loaded.max_positions,
                 "name": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "device": str(loaded.device),
@@ -100,12 +113,21 @@ class TargetWorkerActor(_GrpcActor):
         self.model = model
         self.vocab = self._info["vocab"]
         self._start(
-            TargetWorkerServicer(model, self.vocab, threads, new_sequence),
-            workers_pb2_grpc.add_TargetWorkerServicer_to_server, threads,
+            TargetWorkerServicer(model, self.vocab, threads, new_sequence, scheduler=compute, **(scheduling or {})),
+            workers_pb2_grpc.add_TargetWorkerServicer_to_server,
         )
+        if draft is not None:
+            if stages:
+                raise ValueError("a colocated draft needs the whole target in one worker (not target_stages)")
+            drafted = compute.call(load_model, draft, dtype, str(loaded.device)).result()
+            if drafted.vocab_size != self.vocab:
+                raise ValueError(f"draft vocab size {drafted.vocab_size} != target vocab size {self.vocab}")
+            self.servicer.attach_draft(drafted.model, loaded.eos_ids, gamma_max, drafted.name, draft_top_k)
+            self._info["colocated_draft"] = drafted.name
 
     def info(self) -> dict[str, Any]:
-        return dict(self._info)
+        pool = self.servicer.pool
+        return {**self._info, "batching": pool is not None, **(pool.describe() if pool is not None else {})}
 
     def verify_profile(self, max_positions: int) -> dict[int, float]:
         """Seconds per target forward over n = 1..max_positions new tokens (measured once, on the compute thread)."""
@@ -136,7 +158,7 @@ def describe_model(spec: Any) -> dict[str, Any]:
             "num_layers": int(config.num_hidden_layers)}
 
 
-def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None):
+def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, gamma_max: int = 8):
     """Create the target and draft actors with the configured placement; returns (target, draft | None).
 
     `target`/`draft` override the config's model specs (tests pass loaded tiny models). The n-gram
@@ -150,14 +172,18 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None):
 
         layers = describe_model(target_spec)["num_layers"]
         stages = start_stages(target_spec, config.dtype, config.target_stages, layers)
+    scheduling = {"batching": config.batching, "kv_cache_tokens": config.kv_cache_tokens,
+                  "max_step_tokens": config.max_step_tokens, "prefill_chunk": config.prefill_chunk}
+    colocated = draft_spec if config.colocated(draft_spec) else None
     target_actor = _remote(TargetWorkerActor, config.target_resources).remote(
-        target_spec, config.dtype, config.target_resources.threads(), stages
+        target_spec, config.dtype, config.target_resources.threads(), stages, scheduling, colocated, gamma_max,
+        config.draft_top_k,
     )
     vocab = ray.get(target_actor.info.remote())["vocab"]
     draft_actor = None
-    if config.has_draft_worker(draft_spec):
+    if config.has_draft_worker(draft_spec) and colocated is None:
         draft_actor = _remote(DraftWorkerActor, config.draft_resources).remote(
-            draft_spec, vocab, config.dtype, config.draft_top_k, config.draft_resources.threads()
+            draft_spec, vocab, config.dtype, config.draft_top_k, config.draft_resources.threads(), config.kv_cache_tokens
         )
     return target_actor, draft_actor
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
@@ -57,6 +59,34 @@ class WorkersConfig(BaseModel):
     ngram_worker: bool = Field(
         False, description="Run the n-gram draft as a DraftWorker actor instead of inside the coordinator."
     )
+    batching: bool = Field(
+        True,
+        description="The target worker runs the ready work of all sessions as ONE forward per step over a shared KV "
+        "pool (Llama-family targets: Llama, Qwen2, Mistral without a sliding window; others run one session at a "
+        "time). false: one session at a time, each with its own cache (the unbatched path, for comparisons).",
+    )
+    kv_cache_tokens: int = Field(
+        65536, ge=256,
+        description="Token positions the target's KV pool holds across all sessions, preallocated. Bytes = this x 2 "
+        "x layers x kv_heads x head_dim x dtype size (23,040 per token for the embedded target in bf16: 1.4 GiB). "
+        "A session gets a power-of-two block (at most 2x its tokens); one that does not fit fails with HTTP 503 / "
+        "RESOURCE_EXHAUSTED.",
+    )
+    max_step_tokens: int = Field(
+        512, ge=16, description="New tokens one batched target step may carry (verify blocks and prefill chunks)."
+    )
+    prefill_chunk: int = Field(
+        256, ge=16,
+        description="Prompt tokens prefilled per step: a long prompt shares steps with running sessions instead of "
+        "stalling them for its whole prefill.",
+    )
+    draft_placement: Literal["auto", "colocated", "split"] = Field(
+        "auto",
+        description="Where a model draft runs. 'colocated': inside the target worker (one process, one device; "
+        "draft steps batched like the target's; one stream message per round). 'split': its own DraftWorker "
+        "(draft_resources; pipelined drafting possible). 'auto': colocated unless draft_resources ask for a GPU, "
+        "an accelerator type or custom resources of their own.",
+    )
     draft_resources: RoleResources = Field(default_factory=RoleResources)
     target_resources: RoleResources = Field(default_factory=RoleResources)
     target_stages: list[RoleResources] = Field(
@@ -65,18 +95,34 @@ class WorkersConfig(BaseModel):
         "the target worker then only fronts them. Empty = one target actor holding the whole model.",
     )
 
+    def draft_device_of_its_own(self) -> bool:
+        r = self.draft_resources
+        return bool(r.num_gpus > 0 or r.accelerator_type or r.resources)
+
+    def colocated(self, draft: Any = None) -> bool:
+        """Whether a model draft runs inside the target worker (see `draft_placement`)."""
+        draft = self.draft if draft is None else draft
+        if isinstance(draft, str) and draft in ("none", "ngram"):
+            return False
+        if self.draft_placement == "auto":
+            return not self.draft_device_of_its_own() and not self.target_stages
+        return self.draft_placement == "colocated"
+
     def has_draft_worker(self, draft: Any = None) -> bool:
         """Whether the draft (this config's, or `draft` passed instead) runs in a DraftWorker actor: the n-gram
         draft runs inside the coordinator unless `ngram_worker`, and 'none' has no draft at all."""
         draft = self.draft if draft is None else draft
+        if self.colocated(draft):
+            return False
         return not (isinstance(draft, str) and (draft == "none" or (draft == "ngram" and not self.ngram_worker)))
 
     @model_validator(mode="after")
     def _resolve_default_draft(self) -> WorkersConfig:
-        """'default' serves the distilled draft only where the draft worker has a GPU: on CPUs its own
-        process competes with the target's for the cores (measured: served/in-process 0.32-0.67 against
-        0.68-0.73 with the n-gram draft, which runs inside the coordinator)."""
+        """'default' serves the distilled draft where it runs colocated with the target or has a GPU of its own;
+        a split draft worker on the same CPU competes with the target's process for the cores (measured:
+        served/in-process 0.32-0.67 against 0.68-0.73 with the n-gram draft), so there it means n-gram."""
         from specserve.models.loading import resolve_draft
 
-        self.draft = resolve_draft(self.target, self.draft, model_draft_pays=self.draft_resources.num_gpus > 0)
+        pays = self.draft_resources.num_gpus > 0 or self.draft_placement != "split" and not self.target_stages
+        self.draft = resolve_draft(self.target, self.draft, model_draft_pays=pays)
         return self

@@ -1,0 +1,251 @@
+"""`specserve bench --load`: many concurrent streams against a server, with the real `openai` async client.
+
+At each concurrency level (1, 4, 16, 32 by default) that many streams each send `--load-requests`
+streaming chat requests one after another (the bench's chat prompts, greedy, `--max-new-tokens`, eos
+ignored so every answer has the same length). Per level and configuration it reports aggregate tokens/s
+(all completion tokens / the level's wall time), per-stream tokens/s, time to first token and inter-token
+latency (per request: (end − first token) / (tokens − 1)) at p50/p95, acceptance and mean γ from the
+`specserve` statistics of each answer. Levels run configuration after configuration, so every
+configuration meets the machine in the same state; writes load.json and load.png.
+
+Without `--url` it starts Ray and one Serve application per server configuration itself: `batched`
+(serves both `γ=0` and `auto` through the per-request `gamma`) and, with `--load-configs` naming it,
+`unbatched` (the target worker running one session at a time, as before batching).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+from specserve.bench.prompts import SUITE
+
+CONFIGS = {  # name -> (application, per-request gamma or None for the server's default)
+    "gamma0": ("batched", 0),
+    "auto": ("batched", "auto"),
+    "unbatched": ("unbatched", 0),
+    "unbatched-auto": ("unbatched", "auto"),
+}
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+async def _stream(client, model: str, prompt: str, max_tokens: int, gamma) -> dict:
+    body = {"ignore_eos": True}
+    if gamma is not None:
+        body["gamma"] = gamma
+    t0 = time.perf_counter()
+    first = None
+    stats: dict = {}
+    tokens = 0
+    response = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+        stream=True, extra_body=body,
+    )
+    async for chunk in response:
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter()
+        extra = chunk.model_extra or {}
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        elif "usage" in extra:
+            tokens = extra["usage"]["completion_tokens"]
+        stats = extra.get("specserve") or stats
+    end = time.perf_counter()
+    first = first or end
+    return {"start": t0, "end": end, "ttft": first - t0, "tokens": tokens,
+            "itl": (end - first) / (tokens - 1) if tokens > 1 else 0.0, "stats": stats}
+
+
+async def _level(base_url: str, concurrency: int, requests: int, max_tokens: int, gamma, prompts: list[str]) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="-", timeout=1800, max_retries=0)
+    model = (await client.models.list()).data[0].id
+    results: list[dict] = []
+    errors: list[str] = []
+
+    async def stream(k: int) -> None:
+        for r in range(requests):
+            try:
+                results.append(await _stream(client, model, prompts[(k + r) % len(prompts)], max_tokens, gamma))
+            except Exception as exc:  # noqa: BLE001 - counted and reported
+                errors.append(f"{type(exc).__name__}: {exc}"[:200])
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(stream(k) for k in range(concurrency)))
+    wall = time.perf_counter() - t0
+    await client.close()
+    tokens = sum(r["tokens"] for r in results)
+    drafted = sum(r["stats"].get("drafted", 0) for r in results)
+    accepted = sum(r["stats"].get("accepted", 0) for r in results)
+    gammas = [g for r in results for g in r["stats"].get("gamma_history", [])]
+    ttft = [r["ttft"] for r in results]
+    itl = [r["itl"] for r in results if r["tokens"] > 1]
+    return {
+        "concurrency": concurrency, "requests": len(results), "errors": len(errors), "error_samples": errors[:3],
+        "wall_s": wall, "tokens": tokens, "aggregate_tokens_per_s": tokens / wall if wall else 0.0,
+        "per_stream_tokens_per_s": statistics.mean(r["tokens"] / (r["end"] - r["start"]) for r in results)
+        if results else 0.0,
+        "ttft_p50_s": _quantile(ttft, 0.5), "ttft_p95_s": _quantile(ttft, 0.95),
+        "itl_p50_s": _quantile(itl, 0.5), "itl_p95_s": _quantile(itl, 0.95),
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_gamma": statistics.mean(gammas) if gammas else 0.0,
+        "tokens_per_round": sum(r["tokens"] for r in results) / max(1, len(gammas)),
+    }
+
+
+async def _with_long_prompt(base_url: str, concurrency: int, max_tokens: int, gamma, prompts: list[str],
+                            length: int) -> dict:
+    """A level of short streams while one `length`-token prompt (token ids, one answer token) is prefilled."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="-", timeout=1800, max_retries=0)
+    model = (await client.models.list()).data[0].id
+    ids = [1000 + (7 * i) % 20000 for i in range(length)]
+
+    async def long() -> float:
+        t0 = time.perf_counter()
+        await client.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0)
+        return time.perf_counter() - t0
+
+    task = asyncio.ensure_future(long())
+    await asyncio.sleep(0.5)  # the long prefill is under way when the short streams start
+    short = await _level(base_url, concurrency, 1, max_tokens, gamma, prompts)
+    short["long_prompt_tokens"], short["long_prompt_s"] = length, await task
+    await client.close()
+    return short
+
+
+def _start_servers(args, apps: set[str]) -> tuple[str, dict[str, str]]:
+    import ray
+    from ray import serve
+    from ray.serve.config import HTTPOptions
+
+    from specserve.bench.served import _free_port
+    from specserve.serve import build_app
+
+    port = _free_port()
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=8)  # logical slots
+    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
+    app_args = {"target": args.target, "draft": args.draft, "gamma": "auto", "gamma_max": args.gamma_max}
+    if args.dtype:
+        app_args["dtype"] = args.dtype
+    urls = {}
+    for name in sorted(apps):
+        prefix = "/" if name == "batched" else f"/{name}"
+        print(f"  deploying the {name} application (draft={args.draft}) ...", flush=True)
+        serve.run(build_app({**app_args, "batching": name == "batched"}), name=name, route_prefix=prefix)
+        urls[name] = f"http://127.0.0.1:{port}{prefix.rstrip('/')}/v1"
+    return port, urls
+
+
+def run_load_bench(args) -> int:
+    configs = [c for c in args.load_configs.split(",") if c]
+    unknown = sorted(set(configs) - set(CONFIGS))
+    try:
+        levels = [int(c) for c in args.concurrency.split(",") if c]
+    except ValueError:
+        levels = []
+    if unknown or not configs or not levels or min(levels) < 1 or args.load_requests < 1:
+        print(f"specserve bench --load: --load-configs from {sorted(CONFIGS)} (got {unknown or configs}); "
+              "--concurrency: positive integers; --load-requests >= 1", file=sys.stderr)
+        return 2
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = SUITE["chat"]
+    started = args.url is None
+    if started:
+        _, urls = _start_servers(args, {CONFIGS[c][0] for c in configs})
+    else:
+        urls = {"batched": args.url.rstrip("/"), "unbatched": args.url.rstrip("/")}
+    report = {"config": {"target": args.target, "draft": args.draft, "max_new_tokens": args.max_new_tokens,
+                         "requests_per_stream": args.load_requests, "sampling": "greedy, eos ignored",
+                         "url": args.url, "configs": configs, "concurrency": levels},
+              "levels": {c: [] for c in configs}}
+    try:
+        for name in configs:  # warm every path once
+            app, gamma = CONFIGS[name]
+            asyncio.run(_level(urls[app], 1, 1, 8, gamma, prompts))
+        for level in levels:
+            for name in configs:
+                app, gamma = CONFIGS[name]
+                print(f"  concurrency {level:3d}  {name:15s} ...", end="", flush=True)
+                row = asyncio.run(_level(urls[app], level, args.load_requests, args.max_new_tokens, gamma, prompts))
+                report["levels"][name].append(row)
+                print(f" {row['aggregate_tokens_per_s']:7.1f} tok/s aggregate, {row['per_stream_tokens_per_s']:6.1f} "
+                      f"per stream, TTFT p50/p95 {row['ttft_p50_s']:.2f}/{row['ttft_p95_s']:.2f} s, ITL p50 "
+                      f"{1000 * row['itl_p50_s']:.0f} ms, γ {row['mean_gamma']:.2f}, acceptance "
+                      f"{row['acceptance_rate']:.2f}, errors {row['errors']}", flush=True)
+                (out / "load.json").write_text(json.dumps(report, indent=2))
+        if args.long_prompt:
+            app, gamma = CONFIGS[configs[0]]
+            level = min(levels[-1], 4)
+            print(f"  {level} short streams ({configs[0]}) while a {args.long_prompt}-token prompt is prefilled ...",
+                  flush=True)
+            alone = asyncio.run(_level(urls[app], level, 1, args.max_new_tokens, gamma, prompts))
+            beside = asyncio.run(_with_long_prompt(urls[app], level, args.max_new_tokens, gamma, prompts,
+                                                   args.long_prompt))
+            report["long_prompt"] = {"without": alone, "with": beside}
+            for name, row in report["long_prompt"].items():
+                print(f"    {name:8s} long prompt: short TTFT p50/p95 {row['ttft_p50_s']:.2f}/{row['ttft_p95_s']:.2f}"
+                      f" s, ITL p50/p95 {1000 * row['itl_p50_s']:.0f}/{1000 * row['itl_p95_s']:.0f} ms, errors "
+                      f"{row['errors']}" + (f"; the long prompt's answer took {row['long_prompt_s']:.1f} s"
+                                            if "long_prompt_s" in row else ""), flush=True)
+            (out / "load.json").write_text(json.dumps(report, indent=2))
+    finally:
+        if started:
+            import ray
+            from ray import serve
+
+            serve.shutdown()
+            ray.shutdown()
+    _summary(report)
+    (out / "load.json").write_text(json.dumps(report, indent=2))
+    _plot(report, out / "load.png")
+    print(f"\nwrote {out / 'load.json'} and {out / 'load.png'}")
+    return 0
+
+
+def _summary(report: dict) -> None:
+    configs = list(report["levels"])
+    print(f"\n{'concurrency':>11s} " + " ".join(f"{c:>15s}" for c in configs) + "   (aggregate tok/s)")
+    for i, level in enumerate(report["config"]["concurrency"]):
+        print(f"{level:11d} " + " ".join(f"{report['levels'][c][i]['aggregate_tokens_per_s']:15.1f}" for c in configs))
+
+
+def _plot(report: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = report["config"]["concurrency"]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, rows in report["levels"].items():
+        values = [r["aggregate_tokens_per_s"] for r in rows]
+        ax.plot(levels[: len(values)], values, marker="o", label=name)
+        for x, y in zip(levels, values):
+            ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(0, 5), ha="center", fontsize=7)
+        ax2.plot(levels[: len(rows)], [r["ttft_p95_s"] for r in rows], marker="o", label=name)
+    for a, label in ((ax, "aggregate tokens/s"), (ax2, "TTFT p95 (s)")):
+        a.set_xscale("log", base=2)
+        a.set_xticks(levels, [str(x) for x in levels])
+        a.set_xlabel("concurrent streams")
+        a.set_ylabel(label)
+        a.legend(fontsize=8)
+    c = report["config"]
+    fig.suptitle(f"load: target={c['target']}, draft={c['draft']}, greedy, {c['max_new_tokens']} tokens, "
+                 f"{c['requests_per_stream']} requests per stream", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

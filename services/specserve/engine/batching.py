@@ -1,0 +1,341 @@
+"""The target's step scheduler: ONE forward per step over the ready work of every session.
+
+Sessions (gRPC handler threads, or any caller) submit work and wait on a
+future; one compute thread owns torch and runs steps:
+
+1. wait for work, and briefly for the sessions it knows of to catch up (a
+   session whose verdict just came back needs a moment to send its next
+   block; without the wait, sessions split into two cohorts and every step
+   carries half the batch);
+2. take ready work in arrival order up to `max_step_tokens`: verify blocks
+   (a session's γ+1 new tokens, whole) and prefill chunks (at most
+   `prefill_chunk` tokens of one prompt per step, so a long prompt shares
+   steps with running sessions instead of freezing them);
+3. ONE forward over all of it (`KVPool.forward`: matmuls over every new
+   token, attention per session over its own cache), then acceptance per
+   session with the engine's own `TargetVerifier.judge` (the `spec/` rules).
+
+A draft that runs in the same process (colocated: the target worker owns
+both models) submits its steps here too (`ScheduledSequence`): every
+session's next draft token in ONE draft forward. Draft steps go first — they
+are cheap, and a session that finishes drafting joins the next target step —
+so a round is a few batched draft steps and one batched target step.
+
+Each session's tokens depend only on its own inputs and its position-keyed
+randomness, never on who shares its step: the forward computes every row
+from that session's cache alone. (In floating point, a batched matmul may
+round a row differently from a batch of one; at near-ties in bf16 that can
+change a greedy token, as with every batched engine. Tests use float64.)
+
+Models the pooled forward does not cover run the same queue one session at a
+time on their own caches (`pool=None`): no batching, same results.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specserve.engine.proposers import Proposal, TargetVerifier
+from specserve.models.kv import TokenSequence
+from specserve.models.pool import KVCacheFull, KVPool
+from specserve.spec import PositionRNG, SamplingParams, Verdict
+
+
+@dataclass
+class StepInfo:
+    """What the target step that served a piece of work looked like (for the γ cost model and metrics)."""
+
+    tokens: int = 0  # new tokens in the step's forward, all sessions
+    sessions: int = 0
+    seconds: float = 0.0  # the step's forward and acceptance
+    waited_s: float = 0.0  # from submission to the step's start
+
+
+@dataclass
+class _Work:
+    seq: Any  # the cache this work feeds: a session's target sequence, or its draft's
+    pool: KVPool | None  # the pool `seq` lives in (None: fed on its own through its model's forward)
+    kind: str  # "prefill", "verify" or "feed" (a draft step)
+    tokens: list[int]  # prefill, verify: what the cache must hold afterwards; feed: the tokens to append
+    future: Future
+    keep: int = 0  # logits wanted back (verify: k+1)
+    verify: tuple | None = None  # (TargetVerifier, context length, proposal, params, rng)
+    submitted: float = field(default_factory=time.perf_counter)
+    fed: bool = False  # a prefill that has been rolled back to its reusable prefix already
+
+
+def one_thread_torch() -> None:
+    """Initializer for every thread of a worker or coordinator other than the compute thread: torch ops there
+    (converting q, building a one-hot) run inline instead of starting an OpenMP team of their own. Measured
+    on the 2-core CPU: once a second thread of a process had run a parallel torch op (loading the model on
+    the main thread, say), the compute thread's decoding dropped from 21-22 to 12-15 tok/s."""
+    torch.set_num_threads(1)
+
+
+class StepScheduler:
+    """Runs submitted work in batched steps on one compute thread (see the module docstring).
+
+    pool: the target's KV pool (None: target work runs one session at a time). expected: how many sessions
+    are open (a target step waits up to `gather` × the last step's time for that many to be ready).
+    """
+
+    def __init__(self, pool: KVPool | None = None, *, max_step_tokens: int = 512, prefill_chunk: int = 256,
+                 gather: float = 0.1, expected: Callable[[], int] | None = None, threads: int | None = None):
+        if max_step_tokens < 1 or prefill_chunk < 1:
+            raise ValueError("max_step_tokens and prefill_chunk must be >= 1")
+        self.pool = pool
+        self.max_step_tokens = max_step_tokens
+        self.prefill_chunk = prefill_chunk
+        self.gather = gather
+        self.expected = expected or (lambda: 0)
+        self.threads = threads
+        self.steps = 0
+        self.draft_steps = 0
+        self.last_step_s = 0.0
+        self.sessions_per_step: Counter[int] = Counter()  # how many sessions shared each target step
+        self.sessions_per_draft_step: Counter[int] = Counter()  # and each draft step (a colocated draft)
+        self._work: deque[_Work] = deque()
+        self._calls: deque[tuple[Callable, tuple, Future]] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="specserve-compute", daemon=True)
+        self._thread.start()
+
+    # -- submitting ------------------------------------------------------------
+    def call(self, fn: Callable[..., Any], *args) -> Future:
+        """Run fn(*args) on the compute thread between steps (every torch op of a worker goes through here)."""
+        future: Future = Future()
+        with self._cond:
+            self._calls.append((fn, args, future))
+            self._cond.notify()
+        return future
+
+    def prefill(self, engine: TargetVerifier, prompt: list[int]) -> Future:
+        """Bring the session's cache to all of `prompt` but its last token (chunked); resolves to None."""
+        return self._submit(_Work(engine.seq, self.pool, "prefill", list(prompt[:-1]), Future()))
+
+    def verify(self, engine: TargetVerifier, context: list[int], proposal: Proposal, params: SamplingParams,
+               rng: PositionRNG) -> Future:
+        """Score context + proposal in the next target step and accept a prefix; resolves to (Verdict, StepInfo)."""
+        return self._submit(_Work(engine.seq, self.pool, "verify", context + proposal.tokens, Future(),
+                                  len(proposal) + 1, (engine, len(context), proposal, params, rng)))
+
+    def feed(self, seq, pool: KVPool | None, tokens: list[int], keep: int = 1) -> Future:
+        """A draft step: append `tokens` to `seq` in the next draft forward; resolves to its head logits [keep, n]."""
+        return self._submit(_Work(seq, pool, "feed", list(tokens), Future(), keep))
+
+    def _submit(self, work: _Work) -> Future:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the step scheduler is stopped")
+            self._work.append(work)
+            self._cond.notify()
+        return work.future
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=5)
+
+    # -- the compute thread ------------------------------------------------------
+    def _loop(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        while True:
+            with self._cond:
+                while not (self._work or self._calls or self._closed):
+                    self._cond.wait()
+                if self._closed:
+                    break
+                if not self._calls:
+                    self._gather_locked()
+                calls, self._calls = list(self._calls), deque()
+                feeds = [w for w in self._work if w.kind == "feed"]
+                batch = feeds or list(self._work)  # draft steps first: they are cheap and lead to verifies
+            for fn, args, future in calls:
+                self._settle(future, fn, *args)
+            if batch:
+                self._step(batch)
+        for work in self._work:
+            work.future.set_exception(RuntimeError("the step scheduler stopped"))
+
+    def _gather_locked(self) -> None:
+        """Wait (bounded) until every open session has target work queued, so they share the step."""
+        deadline = time.perf_counter() + self.gather * self.last_step_s
+        while not self._calls and not any(w.kind == "feed" for w in self._work):
+            if len({id(w.seq) for w in self._work}) >= self.expected():
+                return
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            self._cond.wait(left)
+
+    @staticmethod
+    def _settle(future: Future, fn: Callable, *args) -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            future.set_exception(exc)
+
+    def _step(self, queued: list[_Work]) -> None:
+        t0 = time.perf_counter()
+        taken: list[tuple[_Work, list[int], bool]] = []  # (work, tokens fed this step, finishes this step)
+        budget = self.max_step_tokens
+        for work in queued:
+            if budget <= 0:
+                break
+            try:
+                tail = self._unfed(work)
+                if not tail:  # nothing to feed (a one-token prompt, or a prefix already cached)
+                    self._drop(work, None)
+                    continue
+                if work.kind == "prefill":
+                    chunk = tail[: min(self.prefill_chunk, budget)]
+                elif len(tail) <= budget or not taken:
+                    chunk = tail
+                else:
+                    continue  # a block is fed whole; it leads the next step
+                if work.pool is not None:
+                    work.pool.reserve(work.seq, len(work.seq.tokens) + len(chunk))
+            except (ValueError, KVCacheFull) as exc:
+                self._drop(work, exc)
+                continue
+            taken.append((work, chunk, len(chunk) == len(tail)))
+            budget -= len(chunk)
+        if not taken:
+            return
+        try:
+            logits = self._forward([(w.seq, w.pool, chunk, w.keep if done else 0) for w, chunk, done in taken])
+        except BaseException as exc:  # noqa: BLE001 - every session in the step sees it
+            for work, _, _ in taken:
+                self._drop(work, exc)
+            return
+        info = StepInfo(sum(len(c) for _, c, _ in taken), len(taken), time.perf_counter() - t0)
+        for (work, _, done), rows in zip(taken, logits):
+            if not done:
+                continue  # a prefill with chunks to go stays queued
+            with self._cond:
+                self._work.remove(work)
+            if work.kind == "feed":
+                work.future.set_result(rows)
+            elif work.kind == "prefill":
+                work.future.set_result(None)
+            else:
+                engine, start, proposal, params, rng = work.verify
+                step = StepInfo(info.tokens, info.sessions, info.seconds, t0 - work.submitted)
+                self._settle(work.future, lambda: (engine.judge(rows, start, proposal, params, rng), step))
+        if taken[0][0].kind == "feed":
+            self.draft_steps += 1
+            self.sessions_per_draft_step[len(taken)] += 1
+            return
+        self.steps += 1
+        self.sessions_per_step[len(taken)] += 1
+        self.last_step_s = time.perf_counter() - t0
+
+    @staticmethod
+    def _unfed(work: _Work) -> list[int]:
+        """Roll the cache back to what it shares with the work's tokens; the tokens still to feed."""
+        seq = work.seq
+        if work.kind == "feed":
+            return work.tokens
+        if work.kind == "prefill":
+            if not work.fed:
+                seq.rollback(seq.common_prefix(work.tokens))
+                work.fed = True
+            return work.tokens[len(seq.tokens) :]
+        return seq._unfed(work.tokens, work.keep)
+
+    def _drop(self, work: _Work, exc: BaseException | None) -> None:
+        with self._cond:
+            if work in self._work:
+                self._work.remove(work)
+        if exc is None:
+            work.future.set_result(None)
+        else:
+            work.future.set_exception(exc)
+
+    @staticmethod
+    def _forward(items: list[tuple[Any, KVPool | None, list[int], int]]) -> list[torch.Tensor | None]:
+        """Each item's kept logits ([keep, head rows], None where keep is 0): ONE forward per pool, the items
+        without one fed alone."""
+        out: list[torch.Tensor | None] = [None] * len(items)
+        groups: dict[int, list[int]] = {}
+        for i, (_, pool, _, _) in enumerate(items):
+            groups.setdefault(id(pool) if pool is not None else -1 - i, []).append(i)
+        for members in groups.values():
+            pool = items[members[0]][1]
+            if pool is None:
+                seq, _, chunk, keep = items[members[0]]
+                logits = seq.feed_subset(chunk, max(keep, 1))  # HF forwards keep at least one position
+                out[members[0]] = logits[-keep:] if keep else None
+                continue
+            logits = pool.forward([items[i][0] for i in members], [items[i][2] for i in members],
+                                  [items[i][3] for i in members])
+            row = 0
+            for i in members:
+                keep = items[i][3]
+                out[i] = logits[row : row + keep] if keep else None
+                row += keep
+        return out
+
+
+class ScheduledVerifier:
+    """A session's target side on a `StepScheduler`, with the verifier interface `engine.loop.speculate` drives:
+    each verify joins the next batched step. Used by sessions that run in the target's own process."""
+
+    def __init__(self, scheduler: StepScheduler, engine: TargetVerifier):
+        self.scheduler = scheduler
+        self.engine = engine
+        self.last_step = StepInfo()
+
+    def prefill(self, prompt: list[int]) -> None:
+        self.scheduler.prefill(self.engine, prompt).result()
+
+    def verify(self, context: list[int], proposal: Proposal, params: SamplingParams, rng: PositionRNG) -> Verdict:
+        verdict, self.last_step = self.scheduler.verify(self.engine, context, proposal, params, rng).result()
+        return verdict
+
+    def release(self) -> None:
+        self.scheduler.call(self.engine.release).result()
+
+
+class ScheduledSequence(TokenSequence):
+    """A draft's cache whose forwards run as the scheduler's batched draft steps (a colocated draft: every
+    session's next draft token in one forward). Bookkeeping (rollback, prefix reuse) stays with the caller's
+    thread; only `feed` crosses to the compute thread, which the caller then waits for."""
+
+    def __init__(self, scheduler: StepScheduler, seq, pool: KVPool | None):
+        self.scheduler, self.inner, self.pool = scheduler, seq, pool
+        self.token_subset = seq.token_subset
+        self.vocab = pool.vocab if pool is not None else getattr(seq, "vocab", None)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.inner.tokens
+
+    def rollback(self, length: int) -> None:
+        self.inner.rollback(length)
+
+    def feed_subset(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
+        chunk = self.scheduler.prefill_chunk  # a long prompt goes in chunks, between other sessions' draft steps
+        while len(new_tokens) > max(chunk, keep_logits):
+            self.scheduler.feed(self.inner, self.pool, new_tokens[:chunk], 0).result()
+            new_tokens = new_tokens[chunk:]
+        return self.scheduler.feed(self.inner, self.pool, new_tokens, keep_logits).result()
+
+    def feed(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
+        from specserve.models.lean import widen
+
+        return widen(self.feed_subset(new_tokens, keep_logits), self.token_subset, self.vocab)
+
+    def release(self) -> None:
+        self.scheduler.call(self.inner.release).result()

@@ -1,0 +1,93 @@
+"""Whole sessions inside the target's process: the draft colocated with the target (one device, one process).
+
+Each session is the engine's own loop (`engine.loop.speculate`) with a model draft whose forwards are the
+step scheduler's batched draft steps (`ScheduledSequence`: every session's next draft token in one
+forward) and a verifier whose blocks join the batched target steps (`ScheduledVerifier`). A round is one
+message to the coordinator instead of a Propose and a Verify call, and no second process competes with the
+target for the same cores. The γ controller runs here too, so `auto` decides token by token as in process.
+`ScheduledDraft` is the draft half; a split DraftWorker batches its sessions' draft steps with it too.
+The draft samples from its top-k q where `draft_top_k` says so, as a split draft worker does, so a
+session's tokens are the same in either placement.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+from specserve.engine.batching import ScheduledSequence, ScheduledVerifier, StepScheduler
+from specserve.engine.loop import speculate
+from specserve.engine.profile import draft_step_time, verify_profile
+from specserve.engine.proposers import LookupOrModelProposer, ModelProposer, Proposer, TargetVerifier
+from specserve.engine.stats import GenerationStats
+from specserve.models import CachedSequence
+from specserve.models.lean import draft_dtype, unsupported_reason
+from specserve.models.pool import KVPool
+from specserve.spec import AutoGamma, PositionRNG, SamplingParams, make_controller
+
+
+class ScheduledDraft:
+    """A draft model whose forwards run as a scheduler's batched draft steps, over a KV pool of its own (a
+    Llama-family draft; others keep their HF cache, fed one session at a time on the same thread). Its
+    proposers are called from the sessions' own threads; only their forwards cross to the compute thread."""
+
+    def __init__(self, scheduler: StepScheduler, model, vocab: int, top_k_q: int = 0, name: str = "draft",
+                 kv_cache_tokens: int = 65536):
+        self.scheduler, self.model, self.vocab, self.top_k_q, self.name = scheduler, model, vocab, top_k_q, name
+        self.pool: KVPool | None = None
+        if unsupported_reason(model) is None:
+            self.pool = scheduler.call(KVPool, model, kv_cache_tokens, draft_dtype(model)).result()
+
+    def proposer(self) -> ModelProposer:
+        seq = self.pool.sequence() if self.pool is not None else CachedSequence(self.model)
+        return ModelProposer(self.model, self.vocab, self.top_k_q, name=self.name,
+                             sequence=ScheduledSequence(self.scheduler, seq, self.pool))
+
+
+class ColocatedSessions:
+    """The draft half of a target worker that holds both models (see the module docstring)."""
+
+    def __init__(self, scheduler: StepScheduler, target, draft, vocab: int, eos_ids: set[int], *,
+                 gamma_max: int = 8, kv_cache_tokens: int = 65536, name: str = "draft", top_k_q: int = 0):
+        self.scheduler, self.target = scheduler, target
+        self.vocab, self.eos_ids, self.gamma_max = vocab, set(eos_ids), gamma_max
+        self.draft = ScheduledDraft(scheduler, draft, vocab, top_k_q, name, kv_cache_tokens)
+        self._profile: tuple[dict[int, float], float] | None = None
+        self._last_auto: AutoGamma | None = None
+        self._lock = threading.Lock()
+
+    def proposer(self, lookup: bool = True) -> Proposer:
+        model = self.draft.proposer()
+        return LookupOrModelProposer(model) if lookup else model
+
+    def cost_profile(self) -> tuple[dict[int, float], float]:
+        """(seconds per target step over n positions, per draft token), measured once, alone on the worker."""
+        with self._lock:
+            if self._profile is None:
+                pool = self.scheduler.pool
+                sequence = pool.sequence() if pool is not None else CachedSequence(self.target)
+                verify = self.scheduler.call(verify_profile, self.target, self.vocab, self.gamma_max + 1, 64, 3,
+                                             sequence).result()
+                self._profile = (verify, draft_step_time(self.proposer(lookup=False), self.vocab))
+            return self._profile
+
+    def controller(self, gamma: int | str):
+        if gamma != "auto":
+            return make_controller(gamma, self.gamma_max)
+        verify, step = self.cost_profile()
+        controller = make_controller("auto", self.gamma_max, verify, step)
+        with self._lock:
+            if self._last_auto is not None:
+                controller.warm_start(self._last_auto)  # acceptance and costs learned on earlier sessions
+            self._last_auto = controller
+        return controller
+
+    def rounds(self, engine: TargetVerifier, prompt: list[int], params: SamplingParams, rng: PositionRNG,
+               max_tokens: int, gamma: int | str, lookup: bool, stats: GenerationStats
+               ) -> tuple[ScheduledVerifier, Iterator]:
+        """(the session's verifier, speculate() for it: (new tokens, finish reason or None) per round)."""
+        controller = self.controller(gamma)
+        stats.controller = controller.name
+        verifier = ScheduledVerifier(self.scheduler, engine)
+        return verifier, speculate(prompt, self.proposer(lookup), verifier, controller, params, rng, max_tokens,
+                                   self.vocab, self.eos_ids, stats)

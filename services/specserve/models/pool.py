@@ -1,0 +1,210 @@
+"""A worker's KV memory: one preallocated arena shared by all its sessions, bounded and reused.
+
+`KVPool` holds K and V for `capacity` token positions of every layer
+([layers, kv_heads, capacity, head_dim] each) and hands out contiguous
+blocks of it with a buddy allocator: block sizes are powers of two, a freed
+block merges with its free buddy, and a sequence that outgrows its block
+first tries to absorb the free buddy to its right (no copy) before moving
+to a bigger block. Memory held is at most twice the tokens cached; the
+arena never grows, and a request for more than is free raises `KVCacheFull`
+(the worker's callers see RESOURCE_EXHAUSTED). Contiguous blocks keep each
+sequence's keys and values a plain view for attention, so a batched forward
+(`lean.lean_forward`) reads them without gathering pages.
+
+`PooledSequence` is one sequence's cache in the pool with the usual
+`TokenSequence` contract (rollback only shortens its length), so a single
+session runs on it exactly as on a private cache, and many run in one
+forward through `BatchedModel.forward`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from specserve.models.kv import TokenSequence
+from specserve.models.lean import _weights, lean_forward, widen
+
+
+class KVCacheFull(RuntimeError):
+    """The pool cannot hold a sequence's tokens (served as RESOURCE_EXHAUSTED / HTTP 503)."""
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class BuddyAllocator:
+    """Offsets into `top_count` top blocks of `top` positions; blocks of min_block·2^k positions."""
+
+    def __init__(self, capacity: int, top: int, min_block: int):
+        if top & (top - 1) or min_block & (min_block - 1) or min_block > top:
+            raise ValueError("top and min_block must be powers of two with min_block <= top")
+        self.top, self.min_block = top, min_block
+        self.capacity = (capacity // top) * top
+        self.free: dict[int, set[int]] = {top: set(range(0, self.capacity, top))}
+        self.used = 0
+
+    def size_for(self, length: int) -> int:
+        return max(self.min_block, _next_pow2(length))
+
+    def alloc(self, length: int) -> tuple[int, int] | None:
+        """(offset, size) of a free block holding `length` positions, or None."""
+        size = self.size_for(length)
+        if size > self.top:
+            return None
+        have = size
+        while have <= self.top and not self.free.get(have):
+            have *= 2
+        if have > self.top:
+            return None
+        offset = min(self.free[have])  # the lowest: sequences pack to the front, big blocks stay whole
+        self.free[have].discard(offset)
+        while have > size:  # split, keep the left half, free the right
+            have //= 2
+            self.free.setdefault(have, set()).add(offset + have)
+        self.used += size
+        return offset, size
+
+    def grow_in_place(self, offset: int, size: int, length: int) -> int | None:
+        """Absorb free right buddies until the block holds `length`; the new size, or None (nothing changed)."""
+        want = self.size_for(length)
+        absorbed, s = [], size
+        while s < want:
+            if offset % (2 * s) or (offset + s) not in self.free.get(s, ()):  # our buddy is on the left, or busy
+                return None
+            absorbed.append(s)
+            s *= 2
+        for s in absorbed:
+            self.free[s].discard(offset + s)
+        self.used += want - size
+        return want
+
+    def release(self, offset: int, size: int) -> None:
+        self.used -= size
+        while size < self.top:
+            buddy = offset ^ size
+            if buddy not in self.free.get(size, ()):
+                break
+            self.free[size].discard(buddy)
+            offset, size = min(offset, buddy), size * 2
+        self.free.setdefault(size, set()).add(offset)
+
+
+class KVPool:
+    """K/V arena for many sequences of one Llama-family model (see the module docstring).
+
+    tokens: positions the arena holds in all (rounded down to whole top blocks); max_length: the longest
+    sequence (default: the model's max_position_embeddings).
+    """
+
+    def __init__(self, model, tokens: int, dtype: torch.dtype | None = None, max_length: int | None = None,
+                 min_block: int = 32):
+        param = next(model.parameters())
+        self.w = _weights(model, dtype or param.dtype)
+        self.vocab = model.config.vocab_size
+        max_length = max_length or getattr(model.config, "max_position_embeddings", None) or 4096
+        top = min(_next_pow2(max_length), 1 << (max(tokens, min_block).bit_length() - 1))
+        self.allocator = BuddyAllocator(tokens, top, min(min_block, top))
+        self.max_length = min(max_length, top)
+        shape = (len(self.w.layers), self.w.kv_heads, self.allocator.capacity, self.w.head_dim)
+        self.k = torch.empty(shape, dtype=self.w.dtype, device=self.w.device)
+        self.v = torch.empty_like(self.k)
+        self._lock = threading.Lock()  # allocations may come from any thread; forwards from one
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * len(self.w.layers) * self.w.kv_heads * self.w.head_dim * self.k.element_size()
+
+    @property
+    def used_tokens(self) -> int:
+        """Positions held by sequences' blocks (at most twice the tokens they cache)."""
+        return self.allocator.used
+
+    def describe(self) -> dict:
+        return {"kv_capacity_tokens": self.capacity, "kv_used_tokens": self.used_tokens,
+                "kv_bytes": self.capacity * self.bytes_per_token, "kv_max_sequence": self.max_length,
+                "kv_dtype": str(self.k.dtype).removeprefix("torch.")}
+
+    def sequence(self) -> PooledSequence:
+        return PooledSequence(self)
+
+    def reserve(self, seq: PooledSequence, length: int) -> None:
+        """Make `seq`'s block hold `length` positions (grow in place, else move); KVCacheFull if it cannot."""
+        if seq.block is not None and length <= seq.block[1]:
+            return
+        if length > self.max_length:
+            raise KVCacheFull(f"sequence of {length} tokens exceeds the KV pool's longest ({self.max_length})")
+        with self._lock:
+            if seq.block is not None:
+                grown = self.allocator.grow_in_place(*seq.block, length)
+                if grown is not None:
+                    seq.block = (seq.block[0], grown)
+                    return
+            block = self.allocator.alloc(length)
+            if block is None:
+                raise KVCacheFull(
+                    f"KV cache full: {length} positions wanted, {self.capacity - self.used_tokens} of "
+                    f"{self.capacity} free; retry later or raise kv_cache_tokens"
+                )
+            if seq.block is not None:
+                (old, old_size), held = seq.block, len(seq.tokens)
+                self.k[:, :, block[0] : block[0] + held] = self.k[:, :, old : old + held]
+                self.v[:, :, block[0] : block[0] + held] = self.v[:, :, old : old + held]
+                self.allocator.release(old, old_size)
+            seq.block = block
+
+    def free(self, seq: PooledSequence) -> None:
+        with self._lock:
+            if seq.block is not None:
+                self.allocator.release(*seq.block)
+                seq.block = None
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[PooledSequence], new_tokens: list[list[int]], keeps: list[int]) -> torch.Tensor:
+        """ONE forward over every sequence's new tokens; head logits of the last keeps[j] of each: [Σ keeps, n].
+
+        Reserve first (`reserve`), so a sequence the pool cannot hold fails alone, before the forward.
+        """
+        for seq, tokens in zip(seqs, new_tokens):
+            if not tokens:
+                raise ValueError("feed needs at least one token")
+            self.reserve(seq, len(seq.tokens) + len(tokens))
+        logits = lean_forward(self.w, seqs, new_tokens, keeps, (self.k, self.v, [seq.block[0] for seq in seqs]))
+        for seq, tokens in zip(seqs, new_tokens):
+            seq.tokens.extend(tokens)
+            seq.forward_calls += 1
+        return logits.cpu()
+
+
+class PooledSequence(TokenSequence):
+    """One sequence's cache in a `KVPool`: a block of the arena and the tokens it holds."""
+
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+        self.token_subset = pool.w.token_subset
+        self.tokens: list[int] = []
+        self.block: tuple[int, int] | None = None  # (offset, size) in the arena
+        self.forward_calls = 0
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        offset, size = self.block
+        return self.pool.k[layer, :, offset : offset + size], self.pool.v[layer, :, offset : offset + size]
+
+    def rollback(self, length: int) -> None:
+        del self.tokens[length:]  # rows past `length` are overwritten by the next feed
+
+    def feed_subset(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
+        return self.pool.forward([self], [new_tokens], [keep_logits])
+
+    def feed(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
+        return widen(self.feed_subset(new_tokens, keep_logits), self.token_subset, self.pool.vocab)
+
+    def release(self) -> None:
+        self.tokens = []
+        self.pool.free(self)

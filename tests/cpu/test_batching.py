@@ -1,0 +1,185 @@
+"""Batched target steps: exact, and a session's tokens do not depend on who shares its steps.
+
+- chi-square of the first two tokens with 16 sessions at a time sharing the scheduler's steps (the same
+  harness as test_exactness, so a missing residual step fails it here too);
+- 16 seeded sessions served together through the coordinator and real gRPC workers, a cancelled and a bad
+  request among them, each equal to the same request served alone and to the in-process decoder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent import futures
+
+import grpc
+import numpy as np
+import pytest
+
+from specserve import SamplingParams, SpeculativeDecoder
+from specserve.coordinator import Coordinator, SessionRequest
+from specserve.engine.batching import ScheduledVerifier, StepScheduler
+from specserve.engine.colocated import ScheduledDraft
+from specserve.engine.loop import speculate
+from specserve.engine.proposers import ModelProposer, TargetVerifier
+from specserve.engine.stats import GenerationStats
+from specserve.models.pool import KVPool
+from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
+from specserve.spec import PositionRNG, make_controller, rejection
+from specserve.v1 import workers_pb2_grpc
+from tests.conftest import perturbed_copy, tiny_llama
+from tests.cpu.test_exactness import N, PROMPT, chi_square_pvalue, target_joint
+
+CONCURRENT = 16
+
+
+def batched_first_two(scheduler, pool, target, draft, mode: dict) -> np.ndarray:
+    """Counts of the first two tokens over N seeds, CONCURRENT sessions at a time on one scheduler."""
+    vocab = target.config.vocab_size
+
+    def run(seed: int) -> list[int]:
+        params = SamplingParams(**mode, seed=seed, ignore_eos=True)
+        verifier = ScheduledVerifier(scheduler, TargetVerifier(target, vocab, pool.sequence()))
+        rounds = speculate(PROMPT, ModelProposer(draft, vocab), verifier, make_controller(2), params,
+                           PositionRNG(seed), 3, vocab, set(), GenerationStats())
+        return [t for new, _ in rounds for t in new]
+
+    counts = np.zeros((vocab, vocab))
+    with futures.ThreadPoolExecutor(CONCURRENT) as pool_threads:
+        for tokens in pool_threads.map(run, range(N)):
+            counts[tokens[0], tokens[1]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("mode", [dict(temperature=1.0), dict(temperature=1.3, top_p=0.85)], ids=["T=1", "top-p"])
+def test_first_two_tokens_follow_target_through_batched_steps(tiny_pair, mode, monkeypatch):
+    target, draft = tiny_pair
+    pool = KVPool(target, tokens=CONCURRENT * 64, min_block=8)
+    scheduler = StepScheduler(pool, expected=lambda: CONCURRENT, gather=0.5)
+    try:
+        expected = target_joint(target, mode)
+        assert chi_square_pvalue(batched_first_two(scheduler, pool, target, draft, mode), expected) > 1e-3
+        assert max(scheduler.sessions_per_step) >= CONCURRENT // 2  # sessions really shared steps
+        assert pool.used_tokens == 0  # every session's block came back
+        monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: p)
+        broken = batched_first_two(scheduler, pool, target, draft, mode)
+        assert chi_square_pvalue(broken, expected) < 1e-3, "the test cannot tell a missing residual step"
+    finally:
+        scheduler.close()
+
+
+VOCAB = 64
+TOP_K_Q = 4
+
+
+@pytest.fixture(scope="module", params=["draft worker", "batched draft worker"])
+def served(request):
+    target = tiny_llama(0, vocab=VOCAB, layers=2, hidden=32, scale=8)
+    draft = perturbed_copy(target, 0.3)
+    target_servicer = TargetWorkerServicer(target, VOCAB, kv_cache_tokens=4096)
+    # a tiny model's step takes ~1 ms, less than a session's trip through the coordinator and the draft worker:
+    # wait longer for the others than the default tenth of a step, so that they really share steps
+    target_servicer.scheduler.gather = 20.0
+    if request.param == "batched draft worker":  # its sessions' draft tokens share draft forwards
+        compute = StepScheduler()
+        draft_servicer = DraftWorkerServicer(ScheduledDraft(compute, draft, VOCAB, TOP_K_Q).proposer, VOCAB,
+                                             scheduler=compute, scheduled=True)
+    else:
+        draft_servicer = DraftWorkerServicer(lambda: ModelProposer(draft, VOCAB, TOP_K_Q), VOCAB)
+    servicers = [
+        (target_servicer, workers_pb2_grpc.add_TargetWorkerServicer_to_server),
+        (draft_servicer, workers_pb2_grpc.add_DraftWorkerServicer_to_server),
+    ]
+    servers, addresses = [], []
+    for servicer, add in servicers:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
+        add(servicer, server)
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        server.start()
+        servers.append(server)
+    yield {"target": target, "draft": draft, "servicer": target_servicer, "addresses": addresses,
+           "draft_servicer": draft_servicer}
+    for server in servers:
+        server.stop(0)
+
+
+def requests() -> list[SessionRequest]:
+    out = []
+    for i in range(CONCURRENT):
+        prompt = [(7 * i + j * j) % VOCAB for j in range(5 + i % 7)]
+        mode = dict(temperature=0.0) if i % 4 == 0 else dict(temperature=1.0, top_p=0.9 if i % 3 else 1.0)
+        out.append(SessionRequest(prompt, SamplingParams(**mode, seed=100 + i, ignore_eos=True), 24 + i % 5))
+    return out
+
+
+def test_a_session_served_beside_others_gets_exactly_its_tokens_alone(served):
+    target_address, draft_address = served["addresses"]
+    coord = Coordinator(target_address, VOCAB, [], draft="remote", draft_address=draft_address, gamma=3)
+    scheduler = served["servicer"].scheduler
+
+    async def tokens_of(request: SessionRequest) -> list[int]:
+        return [t async for chunk in coord.generate(request) for t in chunk.tokens]
+
+    async def cancelled() -> None:
+        request = SessionRequest([1, 2, 3, 4], SamplingParams(temperature=1.0, seed=9, ignore_eos=True), 400)
+        stream = coord.generate(request)
+        await stream.__anext__()
+        coord.cancel(request.request_id)
+        async for _ in stream:
+            pass
+
+    async def bad() -> str:
+        try:
+            await tokens_of(SessionRequest([VOCAB + 1], SamplingParams(seed=1), 5))
+        except grpc.RpcError as exc:
+            return exc.code().name
+        return "accepted"
+
+    async def together():
+        runs = [tokens_of(r) for r in requests()]
+        return await asyncio.gather(*runs, cancelled(), bad())
+
+    before = dict(scheduler.sessions_per_step)
+    *shared, _, bad_code = asyncio.run(together())
+    during = {n: c - before.get(n, 0) for n, c in scheduler.sessions_per_step.items() if c > before.get(n, 0)}
+    assert max(during) >= CONCURRENT // 2, during  # they really shared steps
+    assert bad_code == "INVALID_ARGUMENT"
+    local = SpeculativeDecoder(served["target"], served["draft"], gamma=3, draft_top_k=TOP_K_Q)
+    for request, tokens in zip(requests(), shared):
+        alone = asyncio.run(tokens_of(request))
+        assert tokens == alone and len(tokens) == request.max_tokens
+        assert tokens == local.generate(request.prompt_ids, request.params, request.max_tokens).token_ids
+    assert len(served["servicer"].sessions) == 0 and served["servicer"].pool.used_tokens == 0
+    draft_steps = served["draft_servicer"].scheduler.sessions_per_draft_step
+    assert (max(draft_steps, default=0) >= 2) == served["draft_servicer"].direct  # draft tokens shared forwards
+    assert len(served["draft_servicer"].sessions) == 0
+
+
+def test_a_full_kv_pool_is_resource_exhausted_and_spares_the_other_sessions():
+    from specserve.rpc.convert import sampling_to_proto
+    from specserve.v1 import workers_pb2
+
+    target = tiny_llama(0, vocab=VOCAB, layers=2, hidden=32, scale=8)
+    servicer = TargetWorkerServicer(target, VOCAB, kv_cache_tokens=256)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    workers_pb2_grpc.add_TargetWorkerServicer_to_server(servicer, server)
+    stub = workers_pb2_grpc.TargetWorkerStub(
+        grpc.insecure_channel(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"))
+    server.start()
+    sampling = sampling_to_proto(SamplingParams(temperature=0.0), 1)
+    try:
+        held = [i % VOCAB for i in range(150)]
+        stub.Prefill(workers_pb2.PrefillRequest(session_id="a", prompt_ids=held, sampling=sampling))
+        for sid, prompt in (("b", held), ("c", held * 2)):  # the pool is full / longer than any block
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Prefill(workers_pb2.PrefillRequest(session_id=sid, prompt_ids=prompt, sampling=sampling))
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV" in info.value.details()
+        update = workers_pb2.SessionUpdate(session_id="a", base_length=len(held))
+        reply = stub.Verify(workers_pb2.VerifyRequest(update=update))  # "a" goes on untouched
+        alone = SpeculativeDecoder(target, None, gamma=0).generate(held, SamplingParams(temperature=0.0), 1)
+        assert reply.next_token == alone.token_ids[0]
+        stub.Release(workers_pb2.ReleaseRequest(session_id="a"))
+        stub.Release(workers_pb2.ReleaseRequest(session_id="b"))
+        assert servicer.pool.used_tokens == 0
+    finally:
+        server.stop(0)
+        servicer.scheduler.close()

@@ -1,0 +1,146 @@
+"""A draft colocated with the target: whole sessions run in the target worker, draft steps batched too.
+
+Served through the coordinator and real gRPC (one stream per session, one message per round), each of 16
+concurrent seeded sessions equals the same request alone and the in-process decoder; the first-two-token
+chi-square runs through the colocated sessions with 16 at a time sharing draft and target steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent import futures
+
+import grpc
+import numpy as np
+import pytest
+
+from specserve import SamplingParams, SpeculativeDecoder
+from specserve.coordinator import Coordinator, SessionRequest
+from specserve.engine.stats import GenerationStats
+from specserve.rpc.convert import sampling_to_proto
+from specserve.rpc.servicers import TargetWorkerServicer
+from specserve.spec import PositionRNG, rejection
+from specserve.v1 import workers_pb2, workers_pb2_grpc
+from tests.conftest import perturbed_copy, tiny_llama
+from tests.cpu.test_batching import CONCURRENT, requests
+from tests.cpu.test_exactness import N, PROMPT, chi_square_pvalue, target_joint
+
+VOCAB = 64
+TOP_K_Q = 4
+
+
+def serve(servicer):
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
+    workers_pb2_grpc.add_TargetWorkerServicer_to_server(servicer, server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    return server, address
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    target = tiny_llama(0, vocab=VOCAB, layers=2, hidden=32, scale=8)
+    draft = perturbed_copy(target, 0.3)
+    servicer = TargetWorkerServicer(target, VOCAB, kv_cache_tokens=4096)
+    servicer.attach_draft(draft, set(), gamma_max=4, top_k_q=TOP_K_Q)
+    servicer.scheduler.gather = 20.0  # tiny steps: wait for the others (see test_batching)
+    server, address = serve(servicer)
+    yield {"target": target, "draft": draft, "servicer": servicer, "address": address}
+    server.stop(0)
+
+
+def test_colocated_sessions_equal_alone_and_in_process(colocated):
+    servicer = colocated["servicer"]
+    coord = Coordinator(colocated["address"], VOCAB, [], draft="colocated", gamma=3)
+    scheduler = servicer.scheduler
+
+    async def tokens_of(request: SessionRequest) -> list[int]:
+        return [t async for chunk in coord.generate(request) for t in chunk.tokens]
+
+    async def together():
+        return await asyncio.gather(*(tokens_of(r) for r in requests()))
+
+    shared = asyncio.run(together())
+    assert max(scheduler.sessions_per_draft_step) >= CONCURRENT // 2  # draft steps were batched
+    assert max(scheduler.sessions_per_step) >= CONCURRENT // 2  # and target steps
+    local = SpeculativeDecoder(colocated["target"], colocated["draft"], gamma=3, draft_top_k=TOP_K_Q)
+    for request, tokens in zip(requests(), shared):
+        expected = local.generate(request.prompt_ids, request.params, request.max_tokens)
+        assert tokens == expected.token_ids == asyncio.run(tokens_of(request))
+    assert len(servicer.sessions) == 0 and servicer.pool.used_tokens == 0
+    assert servicer.colocated.draft.pool.used_tokens == 0
+
+
+@pytest.mark.parametrize("gamma", ["auto", "heuristic"])
+def test_colocated_adaptive_gamma_keeps_greedy_output_and_reports_rounds(colocated, gamma):
+    coord = Coordinator(colocated["address"], VOCAB, [], draft="colocated", gamma=gamma)
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    chunks = asyncio.run(_collect(coord, SessionRequest(PROMPT * 3, greedy, 40)))
+    plain = SpeculativeDecoder(colocated["target"], None, gamma=0).generate(PROMPT * 3, greedy, 40)
+    assert [t for c in chunks for t in c.tokens] == plain.token_ids
+    stats = chunks[-1].stats
+    assert stats["rounds"] == len(stats["gamma_history"]) < 40 and stats["drafted"] > 0
+
+
+async def _collect(coord, request):
+    return [chunk async for chunk in coord.generate(request)]
+
+
+def test_colocated_errors_name_the_field(colocated):
+    stub = workers_pb2_grpc.TargetWorkerStub(grpc.insecure_channel(colocated["address"]))
+    sampling = sampling_to_proto(SamplingParams(temperature=0.0), 1)
+    for request, field in ((workers_pb2.SessionRequest(session_id="x", prompt_ids=PROMPT, sampling=sampling,
+                                                       max_tokens=4, gamma="lots"), "gamma"),
+                           (workers_pb2.SessionRequest(session_id="x", prompt_ids=PROMPT, sampling=sampling,
+                                                       max_tokens=0), "max_tokens"),
+                           (workers_pb2.SessionRequest(session_id="x", prompt_ids=[VOCAB], sampling=sampling,
+                                                       max_tokens=4), "prompt_ids")):
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(request))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in info.value.details()
+    plain = TargetWorkerServicer(tiny_llama(0, vocab=VOCAB, layers=1, hidden=16), VOCAB)
+    server, address = serve(plain)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            list(workers_pb2_grpc.TargetWorkerStub(grpc.insecure_channel(address)).Generate(
+                workers_pb2.SessionRequest(session_id="y", prompt_ids=PROMPT, sampling=sampling, max_tokens=4)))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        server.stop(0)
+
+
+def colocated_first_two(servicer, mode: dict) -> np.ndarray:
+    """Counts of the first two tokens over N seeds, CONCURRENT colocated sessions at a time."""
+    vocab = servicer.sessions.vocab
+
+    def run(seed: int) -> list[int]:
+        params = SamplingParams(**mode, seed=seed, ignore_eos=True)
+        engine = servicer.new_engine()
+        _, rounds = servicer.colocated.rounds(engine, PROMPT, params, PositionRNG(seed), 3, 2, False,
+                                              GenerationStats())
+        tokens = [t for new, _ in rounds for t in new]
+        servicer.scheduler.call(engine.release).result()
+        return tokens
+
+    counts = np.zeros((vocab, vocab))
+    with futures.ThreadPoolExecutor(CONCURRENT) as threads:
+        for tokens in threads.map(run, range(N)):
+            counts[tokens[0], tokens[1]] += 1
+    return counts
+
+
+def test_first_two_tokens_follow_target_through_colocated_sessions(tiny_pair, monkeypatch):
+    target, draft = tiny_pair
+    servicer = TargetWorkerServicer(target, target.config.vocab_size, kv_cache_tokens=CONCURRENT * 64)
+    servicer.attach_draft(draft, set(), gamma_max=2)
+    servicer.scheduler.expected = lambda: CONCURRENT
+    try:
+        mode = dict(temperature=1.0)
+        expected = target_joint(target, mode)
+        assert chi_square_pvalue(colocated_first_two(servicer, mode), expected) > 1e-3
+        assert max(servicer.scheduler.sessions_per_draft_step) >= CONCURRENT // 2
+        monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: p)
+        broken = colocated_first_two(servicer, mode)
+        assert chi_square_pvalue(broken, expected) < 1e-3, "the test cannot tell a missing residual step"
+    finally:
+        servicer.scheduler.close()
