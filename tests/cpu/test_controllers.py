@@ -156,3 +156,20 @@ def test_auto_weighs_a_shared_step_for_everyone_and_stops_speculating_under_load
                                          step_tokens=64, step_sessions=32, step_time_s=0.16))
         assert auto.loaded and auto.load_sessions > 30
         assert (auto.choose(100, key="k", available=8) >= 1) == pays_under_load, alpha
+
+
+def test_auto_probes_as_often_per_shared_step_as_alone():
+    """At γ=0 auto drafts one token now and then to keep its acceptance estimate alive. In a step shared by
+    16 sessions each probe delays all of them, so each session probes 16 times less often."""
+    from specserve.spec import AutoGamma, RoundObservation
+
+    profile = {n: 0.040 + 0.002 * (n - 1) for n in range(1, 10)}
+
+    def probes(sessions: int) -> int:
+        auto = AutoGamma(8, profile, 0.0)
+        for _ in range(40):  # a useless draft: speculation never pays
+            auto.update(RoundObservation(1, 1, 0, [0.0], 0.0, 0.042, 0.042, key="k", step_tokens=2 * sessions,
+                                         step_sessions=sessions, step_time_s=0.04 * sessions ** 0.5))
+        return sum(auto.choose(100, key="k") for _ in range(512))
+
+    assert probes(1) == 512 // 16 and probes(16) == 512 // 256

@@ -132,7 +132,6 @@ def lean_forward(w: _LeanWeights, caches: list, new_tokens: list[list[int]], kee
     cache's `tokens`.
     """
     h, kvh, d = w.heads, w.kv_heads, w.head_dim
-    group = h // kvh
     starts = [len(c.tokens) for c in caches]
     sizes = [len(t) for t in new_tokens]
     ids = torch.tensor([t for ts in new_tokens for t in ts], dtype=torch.long, device=w.device)
@@ -145,11 +144,11 @@ def lean_forward(w: _LeanWeights, caches: list, new_tokens: list[list[int]], kee
     offsets = [0]
     for n in sizes:
         offsets.append(offsets[-1] + n)
-    # query i of a sequence sees its cache and its new tokens up to itself; one row per (head in group, query)
+    # query i of a sequence sees its cache and its new tokens up to itself
     padded = _PaddedAttention.plan(w, arena, starts, sizes, offsets) if arena is not None else None
     looped = [j for j in range(len(caches)) if padded is None or j not in padded.members]
     masks = {j: torch.ones(sizes[j], starts[j] + sizes[j], dtype=torch.bool, device=w.device).tril(starts[j])
-             .repeat(group, 1) for j in looped if sizes[j] > 1}
+             for j in looped if sizes[j] > 1}
     for i, (norm_in, w_qkv, b_qkv, w_o, b_o, norm_post, w_gate_up, w_down) in enumerate(w.layers):
         qkv = F.linear(_rms(x, norm_in, w.eps), w_qkv, b_qkv)
         q = qkv[:, : h * d].view(total, h, d)
@@ -163,12 +162,7 @@ def lean_forward(w: _LeanWeights, caches: list, new_tokens: list[list[int]], kee
             k_cache, v_cache = caches[j].kv(i)
             k_cache[:, s : s + n] = k[o : o + n].transpose(0, 1)
             v_cache[:, s : s + n] = v[o : o + n].transpose(0, 1)
-            # grouped-query attention as kvh batches of (group · n) queries: no key/value copies
-            att = F.scaled_dot_product_attention(
-                q[o : o + n].transpose(0, 1).reshape(kvh, group * n, d), k_cache[:, : s + n], v_cache[:, : s + n],
-                attn_mask=masks.get(j), scale=w.scale,
-            )  # [kvh, group·n, d] = [h, n, d]
-            outs.append(att.view(h, n, d).transpose(0, 1).reshape(n, h * d))
+            outs.append(_attend(w, q[o : o + n], k_cache[:, : s + n], v_cache[:, : s + n], masks.get(j)))
         if padded is None:
             att = outs[0] if len(outs) == 1 else torch.cat(outs)
         else:
@@ -183,6 +177,27 @@ def lean_forward(w: _LeanWeights, caches: list, new_tokens: list[list[int]], kee
     else:
         rows = x[torch.cat([torch.arange(offsets[j + 1] - keep, offsets[j + 1]) for j, keep in enumerate(keeps)])]
     return F.linear(_rms(rows, w.norm, w.eps), w.head).float()
+
+
+def _attend(w: _LeanWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+            ) -> torch.Tensor:
+    """One sequence's attention: q [n, heads, d] against k, v [kv_heads, L, d]; mask [n, L] or None → [n, heads·d].
+
+    A long block (a prefill chunk) goes 4-d with enable_gqa, which takes the CPU's fused kernel (a 256-token
+    chunk against 8,000 cached tokens: 56 ms per layer against 205 ms as 3-d); a short one as kv_heads
+    batches of (group · n) queries, faster for a few tokens. Neither copies keys or values.
+    """
+    n, h, d = q.shape
+    kvh = w.kv_heads
+    if n > _PaddedAttention.MAX_NEW:
+        att = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
+                                             scale=w.scale, enable_gqa=True)[0]  # [h, n, d]
+    else:
+        att = F.scaled_dot_product_attention(
+            q.transpose(0, 1).reshape(kvh, h // kvh * n, d), k, v,
+            attn_mask=None if mask is None else mask.repeat(h // kvh, 1), scale=w.scale,
+        ).view(h, n, d)
+    return att.transpose(0, 1).reshape(n, h * d)
 
 
 class _PaddedAttention:
@@ -237,6 +252,8 @@ class _PaddedAttention:
         v_layer.index_copy_(1, self.arena_rows, v[self.new_rows].transpose(0, 1))
         keys = k_layer[:, self.key_rows].view(kvh, b, lmax, d).transpose(0, 1)  # [B, kvh, lmax, d]
         values = v_layer[:, self.key_rows].view(kvh, b, lmax, d).transpose(0, 1)
+        # grouped-query attention as kvh heads of (group · nmax) queries each (faster here than enable_gqa
+        # for these short blocks)
         queries = q[self.query_rows].view(b, nmax, h, d).permute(0, 2, 1, 3).reshape(b, kvh, h // kvh * nmax, d)
         att = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=w.scale)
         att = att.view(b, h, nmax, d).permute(0, 2, 1, 3).reshape(b * nmax, h * d)

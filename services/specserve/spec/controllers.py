@@ -317,8 +317,11 @@ class AutoGamma(GammaController):
         best = max(range(limit + 1), key=lambda g: self.tokens_per_second(g, key))
         if best == 0 and limit > 0:
             self._rounds_at_zero += 1
-            if self._rounds_at_zero % self.probe_every == 0:
-                return 1  # keep the acceptance estimate alive while not speculating
+            # keep the acceptance estimate alive while not speculating; under load a probe's draft step delays
+            # the step every session shares, so probe as often per step as a session alone would
+            every = self.probe_every * (max(1, round(self.load_sessions)) if self.loaded else 1)
+            if self._rounds_at_zero % every == 0:
+                return 1
         if open_ended and limit > 0:  # worth starting if a confident first token would pay
             first, others = max(self.calibration(key).acceptance), self.others_tokens()
             if (1.0 + first + others) / self.round_time(1) > (1.0 + others) / self.round_time(0):
