@@ -123,6 +123,7 @@ class TargetWorkerActor(_GrpcActor):
             if drafted.vocab_size != self.vocab:
                 raise ValueError(f"draft vocab size {drafted.vocab_size} != target vocab size {self.vocab}")
             self.servicer.attach_draft(drafted.model, loaded.eos_ids, gamma_max, drafted.name, draft_top_k)
+            self.servicer.colocated.cost_profile()  # calibrate `auto` now, not during the first request
             self._info["colocated_draft"] = drafted.name
 
     def info(self) -> dict[str, Any]:
