@@ -38,7 +38,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,7 +56,6 @@ class StepInfo:
     tokens: int = 0  # new tokens in the step's forward, all sessions
     sessions: int = 0
     seconds: float = 0.0  # the step's forward and acceptance
-    waited_s: float = 0.0  # from submission to the step's start
 
 
 @dataclass
@@ -68,7 +67,6 @@ class _Work:
     future: Future
     keep: int = 0  # logits wanted back (verify: k+1)
     verify: tuple | None = None  # (TargetVerifier, context length, proposal, params, rng)
-    submitted: float = field(default_factory=time.perf_counter)
     fed: bool = False  # a prefill that has been rolled back to its reusable prefix already
 
 
@@ -231,8 +229,7 @@ class StepScheduler:
                 work.future.set_result(None)
             else:
                 engine, start, proposal, params, rng = work.verify
-                step = StepInfo(info.tokens, info.sessions, info.seconds, t0 - work.submitted)
-                self._settle(work.future, lambda: (engine.judge(rows, start, proposal, params, rng), step))
+                self._settle(work.future, lambda: (engine.judge(rows, start, proposal, params, rng), info))
         if taken[0][0].kind == "feed":
             self.draft_steps += 1
             self.sessions_per_draft_step[len(taken)] += 1

@@ -211,8 +211,8 @@ class SpeculativeDecoder:
         vocab = self.target.vocab_size
         hit_stop = (lambda generated: self._hit_stop(generated, params)) if params.stop else None
         yield from speculate(
-            prompt_ids, self.new_proposer(draft_lookup), TargetVerifier(self.target.model, vocab, self.target_sequence()),
-            controller, params,
+            prompt_ids, self.new_proposer(draft_lookup),
+            TargetVerifier(self.target.model, vocab, self.target_sequence()), controller, params,
             PositionRNG(params.seed), max_new_tokens, vocab, self.eos_ids, stats, hit_stop,
         )
 

@@ -184,7 +184,8 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
     draft_actor = None
     if config.has_draft_worker(draft_spec) and colocated is None:
         draft_actor = _remote(DraftWorkerActor, config.draft_resources).remote(
-            draft_spec, vocab, config.dtype, config.draft_top_k, config.draft_resources.threads(), config.kv_cache_tokens
+            draft_spec, vocab, config.dtype, config.draft_top_k, config.draft_resources.threads(),
+            config.kv_cache_tokens,
         )
     return target_actor, draft_actor
 
