@@ -99,7 +99,9 @@ def served(request):
     yield {"target": target, "draft": draft, "servicer": target_servicer, "addresses": addresses,
            "draft_servicer": draft_servicer}
     for server in servers:
-        server.stop(0)
+        server.stop(0).wait()
+    for servicer, _ in servicers:
+        servicer.close()
 
 
 def requests() -> list[SessionRequest]:
@@ -181,5 +183,5 @@ def test_a_full_kv_pool_is_resource_exhausted_and_spares_the_other_sessions():
         stub.Release(workers_pb2.ReleaseRequest(session_id="b"))
         assert servicer.pool.used_tokens == 0
     finally:
-        server.stop(0)
-        servicer.scheduler.close()
+        server.stop(0).wait()
+        servicer.close()

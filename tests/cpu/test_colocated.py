@@ -46,7 +46,8 @@ def colocated():
     servicer.scheduler.gather = 20.0  # tiny steps: wait for the others (see test_batching)
     server, address = serve(servicer)
     yield {"target": target, "draft": draft, "servicer": servicer, "address": address}
-    server.stop(0)
+    server.stop(0).wait()
+    servicer.close()
 
 
 def test_colocated_sessions_equal_alone_and_in_process(colocated):
@@ -106,7 +107,8 @@ def test_colocated_errors_name_the_field(colocated):
                 workers_pb2.SessionRequest(session_id="y", prompt_ids=PROMPT, sampling=sampling, max_tokens=4)))
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     finally:
-        server.stop(0)
+        server.stop(0).wait()
+        plain.close()
 
 
 def colocated_first_two(servicer, mode: dict) -> np.ndarray:

@@ -39,7 +39,9 @@ def setup():
     local = SpeculativeDecoder(target, draft, gamma=3, draft_top_k=TOP_K_Q)  # as served: prompt lookup first
     yield {"addresses": addresses, "servicers": {k: v[0] for k, v in servicers.items()}, "local": local}
     for server in servers:
-        server.stop(0)
+        server.stop(0).wait()
+    for servicer, _ in servicers.values():
+        servicer.close()
 
 
 def coordinator(setup, **kwargs) -> Coordinator:

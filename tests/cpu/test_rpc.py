@@ -65,6 +65,8 @@ def workers(models):
     for server, channel in started.values():
         channel.close()
         server.stop(grace=1).wait()
+    for servicer in servicers.values():
+        servicer.close()
 
 
 MODES = {
@@ -191,6 +193,7 @@ def test_pipelined_tokens_equal_sequential(models, workers, mode, monkeypatch):
     finally:
         channel.close()
         server.stop(grace=1).wait()
+        servicer.close()
     expected = SpeculativeDecoder(target, close_draft, gamma=2, draft_top_k=TOP_K_Q).generate(PROMPT, params, 60)
     assert runs[True][0] == runs[False][0] == expected.token_ids
     sequential, pipelined = proxies

@@ -33,8 +33,10 @@ time on their own caches (`pool=None`): no batching, same results.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -78,6 +80,16 @@ def one_thread_torch() -> None:
     torch.set_num_threads(1)
 
 
+_LIVE: "weakref.WeakSet[StepScheduler]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Stop every compute thread before the interpreter tears down (a torch op left running then can crash it)."""
+    for scheduler in list(_LIVE):
+        scheduler.close()
+
+
 class StepScheduler:
     """Runs submitted work in batched steps on one compute thread (see the module docstring).
 
@@ -106,6 +118,7 @@ class StepScheduler:
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="specserve-compute", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     # -- submitting ------------------------------------------------------------
     def call(self, fn: Callable[..., Any], *args) -> Future:
@@ -139,10 +152,13 @@ class StepScheduler:
         return work.future
 
     def close(self) -> None:
+        """Stop the compute thread (work still queued fails); safe to call twice."""
         with self._cond:
             self._closed = True
             self._cond.notify()
-        self._thread.join(timeout=5)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        _LIVE.discard(self)
 
     # -- the compute thread ------------------------------------------------------
     def _loop(self) -> None:
@@ -163,8 +179,9 @@ class StepScheduler:
                 self._settle(future, fn, *args)
             if batch:
                 self._step(batch)
-        for work in self._work:
-            work.future.set_exception(RuntimeError("the step scheduler stopped"))
+        stopped = RuntimeError("the step scheduler stopped")
+        for future in [w.future for w in self._work] + [call[2] for call in self._calls]:
+            future.set_exception(stopped)
 
     def _gather_locked(self) -> None:
         """Wait (bounded) until every open session has target work queued, so they share the step."""

@@ -155,6 +155,10 @@ class _SessionService:
         for name, value in scheduling.items():
             setattr(self.scheduler, name, value)
 
+    def close(self) -> None:
+        """Stop the compute thread (after the gRPC server has stopped)."""
+        self.scheduler.close()
+
     direct = False  # the engines send their forwards to the scheduler themselves: run calls where they arrive
 
     def _run(self, fn: Callable[..., Any], *args) -> Any:
