@@ -158,18 +158,91 @@ def test_auto_weighs_a_shared_step_for_everyone_and_stops_speculating_under_load
         assert (auto.choose(100, key="k", available=8) >= 1) == pays_under_load, alpha
 
 
-def test_auto_probes_as_often_per_shared_step_as_alone():
+def test_auto_probes_less_often_per_shared_step_than_alone():
     """At γ=0 auto drafts one token now and then to keep its acceptance estimate alive. In a step shared by
-    16 sessions each probe delays all of them, so each session probes 16 times less often."""
+    S sessions each probe (and the draft's catch-up before it) delays all of them: each session probes S²
+    times less often, so the shared step sees S times fewer probes than a session alone."""
     from specserve.spec import AutoGamma, RoundObservation
 
     profile = {n: 0.040 + 0.002 * (n - 1) for n in range(1, 10)}
 
-    def probes(sessions: int) -> int:
+    def probes(sessions: int, rounds: int) -> int:
         auto = AutoGamma(8, profile, 0.0)
         for _ in range(40):  # a useless draft: speculation never pays
             auto.update(RoundObservation(1, 1, 0, [0.0], 0.0, 0.042, 0.042, key="k", step_tokens=2 * sessions,
                                          step_sessions=sessions, step_time_s=0.04 * sessions ** 0.5))
-        return sum(auto.choose(100, key="k") for _ in range(512))
+        return sum(auto.choose(100, key="k") for _ in range(rounds))
 
-    assert probes(1) == 512 // 16 and probes(16) == 512 // 256
+    assert probes(1, 512) == 512 // 16 and probes(4, 1024) == 1024 // 256 and probes(16, 8192) == 2
+
+
+def _loaded_auto(alpha: float, sessions: int) -> AutoGamma:
+    profile = {n: 0.040 + 0.002 * (n - 1) for n in range(1, 10)}
+    auto = AutoGamma(8, profile, 0.004)
+    for _ in range(40):
+        auto.update(RoundObservation(1, 1, int(alpha > 0.5), [alpha], 0.004, 0.05, 0.054, key="k",
+                                     step_tokens=2 * sessions, step_sessions=sessions,
+                                     step_time_s=0.040 + 0.004 * sessions))
+    return auto
+
+
+def test_under_load_a_marginal_gain_does_not_start_speculation(monkeypatch):
+    """Shared steps: a round speculates only where its extra tokens come LOADED_MARGIN faster than the step's own
+    tokens per second (what the cost model leaves out costs every session of the step); alone, any gain does."""
+
+    def efficiency(auto: AutoGamma, g: int) -> float:  # extra tokens per extra second, over the step's own rate
+        base_tokens, base_s = 1.0 + auto.others_tokens(), auto.round_time(0)
+        extra = auto.expected_tokens(g, "k") + auto.others_tokens() - base_tokens
+        return extra / (auto.round_time(g) - base_s) / (base_tokens / base_s)
+
+    marginal = []
+    for alpha in [a / 100 for a in range(5, 100, 5)]:
+        auto = _loaded_auto(alpha, 4)
+        if 1.0 < max(efficiency(auto, g) for g in range(1, 9)) < 1.0 + AutoGamma.LOADED_MARGIN:
+            marginal.append(alpha)
+            assert auto.loaded and auto.choose(100, key="k", available=8) == 0, alpha
+            monkeypatch.setattr(AutoGamma, "LOADED_MARGIN", 0.0)
+            assert _loaded_auto(alpha, 4).choose(100, key="k", available=8) >= 1, alpha
+            monkeypatch.undo()
+    assert marginal, "no acceptance in the sweep gives a marginal gain: the test checks nothing"
+    clear = _loaded_auto(0.95, 4)
+    assert max(efficiency(clear, g) for g in range(1, 9)) > 1.0 + AutoGamma.LOADED_MARGIN
+    assert clear.choose(100, key="k", available=8) >= 1  # a gain well above the margin still speculates
+
+
+def test_load_is_followed_at_once_when_it_arrives_and_gradually_when_it_leaves():
+    auto = _loaded_auto(0.5, 1)
+    assert not auto.loaded
+    auto.update(RoundObservation(1, 1, 0, [0.5], 0.004, 0.05, 0.054, key="k", step_tokens=16, step_sessions=8,
+                                 step_time_s=0.08))
+    assert auto.loaded and auto.load_sessions == 8 and auto.load_tokens == 16
+    auto.update(RoundObservation(1, 1, 0, [0.5], 0.004, 0.05, 0.054, key="k", step_tokens=2, step_sessions=1,
+                                 step_time_s=0.044))
+    assert 1 < auto.load_sessions < 8 and auto.loaded
+
+
+def test_a_session_starting_beside_others_takes_them_as_its_load_before_its_first_step():
+    """A new session warm-starts from the last one, which may have run alone; the worker tells it how many
+    sessions are open, so its first round does not draft deep into a shared step."""
+    alone = _loaded_auto(0.5, 1)
+    new = AutoGamma(8, {n: 0.040 + 0.002 * (n - 1) for n in range(1, 10)}, 0.004)
+    new.warm_start(alone)
+    assert not new.loaded
+    new.expect_load(1)
+    assert not new.loaded
+    new.expect_load(4)
+    assert new.loaded and new.load_sessions == 4 and new.others_tokens() > 2
+    assert AutoGamma(8, None, 0.004).expect_load(4) is None  # nothing learned about steps yet: nothing to scale
+
+
+def test_under_load_open_ended_drafting_starts_on_the_average_first_token_not_the_best_bin(monkeypatch):
+    """Alone, a model draft starts a block if a confident first token would pay (it stops early otherwise).
+    In a shared step the start itself holds every session back: it must pay at the first position's average
+    acceptance (here 0.3, while the draft's most confident bin is accepted 0.95 of the time)."""
+    alone, loaded = _loaded_auto(0.3, 1), _loaded_auto(0.3, 4)
+    assert loaded.choose(100, key="k") == 0  # under load no fixed depth pays at α=0.3
+    assert max(loaded.calibration("k").acceptance) == 0.95
+    assert alone.choose(100, key="k", open_ended=True) == 8
+    assert loaded.choose(100, key="k", open_ended=True) == 0
+    monkeypatch.setattr(loaded.table("k"), "at", lambda i: 0.95)  # a first position that is usually right
+    assert loaded.choose(100, key="k", open_ended=True) == 8

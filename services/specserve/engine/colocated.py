@@ -71,7 +71,7 @@ class ColocatedSessions:
                 self._profile = (verify, draft_step_time(self.proposer(lookup=False), self.vocab))
             return self._profile
 
-    def controller(self, gamma: int | str):
+    def controller(self, gamma: int | str, open_sessions: int = 1):
         if gamma != "auto":
             return make_controller(gamma, self.gamma_max)
         verify, step = self.cost_profile()
@@ -80,13 +80,15 @@ class ColocatedSessions:
             if self._last_auto is not None:
                 controller.warm_start(self._last_auto)  # acceptance and costs learned on earlier sessions
             self._last_auto = controller
+        controller.expect_load(open_sessions)
         return controller
 
     def rounds(self, engine: TargetVerifier, prompt: list[int], params: SamplingParams, rng: PositionRNG,
-               max_tokens: int, gamma: int | str, lookup: bool, stats: GenerationStats
+               max_tokens: int, gamma: int | str, lookup: bool, stats: GenerationStats, open_sessions: int = 1
                ) -> tuple[ScheduledVerifier, Iterator]:
-        """(the session's verifier, speculate() for it: (new tokens, finish reason or None) per round)."""
-        controller = self.controller(gamma)
+        """(the session's verifier, speculate() for it: (new tokens, finish reason or None) per round).
+        open_sessions: sessions open on the worker, this one included (auto's first guess at the load)."""
+        controller = self.controller(gamma, open_sessions)
         stats.controller = controller.name
         verifier = ScheduledVerifier(self.scheduler, engine)
         return verifier, speculate(prompt, self.proposer(lookup), verifier, controller, params, rng, max_tokens,

@@ -279,7 +279,8 @@ class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerService
         session = self._run(self.sessions.open, request, self.new_engine())
         stats = GenerationStats()
         verifier, rounds = self.colocated.rounds(session.engine, session.tokens, session.params, session.rng,
-                                                 request.max_tokens, gamma, not request.no_lookup, stats)
+                                                 request.max_tokens, gamma, not request.no_lookup, stats,
+                                                 len(self.sessions))
         before, last = (0, 0.0, 0.0, 0), None
         try:
             for new, reason in rounds:

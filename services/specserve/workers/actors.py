@@ -127,8 +127,12 @@ class TargetWorkerActor(_GrpcActor):
             self._info["colocated_draft"] = drafted.name
 
     def info(self) -> dict[str, Any]:
-        pool = self.servicer.pool
-        return {**self._info, "batching": pool is not None, **(pool.describe() if pool is not None else {})}
+        pool, scheduler = self.servicer.pool, self.servicer.scheduler
+        steps = {"steps": scheduler.steps, "draft_steps": scheduler.draft_steps,
+                 # how many sessions shared each target (draft) step so far: {sessions: steps}
+                 "sessions_per_step": dict(sorted(scheduler.sessions_per_step.items())),
+                 "sessions_per_draft_step": dict(sorted(scheduler.sessions_per_draft_step.items()))}
+        return {**self._info, "batching": pool is not None, **(pool.describe() if pool is not None else {}), **steps}
 
     def verify_profile(self, max_positions: int) -> dict[int, float]:
         """Seconds per target forward over n = 1..max_positions new tokens (measured once, on the compute thread)."""
