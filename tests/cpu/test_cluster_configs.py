@@ -65,3 +65,15 @@ def test_the_default_draft_is_the_distilled_one_where_it_is_colocated_or_has_a_g
     assert not WorkersConfig(draft="ngram").colocated() and not WorkersConfig(draft="none").has_draft_worker()
     assert WorkersConfig(target="/models/t", draft_resources={"num_gpus": 1}).draft == "ngram"
     assert WorkersConfig(draft="embedded-draft").draft == "embedded-draft"  # explicit choices stand
+
+
+@pytest.mark.parametrize("name, colocated, draft_worker", [
+    ("local-cpu.yaml", False, False),  # the n-gram draft runs in the coordinator
+    ("gpu-node.yaml", True, False),  # draft and target share the GPU: one process
+    ("heterogeneous.yaml", False, True),  # the draft on a GPU of its own
+])
+def test_draft_placement_of_each_cluster_config(name, colocated, draft_worker):
+    from specserve.serve.app import AppConfig
+
+    config = AppConfig(**load_serve_config(CLUSTER / name)["applications"][0]["args"])
+    assert config.colocated() == colocated and config.has_draft_worker() == draft_worker
