@@ -246,3 +246,16 @@ def test_under_load_open_ended_drafting_starts_on_the_average_first_token_not_th
     assert loaded.choose(100, key="k", open_ended=True) == 0
     monkeypatch.setattr(loaded.table("k"), "at", lambda i: 0.95)  # a first position that is usually right
     assert loaded.choose(100, key="k", open_ended=True) == 8
+
+
+def test_warm_starts_hand_each_new_auto_what_the_last_learned():
+    from specserve.spec import WarmStarts
+
+    starts = WarmStarts()
+    first = starts(AutoGamma(8, FLAT, 0.001))
+    feed(first, 0.9)
+    second = starts(AutoGamma(8, FLAT, 0.001))
+    assert second.table().at(1) == pytest.approx(first.table().at(1)) and second.table().at(1) > 0.8
+    fixed = FixedGamma(3)
+    assert starts(fixed) is fixed
+    assert starts(AutoGamma(8, FLAT, 0.001)).table().at(1) == pytest.approx(second.table().at(1))

@@ -34,7 +34,7 @@ from specserve.engine.loop import speculate
 from specserve.engine.proposers import NgramProposer
 from specserve.engine.stats import GenerationStats
 from specserve.rpc.remote import RemoteProposer, RemoteSession, RemoteVerifier
-from specserve.spec import AutoGamma, PositionRNG, SamplingParams, make_controller
+from specserve.spec import PositionRNG, SamplingParams, WarmStarts, make_controller
 from specserve.v1 import workers_pb2_grpc
 
 
@@ -121,7 +121,7 @@ class Coordinator:
         self._pool = ThreadPoolExecutor(max_sessions, thread_name_prefix="specserve-session",
                                         initializer=one_thread_torch)
         self._sessions: dict[str, threading.Event] = {}
-        self._last_auto: AutoGamma | None = None
+        self._warm_starts = WarmStarts()  # each request's auto starts from what the last one learned
         self.max_sessions = max_sessions
         # Prometheus metrics (coordinator/metrics.py) need a Ray worker; in-process tests run without them.
         self._metrics = ServingMetrics(model_name, gamma_max) if export_metrics else None
@@ -149,12 +149,8 @@ class Coordinator:
         gamma = self.gamma if gamma is None else gamma
         if self.draft == "none":
             gamma = 0
-        controller = make_controller(gamma, self.gamma_max, self.verify_profile or None, self.draft_step_s, self.pipelined)
-        if isinstance(controller, AutoGamma):
-            if self._last_auto is not None:
-                controller.warm_start(self._last_auto)  # acceptance and costs learned on earlier requests
-            self._last_auto = controller
-        return controller
+        return self._warm_starts(
+            make_controller(gamma, self.gamma_max, self.verify_profile or None, self.draft_step_s, self.pipelined))
 
     # -- sessions --------------------------------------------------------------
     def _rounds(self, request: SessionRequest, stats: GenerationStats):

@@ -23,7 +23,7 @@ from specserve.engine.stats import GenerationStats
 from specserve.models import CachedSequence
 from specserve.models.lean import draft_dtype, unsupported_reason
 from specserve.models.pool import KVPool
-from specserve.spec import AutoGamma, PositionRNG, SamplingParams, make_controller
+from specserve.spec import PositionRNG, SamplingParams, WarmStarts, make_controller
 
 
 class ScheduledDraft:
@@ -53,7 +53,7 @@ class ColocatedSessions:
         self.vocab, self.eos_ids, self.gamma_max = vocab, set(eos_ids), gamma_max
         self.draft = ScheduledDraft(scheduler, draft, vocab, top_k_q, name, kv_cache_tokens)
         self._profile: tuple[dict[int, float], float] | None = None
-        self._last_auto: AutoGamma | None = None
+        self._warm_starts = WarmStarts()  # each session's auto starts from what the last one learned
         self._lock = threading.Lock()
 
     def proposer(self, lookup: bool = True) -> Proposer:
@@ -75,11 +75,7 @@ class ColocatedSessions:
         if gamma != "auto":
             return make_controller(gamma, self.gamma_max)
         verify, step = self.cost_profile()
-        controller = make_controller("auto", self.gamma_max, verify, step)
-        with self._lock:
-            if self._last_auto is not None:
-                controller.warm_start(self._last_auto)  # acceptance and costs learned on earlier sessions
-            self._last_auto = controller
+        controller = self._warm_starts(make_controller("auto", self.gamma_max, verify, step))
         controller.expect_load(open_sessions)
         return controller
 

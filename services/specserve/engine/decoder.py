@@ -27,7 +27,7 @@ from specserve.engine.stats import GenerationStats
 from specserve.models import CachedSequence, LoadedModel, load_model, resolve_draft
 from specserve.models.lean import unsupported_reason
 from specserve.models.pool import KVPool
-from specserve.spec import PositionRNG, SamplingParams, make_controller
+from specserve.spec import PositionRNG, SamplingParams, WarmStarts, make_controller
 
 @dataclass
 class GenerationResult:
@@ -116,7 +116,7 @@ class SpeculativeDecoder:
             tokens = kv_cache_tokens or 2 * (self.target.max_positions or 4096)
             self.kv_pool = KVPool(self.target.model, tokens)
         self._profile: tuple[dict[int, float], float] | None = None
-        self._last_auto = None  # the latest request's AutoGamma, to warm-start the next one
+        self._warm_starts = WarmStarts()  # each request's auto starts from what the last one learned
 
     def new_proposer(self, lookup: bool | None = None) -> Proposer | None:
         vocab = self.target.vocab_size
@@ -148,11 +148,7 @@ class SpeculativeDecoder:
             gamma = 0
         if gamma == "auto":
             verify, step = self.cost_profile()
-            controller = make_controller("auto", self.gamma_max, verify, step)
-            if self._last_auto is not None:
-                controller.warm_start(self._last_auto)  # acceptance learned on earlier requests
-            self._last_auto = controller
-            return controller
+            return self._warm_starts(make_controller("auto", self.gamma_max, verify, step))
         return make_controller(gamma, self.gamma_max)
 
     # -- prompts -------------------------------------------------------------

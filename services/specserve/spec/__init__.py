@@ -11,6 +11,7 @@ from specserve.spec.controllers import (
     GammaController,
     HeuristicGamma,
     RoundObservation,
+    WarmStarts,
     expected_tokens_per_round,
     make_controller,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "RoundObservation",
     "SamplingParams",
     "Verdict",
+    "WarmStarts",
     "accept_greedy",
     "accept_prefix",
     "expected_tokens_per_round",

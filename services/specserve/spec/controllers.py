@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -418,6 +419,23 @@ class AutoGamma(GammaController):
             core = max(obs.draft_time_s, verify) if self.pipelined else obs.draft_time_s + verify
             extra = max(0.0, obs.round_time_s - core)
             self.overhead_s += w * (extra - self.overhead_s)
+
+
+class WarmStarts:
+    """Hands each new `AutoGamma` what the previous one learned (acceptance, costs, load): one per engine or
+    worker, whose requests then start where the last one left off. Other controllers pass through."""
+
+    def __init__(self):
+        self._last: AutoGamma | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, controller: GammaController) -> GammaController:
+        if isinstance(controller, AutoGamma):
+            with self._lock:
+                if self._last is not None:
+                    controller.warm_start(self._last)
+                self._last = controller
+        return controller
 
 
 def make_controller(
