@@ -69,7 +69,6 @@ class _Work:
     future: Future
     keep: int = 0  # logits wanted back (verify: k+1)
     verify: tuple | None = None  # (TargetVerifier, context length, proposal, params, rng)
-    fed: bool = False  # a prefill that has been rolled back to its reusable prefix already
 
 
 def one_thread_torch() -> None:
@@ -257,16 +256,11 @@ class StepScheduler:
 
     @staticmethod
     def _unfed(work: _Work) -> list[int]:
-        """Roll the cache back to what it shares with the work's tokens; the tokens still to feed."""
-        seq = work.seq
+        """Roll the cache back to what it shares with the work's tokens; the tokens still to feed (a draft step's
+        are all new; a prefill's keep no logits, so an empty one — a one-token prompt — feeds nothing)."""
         if work.kind == "feed":
             return work.tokens
-        if work.kind == "prefill":
-            if not work.fed:
-                seq.rollback(seq.common_prefix(work.tokens))
-                work.fed = True
-            return work.tokens[len(seq.tokens) :]
-        return seq._unfed(work.tokens, work.keep)
+        return work.seq.unfed(work.tokens, work.keep) if work.tokens else []
 
     def _drop(self, work: _Work, exc: BaseException | None) -> None:
         with self._cond:

@@ -42,7 +42,7 @@ class TokenSequence:
     def release(self) -> None:
         raise NotImplementedError
 
-    def _unfed(self, tokens: list[int], keep_logits: int) -> list[int]:
+    def unfed(self, tokens: list[int], keep_logits: int) -> list[int]:
         """Roll back to the longest cached prefix of `tokens` that leaves `keep_logits` to feed; the rest."""
         if not tokens:
             raise ValueError("cannot compute logits after an empty sequence")
@@ -56,11 +56,11 @@ class TokenSequence:
         Feeds at least the last token (logits come only from a forward), and
         at least `keep_logits` tokens. Returns [keep_logits, vocab].
         """
-        return self.feed(self._unfed(tokens, keep_logits), keep_logits)
+        return self.feed(self.unfed(tokens, keep_logits), keep_logits)
 
     def subset_logits_after(self, tokens: list[int]) -> torch.Tensor:
         """`logits_after(tokens)` through `feed_subset`: [1, subset or vocabulary]."""
-        return self.feed_subset(self._unfed(tokens, 1))
+        return self.feed_subset(self.unfed(tokens, 1))
 
 
 class CachedSequence(TokenSequence):
