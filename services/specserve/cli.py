@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="one prompt per workload, γ ∈ {2,4}, 48 tokens")
     bench.add_argument("--served", action="store_true",
                        help="measure the served path (Ray Serve + gRPC workers) against the in-process engine")
+    bench.add_argument("--placements", default=None,
+                       help="--served with a model draft: which of colocated,sequential,pipelined to deploy (one "
+                       "application at a time; default: all three)")
     bench.add_argument("--served-gamma", default="3", help="γ for --served (fixed, so both paths emit the same tokens)")
     bench.add_argument("--load", action="store_true",
                        help="concurrent streams with the openai client: aggregate tok/s, TTFT, ITL per concurrency "

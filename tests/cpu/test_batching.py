@@ -185,3 +185,30 @@ def test_a_full_kv_pool_is_resource_exhausted_and_spares_the_other_sessions():
     finally:
         server.stop(0).wait()
         servicer.close()
+
+
+ONE_TEAM = """
+import os, threading, torch
+from specserve.engine.batching import StepScheduler, one_thread_torch
+x = torch.randn(1000, 1000)
+ready, go, seen = threading.Event(), threading.Event(), {}
+def session_thread():  # a gRPC thread: set up first, its first torch op only after the compute thread started
+    one_thread_torch(); ready.set(); go.wait()
+    (x @ x).sum(); seen["session"] = torch.get_num_threads()
+t = threading.Thread(target=session_thread); t.start(); ready.wait()
+compute = StepScheduler(threads=2)
+seen["compute"] = compute.call(lambda: ((x @ x).sum(), torch.get_num_threads())[1]).result()
+go.set(); t.join(); compute.close()
+print(seen["session"], seen["compute"])
+"""
+
+
+def test_threads_other_than_the_compute_thread_keep_one_torch_thread():
+    """torch re-applies the last thread count set by ANY thread at a thread's first parallel op: a gRPC thread
+    that had set 1 then ran with 2, starting a second OpenMP team (and a slower compute thread). Run in a
+    fresh interpreter: the count is process-wide state."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", ONE_TEAM], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["1", "2"], out.stdout + out.stderr

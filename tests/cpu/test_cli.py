@@ -64,8 +64,8 @@ def test_bench_rejects_more_prompts_than_the_suite_has(capsys):
 
 
 def test_bench_served_compares_the_served_path_with_in_process(model_dirs, tmp_path):
-    """Starts a local Ray + Serve, three applications (colocated; split sequential, pipelined): same text as
-    in-process."""
+    """Starts a local Ray + Serve and deploys three applications one after another (colocated; split sequential,
+    pipelined): same text as in-process, and each one's metrics count its own requests only."""
     out = tmp_path / "served"
     args = ["bench", "--served", "--quick", "--workloads", "code", "--target", str(model_dirs / "target"),
             "--draft", str(model_dirs / "draft"), "--dtype", "float32", "--out", str(out)]
@@ -77,3 +77,8 @@ def test_bench_served_compares_the_served_path_with_in_process(model_dirs, tmp_p
         assert row[name]["tokens_per_s"] > 0 and row[name]["rounds"] > 0
         assert row[name]["per_round_ms"]["worker_verify"] > 0
     assert row["pipelined_over_sequential"] > 0 and row["in_process_ray_up_tokens_per_s"] > 0
+    metrics = json.loads((out / "served.json").read_text())["metrics"]
+    for name in ("colocated", "sequential", "pipelined"):
+        # one prompt: a warm-up request and one measured (--repeats 1), not the other applications' too
+        assert metrics[name]["requests"] == metrics[name]["requests_sent"] == 2
+        assert metrics[name]["rounds"] >= row[name]["rounds"]

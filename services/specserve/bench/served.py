@@ -7,7 +7,8 @@ a driver that hosts Ray's own threads decodes slower, and the served path
 should be compared with the engine at its best. Reports tokens/s of both,
 their ratio, the overhead per round in ms, and — for a model draft — the
 pipelined vs sequential ratio of the split served path, beside the draft
-colocated in the target worker (three applications side by side). Writes served.json and served.png.
+colocated in the target worker (one application deployed at a time, as a user runs it). Writes served.json
+and served.png.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import urllib.request
 
 from specserve import SamplingParams, SpeculativeDecoder
 from specserve.bench.prompts import SUITE
-from specserve.coordinator.metrics import metrics_summary, scrape_until
+from specserve.coordinator.metrics import metrics_summary, scrape_until, since
 from specserve.models import resolve_draft
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -91,17 +92,21 @@ def run_served_bench(args) -> int:
     # the n-gram draft runs inside the coordinator: nothing to overlap, one application
     # a model draft: colocated in the target worker (the default), and split into its own worker, sequential and
     # pipelined
-    apps = {"served": "/"} if not model_draft else {"colocated": "/", "sequential": "/sequential",
-                                                     "pipelined": "/pipelined"}
+    names = ["served"] if not model_draft else ["colocated", "sequential", "pipelined"]
+    if args.placements:
+        wanted = [n for n in args.placements.split(",") if n]
+        if not model_draft or not wanted or set(wanted) - set(names):
+            print("specserve bench --served: --placements is a comma-separated subset of colocated,sequential,"
+                  f"pipelined, for a model draft (got {args.placements!r} with draft {args.draft})", file=sys.stderr)
+            return 2
+        names = wanted
     port = _free_port()
-    served: dict[str, dict[int, tuple[float, int, str, int]]] = {name: {} for name in apps}
+    served: dict[str, dict[int, tuple[float, int, str, int]]] = {name: {} for name in names}
     during: dict[int, tuple[float, int, str]] = {}  # in-process while Ray + Serve are up and idle
     metrics_port = _free_port()
-    metrics: dict[str, float] = {}
-    requests_sent = 0
-    # a 1 s export interval (Ray's default is 10 s) so the scrape at the end sees every request
-    # logical CPU slots for the applications' actors (half a slot each by default: three applications with a
-    # split draft want more than two); the cores are shared all the same
+    metrics: dict[str, dict] = {}  # per application: what its requests added to the scraped series
+    # a 1 s export interval (Ray's default is 10 s) so the scrapes see every request; logical CPU slots for a
+    # split application's actors (half a slot each by default) while the last one's are still being released
     ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=8,
              _metrics_export_port=metrics_port,
              _system_config={"metrics_report_interval_ms": 1000})
@@ -110,14 +115,18 @@ def run_served_bench(args) -> int:
         app_args = {"target": args.target, "draft": args.draft, "gamma": gamma, "gamma_max": args.gamma_max}
         if args.dtype:
             app_args["dtype"] = args.dtype
-        for name, prefix in apps.items():
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        # one application at a time, as a user deploys it: side by side, the idle ones' actors (each with its
+        # own models and thread pools) shared the two cores with the one measured and cost it up to 40%
+        for name in names:
             print(f"  deploying the {name} application ...", flush=True)
             placement = "colocated" if name == "colocated" else "split"
             serve.run(build_app({**app_args, "pipelined": name == "pipelined", "draft_placement": placement}),
-                      name=name, route_prefix=prefix)
-        for i, (workload, ids) in enumerate(prompts):
-            for name, prefix in apps.items():
-                url = f"http://127.0.0.1:{port}{prefix.rstrip('/')}/v1/completions"
+                      name=name, route_prefix="/")
+            metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+            baseline = scrape_until(metrics_url, "ray_specserve_requests_total", 0, timeout=0)
+            requests_sent = 0
+            for i, (workload, ids) in enumerate(prompts):
                 body = {"prompt": ids, "max_tokens": args.max_new_tokens, "temperature": 0}
                 _post(url, {**body, "max_tokens": 8})  # warm
                 requests_sent += 1 + args.repeats
@@ -129,9 +138,13 @@ def run_served_bench(args) -> int:
                         served[name][i] = (seconds, tokens, payload["choices"][0]["text"], rounds, payload["specserve"])
                     print(f"  {workload:8s} prompt {i} {name:10s} {tokens / seconds:6.1f} tok/s "
                           f"(in-process {before[i][1] / before[i][0]:6.1f})", flush=True)
-            during.update(_in_process(decoder, [prompts[i]], args, gamma, index=i))
-        metrics = scrape_until(f"http://127.0.0.1:{metrics_port}/metrics", "ray_specserve_requests_total",
-                               requests_sent)
+            if not during:
+                print("  in-process beside the idle application ...", flush=True)
+                during = _in_process(decoder, prompts, args, gamma)
+            # this application's share: the scrape minus the one before it was deployed
+            scraped = scrape_until(metrics_url, "ray_specserve_requests_total", requests_sent, baseline=baseline)
+            metrics[name] = metrics_summary(since(scraped, baseline), requests_sent)
+            serve.delete(name)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -139,13 +152,13 @@ def run_served_bench(args) -> int:
     print("  in-process (after Ray) ...", flush=True)
     after = _in_process(decoder, prompts, args, gamma)
     report = _report(args, gamma, workloads, prompts, before, after, during, served)
-    report["metrics"] = metrics_summary(metrics, requests_sent)
-    (out / "metrics.prom").write_text("".join(f"{k} {v:g}\n" for k, v in sorted(metrics.items())))
-    print("  metrics scraped after the run (Prometheus, summed over workers): "
-          + ", ".join(f"{k} {v:g}" for k, v in report["metrics"].items() if not isinstance(v, dict)))
+    report["metrics"] = metrics
+    for name, summary in metrics.items():
+        print(f"  {name}: metrics scraped (Prometheus, summed over its workers): "
+              + ", ".join(f"{k} {v:g}" for k, v in summary.items() if not isinstance(v, dict)))
     (out / "served.json").write_text(json.dumps(report, indent=2))
     _plot(report, out / "served.png")
-    print(f"\nwrote {out / 'served.json'}, {out / 'served.png'} and {out / 'metrics.prom'}")
+    print(f"\nwrote {out / 'served.json'} and {out / 'served.png'}")
     return 0
 
 

@@ -198,15 +198,23 @@ def total(values: dict[str, float], series: str, **labels: str) -> float:
                if key.split("{")[0] == series and all(w in key for w in want))
 
 
-def scrape_until(url: str, series: str, at_least: float, timeout: float = 60.0, **labels: str) -> dict[str, float]:
-    """Scrape until `series` reaches `at_least` (Ray exports every few seconds); the last scrape either way."""
+def since(values: dict[str, float], baseline: dict[str, float]) -> dict[str, float]:
+    """What was recorded after `baseline` was scraped (counters and histogram buckets only grow; a series gone
+    from `values`, a stopped worker's, drops out)."""
+    return {k: v - baseline.get(k, 0.0) for k, v in values.items()}
+
+
+def scrape_until(url: str, series: str, at_least: float, timeout: float = 60.0, baseline: dict[str, float] | None = None,
+                 **labels: str) -> dict[str, float]:
+    """Scrape until `series` reaches `at_least` (Ray exports every few seconds), counting only what came after
+    `baseline` if given; the last scrape either way."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             values = scrape(url)
         except OSError:  # the metrics agent may not listen yet
             values = {}
-        if total(values, series, **labels) >= at_least or time.monotonic() > deadline:
+        if total(since(values, baseline or {}), series, **labels) >= at_least or time.monotonic() > deadline:
             return values
         time.sleep(0.5)
 

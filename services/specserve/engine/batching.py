@@ -71,12 +71,24 @@ class _Work:
     verify: tuple | None = None  # (TargetVerifier, context length, proposal, params, rng)
 
 
+def torch_threads(n: int) -> None:
+    """Give the calling thread `n` torch (OpenMP) threads, for good.
+
+    torch.set_num_threads alone does not hold: a thread's first parallel op (or get_num_threads) runs torch's
+    lazy per-thread init, which re-applies the count most recently set by ANY thread. A gRPC thread that set
+    1 and then ran its first op after the compute thread had set 2 started a second OpenMP team in the
+    process; with more OpenMP threads than cores libgomp stops spinning at barriers, and the compute thread's
+    4-token target forward went from 38 to 45-50 ms in a colocated worker (gdb: two gomp teams)."""
+    torch.get_num_threads()  # the lazy init, now, so the count below is not overwritten later
+    torch.set_num_threads(n)
+
+
 def one_thread_torch() -> None:
     """Initializer for every thread of a worker or coordinator other than the compute thread: torch ops there
     (converting q, building a one-hot) run inline instead of starting an OpenMP team of their own. Measured
     on the 2-core CPU: once a second thread of a process had run a parallel torch op (loading the model on
     the main thread, say), the compute thread's decoding dropped from 21-22 to 12-15 tok/s."""
-    torch.set_num_threads(1)
+    torch_threads(1)
 
 
 _LIVE: "weakref.WeakSet[StepScheduler]" = weakref.WeakSet()
@@ -162,7 +174,7 @@ class StepScheduler:
     # -- the compute thread ------------------------------------------------------
     def _loop(self) -> None:
         if self.threads:
-            torch.set_num_threads(self.threads)
+            torch_threads(self.threads)
         while True:
             with self._cond:
                 while not (self._work or self._calls or self._closed):

@@ -19,6 +19,7 @@ import ray
 import torch
 from transformers import DynamicCache
 
+from specserve.engine.batching import torch_threads
 from specserve.models import load_model
 from specserve.models.kv import TokenSequence
 from specserve.models.stages import PipelineStage
@@ -26,7 +27,7 @@ from specserve.models.stages import PipelineStage
 
 class TargetStageActor:
     def __init__(self, target: Any, dtype: str | None, start: int, end: int, threads: int | None = None):
-        torch.set_num_threads(threads or os.cpu_count() or 1)
+        torch_threads(threads or os.cpu_count() or 1)
         loaded = load_model(target, dtype)  # TODO(scale): read only this stage's tensors from the checkpoint
         self.stage = PipelineStage(loaded.model, start, end)
         self.device = next(self.stage.parameters()).device
