@@ -116,6 +116,28 @@ def test_q_crosses_the_wire_sparse(workers):
     assert stubs["model"].Release(workers_pb2.ReleaseRequest(session_id="s")).released
 
 
+def test_one_hot_q_is_built_only_where_needed():
+    """A greedy draft's or a lookup's q is one-hot: it crosses the wire as one id per token and is not built as
+    [k, vocab] rows unless asked for; any other q arrives dense, as sent."""
+    import torch
+
+    from specserve.engine.proposers import Proposal, one_hot
+    from specserve.rpc.convert import proposal_from_wire, proposal_q_to_wire
+
+    lazy = Proposal([4, 9, 2], 16, key="ngram-3")
+    wire = proposal_q_to_wire(lazy)
+    assert [(list(d.ids), list(d.probs)) for d in wire] == [([4], [1.0]), ([9], [1.0]), ([2], [1.0])]
+    back = proposal_from_wire([4, 9, 2], wire, 16, "ngram-3")
+    assert back.one_hot and back.truncate(2).one_hot and back.truncate(2).tokens == [4, 9]
+    assert torch.equal(back.q, one_hot([4, 9, 2], 16)) and back.q is back.q  # built once, on first use
+    dense = torch.full((2, 16), 1 / 16)
+    other = proposal_from_wire([4, 9], proposal_q_to_wire(Proposal([4, 9], dense)), 16)
+    assert not other.one_hot and torch.equal(other.q, dense)
+    # one-hot on another token than the one proposed is not a one-hot proposal: it is kept as sent
+    odd = proposal_from_wire([4], proposal_q_to_wire(Proposal([4], one_hot([5], 16))), 16)
+    assert not odd.one_hot and torch.equal(odd.q, one_hot([5], 16))
+
+
 def _code(call) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.RpcError) as info:
         call()

@@ -34,7 +34,11 @@ from specserve.spec.sampling import sample_from_probs, sparse_to_dense, truncate
 @dataclass
 class Proposal:
     tokens: list[int]  # [k] drafted tokens, k ≤ γ
-    q: torch.Tensor  # [k, vocab] float32: the distribution each token was sampled from
+    # [k, vocab] float32: the distribution each token was sampled from. A one-hot q (a greedy draft's argmax,
+    # a lookup's copy) may be given as its vocabulary size instead and is built only where asked for (`q`):
+    # 8 one-hot rows over a 49k vocabulary cost ~0.5 ms, and a greedy verdict or a lookup trimmed to γ=0
+    # never needs them
+    dist: torch.Tensor | int
     key: str | None = None  # quality class the γ controller keeps separate statistics for (e.g. "ngram-3")
     # a model draft's top probability at each token it drafted, tokens dropped by `truncate` included
     confidences: list[float] = field(default_factory=list)
@@ -42,11 +46,24 @@ class Proposal:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @property
+    def one_hot(self) -> bool:
+        """Whether q is one-hot on each token (known without building it)."""
+        return isinstance(self.dist, int)
+
+    @property
+    def q(self) -> torch.Tensor:
+        if not isinstance(self.dist, int):
+            return self.dist
+        if "_q" not in self.__dict__:
+            self.__dict__["_q"] = one_hot(self.tokens, self.dist)
+        return self.__dict__["_q"]
+
     def truncate(self, k: int) -> Proposal:
         """The first k tokens. Exact: each kept token was sampled from its own q regardless of later ones."""
         if k >= len(self.tokens):
             return self
-        return Proposal(self.tokens[:k], self.q[:k], self.key, self.confidences)
+        return Proposal(self.tokens[:k], self.dist if self.one_hot else self.dist[:k], self.key, self.confidences)
 
 
 def one_hot(tokens: list[int], vocab: int) -> torch.Tensor:
@@ -55,7 +72,7 @@ def one_hot(tokens: list[int], vocab: int) -> torch.Tensor:
 
 
 def empty_proposal(vocab: int) -> Proposal:
-    return Proposal([], torch.zeros(0, vocab))
+    return Proposal([], vocab)
 
 
 class Proposer(ABC):
@@ -164,7 +181,7 @@ class ModelProposer(Proposer):
                     break
                 logits = self._head(self.seq.feed_subset([tokens[-1]]))
         if params.greedy:
-            q = one_hot(tokens, self.vocab)
+            q = self.vocab  # one-hot on each token, built where needed
         else:
             q = torch.cat(qs)
             if self.subset is not None:  # sorted subset: the same inverse-CDF draw as over the full vocabulary
@@ -190,7 +207,7 @@ class NgramProposer(Proposer):
         n, tokens = match_ngram(context, gamma, self.max_n, self.min_n)
         if not tokens:
             return empty_proposal(self.vocab)
-        return Proposal(tokens, one_hot(tokens, self.vocab), key=f"ngram-{n}")
+        return Proposal(tokens, self.vocab, key=f"ngram-{n}")
 
 
 def prompt_lookup(vocab: int) -> NgramProposer:
@@ -257,7 +274,7 @@ class TargetVerifier:
         k = len(proposal)
         logits = logits[:, : self.vocab]
         tokens = torch.tensor(proposal.tokens, dtype=torch.long)
-        if params.greedy and one_hot_on(proposal.q, tokens):  # the same verdict without the vocabulary-wide work
+        if params.greedy and (proposal.one_hot or one_hot_on(proposal.q, tokens)):  # the same verdict, cheaply
             verdict = accept_greedy(proposal.tokens, logits.argmax(-1).tolist())
         else:
             verdict = accept_prefix(

@@ -46,6 +46,13 @@ def q_to_wire(q: torch.Tensor) -> list[workers_pb2.SparseDistribution]:
     return out
 
 
+def proposal_q_to_wire(proposal) -> list[workers_pb2.SparseDistribution]:
+    """A proposal's q on the wire; a one-hot q straight from its tokens, without building it."""
+    if proposal.one_hot:
+        return [workers_pb2.SparseDistribution(ids=[token], probs=[1.0]) for token in proposal.tokens]
+    return q_to_wire(proposal.q)
+
+
 def q_from_wire(dists, vocab: int) -> torch.Tensor:
     """Sparse distributions → dense [k, vocab] float32 (bit-identical values to what was sent)."""
     q = torch.zeros(len(dists), vocab, dtype=torch.float32)
@@ -57,3 +64,15 @@ def q_from_wire(dists, vocab: int) -> torch.Tensor:
             raise ValueError(f"q[{i}].ids: token ids must be in [0, {vocab})")
         q[i, ids] = torch.tensor(list(dist.probs), dtype=torch.float32)
     return q
+
+
+def proposal_from_wire(tokens, dists, vocab: int, key: str | None = None):
+    """A Proposal from wire tokens and q; a one-hot q (each row all on its own token) stays unbuilt."""
+    from specserve.engine.proposers import Proposal
+
+    tokens = list(tokens)
+    if len(dists) != len(tokens):
+        raise ValueError(f"q: expected one distribution per token ({len(tokens)}), got {len(dists)}")
+    if all(len(d.ids) == 1 and d.ids[0] == t and 0 <= t < vocab and d.probs[:] == [1.0] for d, t in zip(dists, tokens)):
+        return Proposal(tokens, vocab, key)
+    return Proposal(tokens, q_from_wire(dists, vocab), key)

@@ -14,7 +14,7 @@ from specserve.engine.batching import StepInfo
 from specserve.engine.loop import speculate
 from specserve.engine.proposers import Proposal, Proposer, prompt_lookup
 from specserve.engine.stats import GenerationStats
-from specserve.rpc.convert import q_from_wire, q_to_wire, sampling_to_proto
+from specserve.rpc.convert import proposal_from_wire, proposal_q_to_wire, sampling_to_proto
 from specserve.spec import GammaController, PositionRNG, SamplingParams, Verdict
 from specserve.v1 import workers_pb2
 
@@ -61,7 +61,7 @@ class RemoteProposer(_SessionProxy, Proposer):
         self.prefetch_misses = 0
 
     def _proposal(self, reply, skip: int = 0) -> Proposal:
-        return Proposal(list(reply.tokens)[skip:], q_from_wire(reply.q[skip:], self.vocab), reply.key or None)
+        return proposal_from_wire(list(reply.tokens)[skip:], reply.q[skip:], self.vocab, reply.key or None)
 
     def _settle(self):
         """(branch, γ, reply) of the pending prefetch, waited for (None if there is none)."""
@@ -109,7 +109,7 @@ class RemoteVerifier(_SessionProxy):
 
     def verify(self, context: list[int], proposal: Proposal, params: SamplingParams, rng: PositionRNG) -> Verdict:
         reply = self.stub.Verify(
-            workers_pb2.VerifyRequest(update=self._update(context), tokens=proposal.tokens, q=q_to_wire(proposal.q))
+            workers_pb2.VerifyRequest(update=self._update(context), tokens=proposal.tokens, q=proposal_q_to_wire(proposal))
         )
         self.worker_time_s += reply.verify_time_s
         if reply.step_sessions:

@@ -31,11 +31,11 @@ import grpc
 
 from specserve.engine.batching import StepScheduler
 from specserve.engine.colocated import ColocatedSessions
-from specserve.engine.proposers import Proposal, Proposer, TargetVerifier
+from specserve.engine.proposers import Proposer, TargetVerifier
 from specserve.engine.stats import GenerationStats
 from specserve.models.lean import unsupported_reason
 from specserve.models.pool import KVCacheFull, KVPool
-from specserve.rpc.convert import q_from_wire, q_to_wire, sampling_from_proto
+from specserve.rpc.convert import proposal_from_wire, proposal_q_to_wire, sampling_from_proto
 from specserve.spec import PositionRNG, SamplingParams, make_controller
 from specserve.v1 import workers_pb2, workers_pb2_grpc
 
@@ -208,7 +208,7 @@ class DraftWorkerServicer(_SessionService, workers_pb2_grpc.DraftWorkerServicer)
             proposal = session.engine.propose(tokens, request.gamma, session.params, session.rng)
             elapsed = time.perf_counter() - t0
             return workers_pb2.ProposeReply(
-                tokens=proposal.tokens, q=q_to_wire(proposal.q), key=proposal.key or "", draft_time_s=elapsed
+                tokens=proposal.tokens, q=proposal_q_to_wire(proposal), key=proposal.key or "", draft_time_s=elapsed
             )
 
         return self._run(propose)
@@ -255,9 +255,7 @@ class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerService
     @_rpc
     def Verify(self, request, context):
         session, tokens = self.sessions.apply(request.update)
-        if len(request.q) != len(request.tokens):
-            raise ValueError(f"q: expected one distribution per token ({len(request.tokens)}), got {len(request.q)}")
-        proposal = Proposal(list(request.tokens), q_from_wire(request.q, self.sessions.vocab))
+        proposal = proposal_from_wire(request.tokens, request.q, self.sessions.vocab)
         verdict, step = self.scheduler.verify(session.engine, tokens, proposal, session.params, session.rng).result()
         return workers_pb2.VerifyReply(
             n_accepted=verdict.n_accepted, next_token=verdict.next_token,

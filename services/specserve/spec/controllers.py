@@ -316,11 +316,13 @@ class AutoGamma(GammaController):
         self.load_sessions, self.load_tokens = previous.load_sessions, previous.load_tokens
         self.own_positions, self.tokens_per_round = previous.own_positions, previous.tokens_per_round
 
-    def _beats_zero(self, tokens: float, seconds: float) -> bool:
+    def _beats_zero(self, tokens: float, seconds: float, others: float | None = None,
+                    base_s: float | None = None) -> bool:
         """Whether a round expected to emit `tokens` of its own in `seconds` beats one without a draft (the
-        other sessions' tokens of a shared step counted for both; under load by LOADED_MARGIN)."""
-        others = self.others_tokens()
-        base_tokens, base_s = 1.0 + others, self.round_time(0)
+        other sessions' tokens of a shared step counted for both; under load by LOADED_MARGIN). others /
+        base_s: `others_tokens()` and `round_time(0)` where the caller has them."""
+        others = self.others_tokens() if others is None else others
+        base_tokens, base_s = 1.0 + others, self.round_time(0) if base_s is None else base_s
         extra_s = seconds - base_s
         if extra_s <= 0:
             return tokens + others > base_tokens
@@ -339,8 +341,18 @@ class AutoGamma(GammaController):
     def choose(self, remaining: int | None = None, key: str | None = None, available: int | None = None,
                open_ended: bool = False) -> int:
         limit = self._cap(self.gamma_max, remaining, available)
-        worth = [g for g in range(1, limit + 1) if self._beats_zero(self.expected_tokens(g, key), self.round_time(g))]
-        best = max([0] + worth, key=lambda g: self.tokens_per_second(g, key))
+        # the γ worth drafting (beats γ=0) with the most tokens per second; one pass, every session every round
+        # (under load a worker's sessions choose between its steps, so this is kept cheap)
+        table, others, base_s = self.table(key), self.others_tokens(), self.round_time(0)
+        best, best_rate = 0, (1.0 + others) / base_s
+        tokens, survive = 1.0, 1.0
+        for g in range(1, limit + 1):
+            survive *= table.at(g)
+            tokens += survive
+            seconds = self.round_time(g)
+            rate = (tokens + others) / seconds
+            if rate > best_rate and self._beats_zero(tokens, seconds, others, base_s):
+                best, best_rate = g, rate
         if best == 0 and limit > 0:
             self._rounds_at_zero += 1
             # keep the acceptance estimate alive while not speculating. Under load a probe's draft step, and the
