@@ -359,7 +359,7 @@ def test_load_bench_drives_concurrent_streams_and_writes_its_report(server, tmp_
 
     url = server["http"] + "/v1"
     code = main(["bench", "--load", "--url", url, "--concurrency", "1,6", "--max-new-tokens", "12",
-                 "--load-requests", "2", "--load-configs", "gamma0,auto", "--out", str(tmp_path)])
+                 "--load-requests", "2", "--load-configs", "gamma0,auto", "--load-rounds", "2", "--out", str(tmp_path)])
     assert code == 0 and (tmp_path / "load.png").stat().st_size > 0
     report = json.loads((tmp_path / "load.json").read_text())
     for name in ("gamma0", "auto"):
@@ -369,6 +369,13 @@ def test_load_bench_drives_concurrent_streams_and_writes_its_report(server, tmp_
         assert six["tokens"] == 12 * 12  # eos ignored: every answer is max_tokens long
         assert six["aggregate_tokens_per_s"] > 0 and 0 < six["ttft_p50_s"] <= six["ttft_p95_s"] <= six["wall_s"]
     assert report["levels"]["gamma0"][1]["mean_gamma"] == 0 < report["levels"]["auto"][1]["mean_gamma"]
+    # two rounds of each (ABBA): the median run is one of them, and the paired ratio is of the same rounds
+    for i, level in enumerate((1, 6)):
+        runs = {name: report["levels"][name][i]["runs_aggregate_tokens_per_s"] for name in ("gamma0", "auto")}
+        assert len(runs["gamma0"]) == len(runs["auto"]) == 2
+        assert report["levels"]["auto"][i]["aggregate_tokens_per_s"] == min(runs["auto"])  # lower middle of two
+        ratio = report["ratio_to_first"]["auto"][i]
+        assert ratio["concurrency"] == level and ratio["runs"] == [a / b for a, b in zip(runs["auto"], runs["gamma0"])]
     assert main(["bench", "--load", "--url", url, "--load-configs", "nope", "--out", str(tmp_path)]) == 2
 
 

@@ -6,7 +6,10 @@ ignored so every answer has the same length). Per level and configuration it rep
 (all completion tokens / the level's wall time), per-stream tokens/s, time to first token and inter-token
 latency (per request: (end − first token) / (tokens − 1)) at p50/p95, acceptance and mean γ from the
 `specserve` statistics of each answer. Levels run configuration after configuration, so every
-configuration meets the machine in the same state; writes load.json and load.png.
+configuration meets the machine in the same state. A small machine's speed drifts within minutes, so
+`--load-rounds N` runs each level's configurations N times, in ABBA order (every other round reversed), and
+reports each configuration's median run and the median of its paired ratios to the first configuration
+(runs of the same round side by side). Writes load.json and load.png.
 
 Without `--url` it starts Ray and one Serve application per server configuration itself: `batched`
 (serves both `γ=0` and `auto` through the per-request `gamma`) and, with `--load-configs` naming it,
@@ -150,15 +153,16 @@ def _start_servers(args, apps: set[str]) -> tuple[str, dict[str, str]]:
 
 
 def run_load_bench(args) -> int:
-    configs = [c for c in args.load_configs.split(",") if c]
+    configs = list(dict.fromkeys(c for c in args.load_configs.split(",") if c))  # a name twice: --load-rounds
     unknown = sorted(set(configs) - set(CONFIGS))
     try:
         levels = [int(c) for c in args.concurrency.split(",") if c]
     except ValueError:
         levels = []
-    if unknown or not configs or not levels or min(levels) < 1 or args.load_requests < 1:
+    rounds = getattr(args, "load_rounds", 1)
+    if unknown or not configs or not levels or min(levels) < 1 or args.load_requests < 1 or rounds < 1:
         print(f"specserve bench --load: --load-configs from {sorted(CONFIGS)} (got {unknown or configs}); "
-              "--concurrency: positive integers; --load-requests >= 1", file=sys.stderr)
+              "--concurrency: positive integers; --load-requests and --load-rounds >= 1", file=sys.stderr)
         return 2
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -170,23 +174,35 @@ def run_load_bench(args) -> int:
         urls = {"batched": args.url.rstrip("/"), "unbatched": args.url.rstrip("/")}
     report = {"config": {"target": args.target, "draft": args.draft, "max_new_tokens": args.max_new_tokens,
                          "requests_per_stream": args.load_requests, "sampling": "greedy, eos ignored",
-                         "url": args.url, "configs": configs, "concurrency": levels},
-              "levels": {c: [] for c in configs}}
+                         "url": args.url, "configs": configs, "concurrency": levels, "rounds": rounds},
+              "levels": {c: [] for c in configs}, "ratio_to_first": {c: [] for c in configs[1:]}}
     try:
         for name in configs:  # warm every path once
             app, gamma = CONFIGS[name]
             asyncio.run(_level(urls[app], 1, 1, 8, gamma, prompts))
         for level in levels:
+            runs: dict[str, list[dict]] = {c: [] for c in configs}
+            for r in range(rounds):
+                for name in configs if r % 2 == 0 else configs[::-1]:  # ABBA: drift hits every config alike
+                    app, gamma = CONFIGS[name]
+                    label = name if rounds == 1 else f"{name} ({r + 1}/{rounds})"
+                    print(f"  concurrency {level:3d}  {label:15s} ...", end="", flush=True)
+                    row = asyncio.run(_level(urls[app], level, args.load_requests, args.max_new_tokens, gamma,
+                                             prompts))
+                    runs[name].append(row)
+                    print(f" {row['aggregate_tokens_per_s']:7.1f} tok/s aggregate, "
+                          f"{row['per_stream_tokens_per_s']:6.1f} per stream, TTFT p50/p95 {row['ttft_p50_s']:.2f}/"
+                          f"{row['ttft_p95_s']:.2f} s, ITL p50 {1000 * row['itl_p50_s']:.0f} ms, γ "
+                          f"{row['mean_gamma']:.2f}, acceptance {row['acceptance_rate']:.2f}, errors {row['errors']}",
+                          flush=True)
             for name in configs:
-                app, gamma = CONFIGS[name]
-                print(f"  concurrency {level:3d}  {name:15s} ...", end="", flush=True)
-                row = asyncio.run(_level(urls[app], level, args.load_requests, args.max_new_tokens, gamma, prompts))
-                report["levels"][name].append(row)
-                print(f" {row['aggregate_tokens_per_s']:7.1f} tok/s aggregate, {row['per_stream_tokens_per_s']:6.1f} "
-                      f"per stream, TTFT p50/p95 {row['ttft_p50_s']:.2f}/{row['ttft_p95_s']:.2f} s, ITL p50 "
-                      f"{1000 * row['itl_p50_s']:.0f} ms, γ {row['mean_gamma']:.2f}, acceptance "
-                      f"{row['acceptance_rate']:.2f}, errors {row['errors']}", flush=True)
-                (out / "load.json").write_text(json.dumps(report, indent=2))
+                report["levels"][name].append(_median_run(runs[name]))
+            for name in configs[1:]:
+                ratios = [a["aggregate_tokens_per_s"] / b["aggregate_tokens_per_s"]
+                          for a, b in zip(runs[name], runs[configs[0]]) if b["aggregate_tokens_per_s"]]
+                report["ratio_to_first"][name].append(
+                    {"concurrency": level, "median": statistics.median(ratios) if ratios else 0.0, "runs": ratios})
+            (out / "load.json").write_text(json.dumps(report, indent=2))
         if args.long_prompt:
             app, gamma = CONFIGS[configs[0]]
             level = min(levels[-1], 4)
@@ -216,11 +232,24 @@ def run_load_bench(args) -> int:
     return 0
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median aggregate tokens/s (the lower middle of an even count), every run's figure beside."""
+    ordered = sorted(runs, key=lambda r: r["aggregate_tokens_per_s"])
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    row["runs_aggregate_tokens_per_s"] = [r["aggregate_tokens_per_s"] for r in runs]
+    return row
+
+
 def _summary(report: dict) -> None:
     configs = list(report["levels"])
-    print(f"\n{'concurrency':>11s} " + " ".join(f"{c:>15s}" for c in configs) + "   (aggregate tok/s)")
+    ratios = [f"{c}/{configs[0]}" for c in configs[1:]]
+    many = report["config"].get("rounds", 1) > 1
+    print(f"\n{'concurrency':>11s} " + " ".join(f"{c:>15s}" for c in configs + ratios)
+          + ("   (aggregate tok/s: median run; ratios: median of the rounds' pairs)" if many
+             else "   (aggregate tok/s)"))
     for i, level in enumerate(report["config"]["concurrency"]):
-        print(f"{level:11d} " + " ".join(f"{report['levels'][c][i]['aggregate_tokens_per_s']:15.1f}" for c in configs))
+        print(f"{level:11d} " + " ".join([f"{report['levels'][c][i]['aggregate_tokens_per_s']:15.1f}" for c in configs]
+                                         + [f"{report['ratio_to_first'][c][i]['median']:15.2f}" for c in configs[1:]]))
 
 
 def _plot(report: dict, path: pathlib.Path) -> None:
@@ -245,7 +274,8 @@ def _plot(report: dict, path: pathlib.Path) -> None:
         a.legend(fontsize=8)
     c = report["config"]
     fig.suptitle(f"load: target={c['target']}, draft={c['draft']}, greedy, {c['max_new_tokens']} tokens, "
-                 f"{c['requests_per_stream']} requests per stream", fontsize=9)
+                 f"{c['requests_per_stream']} requests per stream"
+                 + (f", median of {c['rounds']} rounds (ABBA)" if c.get("rounds", 1) > 1 else ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
