@@ -259,3 +259,20 @@ def test_warm_starts_hand_each_new_auto_what_the_last_learned():
     fixed = FixedGamma(3)
     assert starts(fixed) is fixed
     assert starts(AutoGamma(8, FLAT, 0.001)).table().at(1) == pytest.approx(second.table().at(1))
+
+
+def test_a_served_gamma_is_no_deeper_than_gamma_max():
+    """A request's fixed γ beyond the server's gamma_max is refused (gamma=5000 made 202-position verifies that
+    slowed every session sharing the steps); auto, heuristic and γ up to gamma_max pass, and so does a server
+    whose default is deeper only when its gamma_max allows it."""
+    from specserve.serve.config import AppConfig
+    from specserve.spec import served_gamma
+
+    assert served_gamma(8, 8).choose() == 8 and served_gamma("auto", 8).name == "auto"
+    assert served_gamma("3", 8).choose() == 3
+    for bad in (9, "5000", "fixed:12"):
+        with pytest.raises(ValueError, match=r"gamma_max \(8\)"):
+            served_gamma(bad, 8)
+    with pytest.raises(ValueError, match="gamma_max"):
+        AppConfig(gamma=12)
+    assert AppConfig(gamma=12, gamma_max=16).gamma == 12

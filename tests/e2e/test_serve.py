@@ -179,6 +179,7 @@ BAD_HTTP = [
     ("model", dict(model="gpt-4")),
     ("prompt", dict(prompt=LONG)),
     ("gamma", dict(gamma="sometimes")),
+    ("gamma", dict(gamma=5000)),  # deeper than the server's gamma_max (8): verifies of thousands of positions
 ]
 
 
@@ -213,6 +214,7 @@ BAD_GRPC = [
     ("sampling.top_p", dict(prompt=PROMPT, sampling=generator_pb2.SamplingParams(top_p=0.0))),
     ("model", dict(prompt=PROMPT, model="nope")),
     ("prompt", dict(prompt=LONG)),
+    ("gamma", dict(prompt=PROMPT, gamma="5000")),
 ]
 
 

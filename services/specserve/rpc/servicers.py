@@ -36,7 +36,7 @@ from specserve.engine.stats import GenerationStats
 from specserve.models.lean import unsupported_reason
 from specserve.models.pool import KVCacheFull, KVPool
 from specserve.rpc.convert import proposal_from_wire, proposal_q_to_wire, sampling_from_proto
-from specserve.spec import PositionRNG, SamplingParams, make_controller
+from specserve.spec import PositionRNG, SamplingParams, served_gamma
 from specserve.v1 import workers_pb2, workers_pb2_grpc
 
 
@@ -269,7 +269,7 @@ class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerService
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this target worker holds no draft (not colocated)")
         gamma: int | str = int(request.gamma) if request.gamma.isdigit() else (request.gamma or "auto")
         try:
-            make_controller(gamma, self.colocated.gamma_max)
+            served_gamma(gamma, self.colocated.gamma_max)
         except ValueError as exc:
             raise ValueError(f"gamma: {exc}") from None
         if request.max_tokens < 1:

@@ -110,7 +110,8 @@ class SpecServe:
 
     # -- the shared session path ----------------------------------------------
     def _prepare(self, inp: GenerationInput, field_prefix: str = "") -> SessionRequest:
-        return prepare(inp, self.codec, self.model_name, self.config.default_max_tokens, field_prefix)
+        return prepare(inp, self.codec, self.model_name, self.config.default_max_tokens, field_prefix,
+                       self.config.gamma_max)
 
     async def _events(self, request: SessionRequest) -> AsyncIterator[Event]:
         """One Event per round; ends the coordinator session when the consumer stops early (disconnect, stop string)."""

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from specserve.spec import make_controller
+from specserve.spec import make_controller, served_gamma
 from specserve.workers.config import WorkersConfig
 
 
@@ -40,3 +40,8 @@ class AppConfig(WorkersConfig):
     def _gamma(cls, value):
         make_controller(value, 8)
         return value
+
+    @model_validator(mode="after")
+    def _gamma_within_max(self):
+        served_gamma(self.gamma, self.gamma_max)  # a fixed default no deeper than gamma_max
+        return self

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from specserve.coordinator import SessionRequest
 from specserve.engine.prompts import PromptCodec, PromptError
-from specserve.spec import SamplingParams, make_controller
+from specserve.spec import SamplingParams, served_gamma
 
 
 @dataclass
@@ -39,7 +39,7 @@ def sampling_params(values: dict[str, Any], prefix: str = "") -> SamplingParams:
 
 
 def prepare(inp: GenerationInput, codec: PromptCodec, served_model: str, default_max_tokens: int,
-            field_prefix: str = "") -> SessionRequest:
+            field_prefix: str = "", gamma_max: int = 8) -> SessionRequest:
     """Validate and tokenize; raises PromptError naming the offending field."""
     if inp.model and inp.model != served_model:
         raise PromptError("model", f"unknown model {inp.model!r}; this server serves {served_model!r}")
@@ -48,7 +48,7 @@ def prepare(inp: GenerationInput, codec: PromptCodec, served_model: str, default
     gamma = inp.gamma
     if gamma not in (None, ""):
         try:
-            make_controller(gamma)
+            served_gamma(gamma, gamma_max)
         except ValueError as exc:
             raise PromptError("gamma", str(exc)) from None
     else:

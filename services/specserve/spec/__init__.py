@@ -14,6 +14,7 @@ from specserve.spec.controllers import (
     WarmStarts,
     expected_tokens_per_round,
     make_controller,
+    served_gamma,
 )
 from specserve.spec.params import SamplingParams
 from specserve.spec.rejection import Verdict, accept_greedy, accept_prefix, residual_distribution
@@ -35,6 +36,7 @@ __all__ = [
     "accept_prefix",
     "expected_tokens_per_round",
     "make_controller",
+    "served_gamma",
     "probs_from_logits",
     "residual_distribution",
     "sample_from_probs",

@@ -473,6 +473,15 @@ def make_controller(
     return FixedGamma(gamma)
 
 
+def served_gamma(gamma: int | str, gamma_max: int) -> GammaController:
+    """A request's γ as a server takes it: `make_controller`'s specs, and a fixed γ no deeper than the server's
+    gamma_max (a γ of thousands made verifies of hundreds of positions, slowing every session sharing them)."""
+    controller = make_controller(gamma, gamma_max)
+    if isinstance(controller, FixedGamma) and controller.gamma > gamma_max:
+        raise ValueError(f"must be <= gamma_max ({gamma_max}) of this server, got {controller.gamma}")
+    return controller
+
+
 def theorem8_speedup(alpha: float, gamma: int, c: float, verify_cost: float = 1.0) -> float:
     """Predicted walltime improvement: E[tokens]/(γc + v), v = verify(γ+1)/verify(1) (1 in the paper)."""
     if gamma == 0:
