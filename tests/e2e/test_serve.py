@@ -20,7 +20,7 @@ from ray import serve
 from ray.serve.config import gRPCOptions, HTTPOptions
 
 from specserve import SamplingParams, SpeculativeDecoder
-from specserve.coordinator.metrics import METRICS, scrape, scrape_until, total
+from specserve.coordinator.metrics import METRICS, scrape, scrape_until, since, total
 from specserve.serve import GRPC_SERVICER_FUNCTION, build_app
 from specserve.v1 import generator_pb2, generator_pb2_grpc
 from tests.conftest import save_tokenized_pair
@@ -261,12 +261,22 @@ def test_cancelled_streams_free_both_workers(server):
 
 
 def test_stop_string_ends_the_session(server, local):
-    expected = local["plain"].generate(PROMPT, SamplingParams(temperature=0.0), 40).text
+    """The session ends the round the stop string appears, not at max_tokens: metrics count it as "stop" and
+    only the tokens up to then (it used to generate on to max_tokens in the background, counted "length")."""
+    expected = local["plain"].generate(PROMPT, SamplingParams(temperature=0.0, ignore_eos=True), 40).text
     stop = expected[len(expected) // 2 : len(expected) // 2 + 3]
-    served = client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop])
+    url = server["metrics"]
+    before = _settled(url)
+    served = client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=300, temperature=0,
+                                               stop=[stop], extra_body={"ignore_eos": True})
     assert served.choices[0].finish_reason == "stop"
     assert served.choices[0].text == expected[: expected.find(stop)]
     assert wait_for_no_sessions() == {"target": 0, "draft": 0, "coordinator": 0}
+    after = scrape_until(url, "ray_specserve_requests_total", 1, baseline=before)
+    moved = since(after, before)
+    assert total(moved, "ray_specserve_requests_total", finish_reason="stop") == 1
+    assert total(moved, "ray_specserve_requests_total") == 1
+    assert 0 < total(moved, "ray_specserve_generation_tokens_total") <= 40  # not the 300 max_tokens allowed
 
 
 def test_concurrent_sessions_keep_their_own_tokens(server, local):

@@ -130,11 +130,13 @@ class Coordinator:
     def active_sessions(self) -> int:
         return len(self._sessions)
 
-    def cancel(self, request_id: str) -> bool:
-        """Stop a session after its current round; its worker caches are released. False if unknown."""
+    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
+        """Stop a session after its current round; its worker caches are released. False if unknown.
+        reason: the finish reason its metrics record ("stop": the ingress found a stop string)."""
         event = self._sessions.get(request_id)
         if event is None:
             return False
+        event.reason = reason
         event.set()
         return True
 
@@ -184,7 +186,7 @@ class Coordinator:
             raise Overloaded(f"too many concurrent sessions (max_sessions={self.max_sessions}); retry later")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        cancel = threading.Event()
+        cancel = _Cancel()
         self._sessions[request.request_id] = cancel
         stats = GenerationStats()
         observed = SessionMetrics(self._metrics, len(request.prompt_ids))
@@ -202,6 +204,9 @@ class Coordinator:
             try:
                 verifier, rounds = self._rounds(request, stats)
                 for new, reason in rounds:
+                    if cancel.is_set():  # the consumer is gone: this round's tokens are not delivered (nor counted)
+                        finish = cancel.reason
+                        break
                     produced += len(new)
                     held.extend(new)
                     observed.round_done(stats, len(new))
@@ -216,6 +221,7 @@ class Coordinator:
                         emit(Chunk(held, None, stats.to_dict() if request.params.stop else None))
                         held = []
                     if cancel.is_set():
+                        finish = cancel.reason
                         break
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
                 finish = "error"
@@ -255,6 +261,12 @@ class Coordinator:
     def _gauge_sessions(self) -> None:
         if self._metrics is not None:
             self._metrics.set("active_sessions", len(self._sessions))
+
+
+class _Cancel(threading.Event):
+    """A session's cancel flag and why it was set (the finish reason its metrics record)."""
+
+    reason = "cancelled"
 
 
 def start_coordinator(config, target_actor, draft_actor=None, *, gamma="auto", gamma_max: int = 8, pipelined=True,

@@ -116,7 +116,7 @@ class SpecServe:
     async def _events(self, request: SessionRequest) -> AsyncIterator[Event]:
         """One Event per round; ends the coordinator session when the consumer stops early (disconnect, stop string)."""
         text = self.codec.stream(request.params.stop)
-        produced, finished = 0, False
+        produced, finished, ended = 0, False, False  # ended: the coordinator's session finished on its own
         try:
             async for ref in self.coordinator.generate.options(num_returns="streaming").remote(request):
                 try:
@@ -124,7 +124,7 @@ class SpecServe:
                 except ray.exceptions.RayTaskError as exc:
                     raise _WorkerError.from_cause(exc.cause if exc.cause is not None else exc) from None
                 produced += len(chunk.tokens)
-                final = chunk.finish_reason is not None
+                final = ended = chunk.finish_reason is not None
                 delta = text.push(chunk.tokens, final)
                 reason = "stop" if text.stopped else chunk.finish_reason
                 finished = reason is not None
@@ -132,8 +132,8 @@ class SpecServe:
                 if finished:
                     return
         finally:
-            if not finished:
-                self.coordinator.cancel.remote(request.request_id)
+            if not ended:  # a disconnect, or a stop string: the session would otherwise run on to max_tokens
+                self.coordinator.cancel.remote(request.request_id, "stop" if text.stopped else "cancelled")
 
     async def _collect(self, request: SessionRequest) -> Event:
         text, tokens, last = [], [], None
