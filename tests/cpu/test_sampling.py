@@ -156,3 +156,27 @@ def test_sampling_params_errors_name_the_field():
         with pytest.raises(ValidationError, match=field):
             SamplingParams(**{field: value})
     assert SamplingParams(stop="END").stop == ["END"]
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-39, 1e-20, 9e-6])
+def test_a_tiny_temperature_samples_greedily(temperature):
+    """logits / 1e-40 overflowed to inf and NaN (served: invalid tokens, HTTP 500). Below 1e-5 a temperature is
+    greedy, as in vLLM: the same one-hot as temperature 0, and a valid token."""
+    from specserve.spec import SamplingParams as Params
+    from specserve.spec.sampling import probs_from_logits
+
+    logits = torch.tensor([[0.5, 2.0, 1.999, -3.0]])
+    params = Params(temperature=temperature)
+    assert params.greedy
+    assert torch.equal(probs_from_logits(logits, params), probs_from_logits(logits, Params(temperature=0.0)))
+    assert not Params(temperature=1e-4).greedy
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -1.0])
+def test_a_temperature_that_is_not_a_number_names_the_field(temperature):
+    from pydantic import ValidationError
+
+    from specserve.spec import SamplingParams as Params
+
+    with pytest.raises(ValidationError, match="temperature"):
+        Params(temperature=temperature)

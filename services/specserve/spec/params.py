@@ -5,6 +5,11 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): at T=1e-5 a logit gap of 0.001 already
+# gives the runner-up a probability of e^-100; below it, logits / T overflows (T=1e-40 gave invalid tokens).
+GREEDY_BELOW = 1e-5
+
+
 class SamplingParams(BaseModel):
     """How the target's next-token distribution is turned into a sample.
 
@@ -14,7 +19,11 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    temperature: float = Field(1.0, ge=0.0, description="0 = greedy (argmax); >0 divides the logits.")
+    temperature: float = Field(
+        1.0, ge=0.0, allow_inf_nan=False,
+        description="0 = greedy (argmax); >0 divides the logits. Below GREEDY_BELOW (1e-5) it is greedy too, as "
+        "in vLLM: the logits divided by a tiny or subnormal temperature overflow to inf and NaN.",
+    )
     top_k: int = Field(0, ge=0, description="Keep the k most probable tokens; 0 disables.")
     top_p: float = Field(
         1.0,
@@ -41,4 +50,4 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
