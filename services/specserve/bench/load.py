@@ -159,7 +159,7 @@ def run_load_bench(args) -> int:
         levels = [int(c) for c in args.concurrency.split(",") if c]
     except ValueError:
         levels = []
-    rounds = getattr(args, "load_rounds", 1)
+    rounds = args.load_rounds
     if unknown or not configs or not levels or min(levels) < 1 or args.load_requests < 1 or rounds < 1:
         print(f"specserve bench --load: --load-configs from {sorted(CONFIGS)} (got {unknown or configs}); "
               "--concurrency: positive integers; --load-requests and --load-rounds >= 1", file=sys.stderr)

@@ -116,6 +116,7 @@ def run_served_bench(args) -> int:
         if args.dtype:
             app_args["dtype"] = args.dtype
         url = f"http://127.0.0.1:{port}/v1/completions"
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         # one application at a time, as a user deploys it: side by side, the idle ones' actors (each with its
         # own models and thread pools) shared the two cores with the one measured and cost it up to 40%
         for name in names:
@@ -123,7 +124,6 @@ def run_served_bench(args) -> int:
             placement = "colocated" if name == "colocated" else "split"
             serve.run(build_app({**app_args, "pipelined": name == "pipelined", "draft_placement": placement}),
                       name=name, route_prefix="/")
-            metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
             baseline = scrape_until(metrics_url, "ray_specserve_requests_total", 0, timeout=0)
             requests_sent = 0
             for i, (workload, ids) in enumerate(prompts):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from pydantic import ValidationError
 
+from specserve.engine.proposers import Proposal
 from specserve.spec import SamplingParams
 from specserve.v1 import generator_pb2, workers_pb2
 
@@ -68,8 +69,6 @@ def q_from_wire(dists, vocab: int) -> torch.Tensor:
 
 def proposal_from_wire(tokens, dists, vocab: int, key: str | None = None):
     """A Proposal from wire tokens and q; a one-hot q (each row all on its own token) stays unbuilt."""
-    from specserve.engine.proposers import Proposal
-
     tokens = list(tokens)
     if len(dists) != len(tokens):
         raise ValueError(f"q: expected one distribution per token ({len(tokens)}), got {len(dists)}")

@@ -116,7 +116,7 @@ class SpecServe:
     async def _events(self, request: SessionRequest) -> AsyncIterator[Event]:
         """One Event per round; ends the coordinator session when the consumer stops early (disconnect, stop string)."""
         text = self.codec.stream(request.params.stop)
-        produced, finished, ended = 0, False, False  # ended: the coordinator's session finished on its own
+        produced, ended = 0, False  # ended: the coordinator's session finished on its own
         try:
             async for ref in self.coordinator.generate.options(num_returns="streaming").remote(request):
                 try:
@@ -124,12 +124,11 @@ class SpecServe:
                 except ray.exceptions.RayTaskError as exc:
                     raise _WorkerError.from_cause(exc.cause if exc.cause is not None else exc) from None
                 produced += len(chunk.tokens)
-                final = ended = chunk.finish_reason is not None
-                delta = text.push(chunk.tokens, final)
+                ended = chunk.finish_reason is not None
+                delta = text.push(chunk.tokens, ended)
                 reason = "stop" if text.stopped else chunk.finish_reason
-                finished = reason is not None
                 yield Event(delta, chunk.tokens, reason, produced, chunk.stats)
-                if finished:
+                if reason is not None:
                     return
         finally:
             if not ended:  # a disconnect, or a stop string: the session would otherwise run on to max_tokens

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from specserve.spec import make_controller, served_gamma
+from specserve.spec import served_gamma
 from specserve.workers.config import WorkersConfig
 
 
@@ -35,13 +35,10 @@ class AppConfig(WorkersConfig):
             return self.draft_resources.num_gpus > 0 and self.target_resources.num_gpus > 0
         return bool(self.pipelined)
 
-    @field_validator("gamma")
-    @classmethod
-    def _gamma(cls, value):
-        make_controller(value, 8)
-        return value
-
     @model_validator(mode="after")
-    def _gamma_within_max(self):
-        served_gamma(self.gamma, self.gamma_max)  # a fixed default no deeper than gamma_max
+    def _gamma(self):
+        try:
+            served_gamma(self.gamma, self.gamma_max)  # a valid spec, and a fixed default no deeper than gamma_max
+        except ValueError as exc:
+            raise ValueError(f"gamma: {exc}") from None
         return self

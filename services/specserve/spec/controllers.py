@@ -301,10 +301,6 @@ class AutoGamma(GammaController):
         core = max(draft, verify) if self.pipelined and gamma > 0 else draft + verify
         return core + self.overhead_s
 
-    def tokens_per_second(self, gamma: int, key: str | None = None) -> float:
-        """Expected tokens per second of the round, the other sessions' of a shared step included."""
-        return (self.expected_tokens(gamma, key) + self.others_tokens()) / self.round_time(gamma)
-
     def warm_start(self, previous: AutoGamma) -> None:
         """Carry learned acceptance and costs over from an earlier request's controller."""
         self.tables = copy.deepcopy(previous.tables)
