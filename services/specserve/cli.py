@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_lookup_arg(srv)
     srv.add_argument("--model-name", default=None, help="model id clients pass (default: the target's name)")
     srv.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 to listen on all interfaces)")
+    srv.add_argument("--api-key", default=None,
+                     help="clients must send 'Authorization: Bearer KEY' (gRPC: metadata 'authorization'); default: "
+                     "$SPECSERVE_API_KEY, else none")
     srv.add_argument("--http-port", type=int, default=8000)
     srv.add_argument("--grpc-port", type=int, default=9000)
     srv.add_argument("--address", default=None, help="Ray cluster address (default: start a local Ray)")

@@ -224,3 +224,55 @@ def test_pipelined_tokens_equal_sequential(models, workers, mode, monkeypatch):
     if mode != "T=1.2 top-p":  # at high temperature the bonus guess rarely matches
         assert pipelined.prefetch_hits > 0  # the pre-drafted block was used
     assert len(servicer.sessions) == 0 and len(workers[0]["target"].sessions) == 0
+
+
+def test_worker_token_is_required_when_set(models):
+    """A worker started with a token answers only calls that carry it (unary and streaming alike)."""
+    from specserve.rpc.auth import server_interceptors, worker_channel
+
+    target, _ = models
+    servicer = TargetWorkerServicer(target, VOCAB)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=server_interceptors("s3cret"))
+    workers_pb2_grpc.add_TargetWorkerServicer_to_server(servicer, server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    try:
+        prefill = workers_pb2.PrefillRequest(session_id="a", prompt_ids=PROMPT,
+                                             sampling=sampling_to_proto(SamplingParams(temperature=0.0), 1))
+        for channel in (grpc.insecure_channel(address), worker_channel(address, "wrong")):
+            stub = workers_pb2_grpc.TargetWorkerStub(channel)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Prefill(prefill)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(workers_pb2.SessionRequest(session_id="b", prompt_ids=PROMPT, max_tokens=2)))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert len(servicer.sessions) == 0  # nothing ran
+        stub = workers_pb2_grpc.TargetWorkerStub(worker_channel(address, "s3cret"))
+        assert stub.Prefill(prefill).cached_tokens == len(PROMPT)
+        assert stub.Prefill.future(prefill).result().cached_tokens == len(PROMPT)  # futures carry it too
+        assert stub.Release(workers_pb2.ReleaseRequest(session_id="a")).released
+    finally:
+        server.stop(grace=1).wait()
+        servicer.close()
+
+
+def test_idle_sessions_are_reaped_and_streaming_ones_kept(models):
+    """Sessions a dead coordinator left behind are released once idle; a colocated stream's session never is."""
+    import time
+
+    target, _ = models
+    servicer = TargetWorkerServicer(target, VOCAB)
+    try:
+        sampling = sampling_to_proto(SamplingParams(temperature=0.0), 1)
+        for sid in ("idle", "busy", "stream"):
+            servicer.Prefill(workers_pb2.PrefillRequest(session_id=sid, prompt_ids=PROMPT, sampling=sampling), None)
+        servicer.sessions.get("stream").streaming = True
+        used = servicer.pool.describe()["kv_used_tokens"]
+        time.sleep(0.3)
+        servicer.sessions.get("busy")  # a call touches it
+        assert servicer._run(servicer.sessions.reap, 0.2) == 1
+        assert sorted(servicer.sessions._sessions) == ["busy", "stream"]
+        assert servicer.pool.describe()["kv_used_tokens"] < used  # the idle one's KV block went back to the pool
+    finally:
+        servicer.close()

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import pathlib
 import signal
 import socket
 import subprocess
 import sys
 import time
 
+import grpc
 import pytest
 import requests
 import yaml
 
 from specserve.coordinator.metrics import scrape_until, total
+from specserve.v1 import generator_pb2, generator_pb2_grpc
 from tests.conftest import save_tokenized_pair
 
 pytestmark = pytest.mark.slow
@@ -22,6 +27,25 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _listening(port: int) -> set[str]:
+    """The local addresses TCP `port` listens on (Linux /proc/net/tcp{,6}; "::" / "0.0.0.0" = every interface)."""
+    found = set()
+    for name, width in (("tcp", 8), ("tcp6", 32)):
+        path = pathlib.Path("/proc/net") / name
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(address)
+            words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word little-endian
+            address = ipaddress.ip_address(words)
+            found.add(str(getattr(address, "ipv4_mapped", None) or address))  # ::ffff:127.0.0.1 is 127.0.0.1
+    return found
 
 
 def test_serve_command_serves_and_stops_cleanly(tmp_path):
@@ -40,8 +64,10 @@ def test_serve_command_serves_and_stops_cleanly(tmp_path):
     path.write_text(yaml.safe_dump(config))
     proc = subprocess.Popen([sys.executable, "-m", "specserve", "serve", "--config", str(path),
                              "--metrics-port", str(metrics_port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "SPECSERVE_API_KEY": "open-sesame"})
     base = f"http://127.0.0.1:{http_port}"
+    key = {"Authorization": "Bearer open-sesame"}
     try:
         deadline = time.time() + 180
         while time.time() < deadline:
@@ -52,13 +78,31 @@ def test_serve_command_serves_and_stops_cleanly(tmp_path):
                 pass
             assert proc.poll() is None, proc.stdout.read()
             time.sleep(1)
-        reply = requests.post(base + "/v1/completions", json={"prompt": "Hello", "max_tokens": 5, "temperature": 0},
-                              timeout=60).json()
+        body = {"prompt": "Hello", "max_tokens": 5, "temperature": 0}
+        reply = requests.post(base + "/v1/completions", json=body, headers=key, timeout=60).json()
         assert reply["model"] == "tiny" and reply["usage"]["completion_tokens"] == 5
+        # the API key (from $SPECSERVE_API_KEY): 401 without it or with another, before the body is even read
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "open-sesame"}):
+            for path_, sent in (("/v1/completions", body), ("/v1/completions", {"max_tokens": -1})):
+                denied = requests.post(base + path_, json=sent, headers=headers, timeout=60)
+                assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+            assert requests.get(base + "/v1/models", headers=headers, timeout=60).status_code == 401
+        assert requests.get(base + "/v1/models", headers=key, timeout=60).json()["data"][0]["id"] == "tiny"
+        stub = generator_pb2_grpc.GeneratorStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
+        request = generator_pb2.GenerateRequest(prompt="Hello", max_tokens=3)
+        for call in (stub.Generate, lambda r, **kw: list(stub.GenerateStream(r, **kw))):
+            with pytest.raises(grpc.RpcError) as err:
+                call(request, metadata=(("authorization", "Bearer nope"),), timeout=60)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert stub.Generate(request, metadata=(("authorization", "Bearer open-sesame"),), timeout=60).completion_tokens == 3
+        # HTTP and gRPC listen on the configured host only (Serve binds its gRPC proxy to [::] on its own)
+        for port in (http_port, grpc_port):
+            assert _listening(port) == {"127.0.0.1"}, (port, _listening(port))
         # the Prometheus endpoint of the Ray it started (Ray exports every 10 s by default)
-        metrics = scrape_until(f"http://127.0.0.1:{metrics_port}/metrics", "ray_specserve_requests_total", 1)
-        assert total(metrics, "ray_specserve_requests_total", model="tiny") == 1
-        assert total(metrics, "ray_specserve_generation_tokens_total") == 5
+        # (the completion and the keyed gRPC call: refused requests never reached the coordinator)
+        metrics = scrape_until(f"http://127.0.0.1:{metrics_port}/metrics", "ray_specserve_requests_total", 2)
+        assert total(metrics, "ray_specserve_requests_total", model="tiny") == 2
+        assert total(metrics, "ray_specserve_generation_tokens_total") == 5 + 3
     finally:
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=120)

@@ -18,16 +18,18 @@ it after the current round and releases both workers' KV caches.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import secrets
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-import grpc
-
+from specserve.coordinator.links import WorkerLink, WorkerLost, resumable
 from specserve.coordinator.metrics import ServingMetrics, SessionMetrics
 from specserve.engine.batching import one_thread_torch
 from specserve.engine.loop import speculate
@@ -36,6 +38,9 @@ from specserve.engine.stats import GenerationStats
 from specserve.rpc.remote import RemoteProposer, RemoteSession, RemoteVerifier
 from specserve.spec import PositionRNG, SamplingParams, WarmStarts, make_controller
 from specserve.v1 import workers_pb2_grpc
+
+
+log = logging.getLogger("specserve.coordinator")
 
 
 class Overloaded(RuntimeError):
@@ -54,6 +59,17 @@ class SessionRequest:
     # False: one chunk at the end. Each streamed chunk costs the ingress work while the target computes the
     # next round, which on a small CPU slows that forward; a non-streaming request need not pay it.
     stream: bool = True
+
+    def resumed(self, committed: list[int]) -> SessionRequest:
+        """The rest of this request after `committed` tokens (a session going on on a restarted worker). Keyed by
+        position and seed, its randomness is the uninterrupted session's: the same tokens follow."""
+        return replace(self, prompt_ids=self.prompt_ids + committed, max_tokens=self.max_tokens - len(committed))
+
+    def seeded(self) -> SessionRequest:
+        """This request with a seed fixed (a random one if it had none), so a resumed part draws as it would have."""
+        if self.params.seed is not None:
+            return self
+        return replace(self, params=self.params.model_copy(update={"seed": secrets.randbits(63)}))
 
 
 @dataclass
@@ -97,6 +113,10 @@ class Coordinator:
         max_sessions: int = 64,
         model_name: str = "",
         export_metrics: bool = False,
+        target_actor: Any = None,
+        draft_actor: Any = None,
+        restart_timeout_s: float = 120.0,
+        worker_token: str | None = None,
     ):
         if draft not in ("ngram", "remote", "colocated", "none"):
             raise ValueError(f"draft must be 'ngram', 'remote', 'colocated' or 'none', got {draft!r}")
@@ -114,10 +134,12 @@ class Coordinator:
         self.pipelined = pipelined and draft == "remote" and not self.draft_free
         self.verify_profile = {int(n): t for n, t in (verify_profile or {}).items()}
         self.draft_step_s = 0.0 if self.draft_free else draft_step_s
-        self._target = workers_pb2_grpc.TargetWorkerStub(grpc.insecure_channel(target_address))
-        self._draft = (
-            workers_pb2_grpc.DraftWorkerStub(grpc.insecure_channel(draft_address)) if draft == "remote" else None
-        )
+        # the workers' stubs, following their actors (when given) through restarts
+        self._target = WorkerLink("target", workers_pb2_grpc.TargetWorkerStub, target_address, target_actor,
+                                  worker_token)
+        self._draft = (WorkerLink("draft", workers_pb2_grpc.DraftWorkerStub, draft_address, draft_actor, worker_token)
+                       if draft == "remote" else None)
+        self.restart_timeout_s = restart_timeout_s
         self._pool = ThreadPoolExecutor(max_sessions, thread_name_prefix="specserve-session",
                                         initializer=one_thread_torch)
         self._sessions: dict[str, threading.Event] = {}
@@ -130,6 +152,9 @@ class Coordinator:
     def active_sessions(self) -> int:
         return len(self._sessions)
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
         """Stop a session after its current round; its worker caches are released. False if unknown.
         reason: the finish reason its metrics record ("stop": the ingress found a stop string)."""
@@ -140,11 +165,17 @@ class Coordinator:
         event.set()
         return True
 
+    def links(self) -> list[WorkerLink]:
+        return [link for link in (self._target, self._draft) if link is not None]
+
     def describe(self) -> dict[str, Any]:
         return {
             "draft": self.draft, "draft_lookup": self.draft_lookup, "gamma": self.gamma, "gamma_max": self.gamma_max,
             "pipelined": self.pipelined,
             "active_sessions": self.active_sessions(), "max_sessions": self.max_sessions,
+            # a worker some session found gone, not back yet (Ray is restarting it)
+            "workers_down": [link.role for link in self.links() if link.recovering],
+            "worker_restarts_seen": {link.role: link.restarts_seen for link in self.links()},
         }
 
     def controller(self, gamma: int | str | None):
@@ -160,7 +191,7 @@ class Coordinator:
         sid = request.request_id
         if self.draft == "colocated":
             gamma = self.gamma if request.gamma is None else request.gamma
-            session = RemoteSession(self._target, sid, request.prompt_ids, params, rng.seed, request.max_tokens,
+            session = RemoteSession(self._target.stub, sid, request.prompt_ids, params, rng.seed, request.max_tokens,
                                     gamma, self.colocated_lookup)
             stats.controller = str(gamma)
             return session, session.rounds(stats)
@@ -168,9 +199,9 @@ class Coordinator:
         if self.draft == "ngram":
             proposer = NgramProposer(self.vocab)
         elif self.draft == "remote":
-            proposer = RemoteProposer(self._draft, sid, params, rng.seed, self.vocab, self.draft_free,
+            proposer = RemoteProposer(self._draft.stub, sid, params, rng.seed, self.vocab, self.draft_free,
                                       self.draft_lookup)
-        verifier = RemoteVerifier(self._target, sid, params, rng.seed, self.vocab)
+        verifier = RemoteVerifier(self._target.stub, sid, params, rng.seed, self.vocab)
         controller = self.controller(request.gamma)
         stats.controller = controller.name
         return verifier, speculate(
@@ -184,6 +215,7 @@ class Coordinator:
             raise ValueError(f"request_id: {request.request_id!r} is already running")
         if len(self._sessions) >= self.max_sessions:
             raise Overloaded(f"too many concurrent sessions (max_sessions={self.max_sessions}); retry later")
+        request = request.seeded()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancel = _Cancel()
@@ -195,44 +227,55 @@ class Coordinator:
         def emit(item) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        def drive() -> None:  # one thread per session; the generator never leaves it
+        def drive() -> None:  # one thread per session; the generators never leave it
             t0 = time.perf_counter()
-            produced = 0
-            rounds = None
-            finish = "cancelled"
+            committed: list[int] = []  # every token of the session's finished rounds
             held: list[int] = []  # tokens not yet handed over (all of them when not streaming)
+            finish = "cancelled"
             try:
-                verifier, rounds = self._rounds(request, stats)
-                for new, reason in rounds:
-                    if cancel.is_set():  # the consumer is gone: this round's tokens are not delivered (nor counted)
-                        finish = cancel.reason
+                part = request
+                while True:  # one pass per worker incarnation: a lost worker's session goes on on its replacement
+                    verifier, rounds = self._rounds(part, stats)
+                    try:
+                        for new, reason in rounds:
+                            if cancel.is_set():  # the consumer is gone: this round is neither delivered nor counted
+                                finish = cancel.reason
+                                break
+                            committed.extend(new)
+                            held.extend(new)
+                            observed.round_done(stats, len(new))
+                            if reason is not None:
+                                stats.total_time_s, stats.new_tokens = time.perf_counter() - t0, len(committed)
+                                stats.worker_verify_time_s += verifier.worker_time_s
+                                emit(Chunk(held, reason, stats.to_dict()))
+                                finish = reason
+                                break
+                            if request.stream:
+                                # statistics so far only where the consumer may end the session early (stop strings)
+                                emit(Chunk(held, None, stats.to_dict() if request.params.stop else None))
+                                held = []
+                            if cancel.is_set():
+                                finish = cancel.reason
+                                break
                         break
-                    produced += len(new)
-                    held.extend(new)
-                    observed.round_done(stats, len(new))
-                    if reason is not None:
-                        stats.total_time_s, stats.new_tokens = time.perf_counter() - t0, produced
-                        stats.worker_verify_time_s = verifier.worker_time_s
-                        emit(Chunk(held, reason, stats.to_dict()))
-                        finish = reason
-                        break
-                    if request.stream:
-                        # statistics so far only where the consumer may end the session early (stop strings)
-                        emit(Chunk(held, None, stats.to_dict() if request.params.stop else None))
-                        held = []
-                    if cancel.is_set():
-                        finish = cancel.reason
-                        break
+                    except Exception as exc:  # noqa: BLE001 - a lost worker is waited for, anything else re-raised
+                        if not resumable(exc) or cancel.is_set():
+                            raise
+                        stats.worker_verify_time_s += verifier.worker_time_s
+                        self._recover(exc, request.request_id)
+                        stats.resumes += 1
+                        observed.resumed()
+                        part = request.resumed(committed)
+                    finally:
+                        try:
+                            rounds.close()  # runs speculate's finally: Release on both workers
+                        except Exception:  # noqa: BLE001 - that incarnation of the session is over either way
+                            pass
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
                 finish = "error"
                 emit(exc)
             finally:
                 observed.finished(finish)
-                if rounds is not None:
-                    try:
-                        rounds.close()  # runs speculate's finally: Release on both workers
-                    except Exception:  # noqa: BLE001 - the session is over either way
-                        pass
                 emit(None)
 
         self._pool.submit(drive)
@@ -258,6 +301,15 @@ class Coordinator:
             self._sessions.pop(request.request_id, None)
             self._gauge_sessions()
 
+    def _recover(self, exc: BaseException, request_id: str) -> None:
+        """A worker call failed as if the worker were gone: wait for every worker to answer again (a restarted
+        one at its new address). Raises WorkerLost when one does not within restart_timeout_s."""
+        log.warning("session %s lost a worker (%s); resuming from its committed tokens", request_id,
+                    exc.code().name if hasattr(exc, "code") else type(exc).__name__)
+        deadline = time.monotonic() + self.restart_timeout_s
+        for link in self.links():
+            link.reconnect(deadline)
+
     def _gauge_sessions(self) -> None:
         if self._metrics is not None:
             self._metrics.set("active_sessions", len(self._sessions))
@@ -270,8 +322,10 @@ class _Cancel(threading.Event):
 
 
 def start_coordinator(config, target_actor, draft_actor=None, *, gamma="auto", gamma_max: int = 8, pipelined=True,
-                      max_sessions: int = 64, draft_lookup: bool = True):
-    """Create the coordinator actor for started workers, calibrating the γ cost model on them."""
+                      max_sessions: int = 64, draft_lookup: bool = True, worker_token: str | None = None):
+    """Create the coordinator actor for started workers, calibrating the γ cost model on them. It follows the
+    workers through restarts, and Ray restarts it too (`config.max_restarts`). worker_token: the workers'
+    shared secret (`start_workers`)."""
     import ray
 
     info = ray.get(target_actor.info.remote())
@@ -288,11 +342,14 @@ def start_coordinator(config, target_actor, draft_actor=None, *, gamma="auto", g
     profile = None
     if gamma == "auto" and draft_mode not in ("none", "colocated"):  # a colocated worker calibrates itself
         profile = ray.get(target_actor.verify_profile.remote(gamma_max + 1))
-    actor = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=max(1000, 4 * max_sessions))
+    actor = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=max(1000, 4 * max_sessions),
+                                            max_restarts=getattr(config, "max_restarts", 0))
     return actor.remote(
         ray.get(target_actor.address.remote()), info["vocab"], info["eos_ids"],
         draft=draft_mode, draft_address=draft_address, draft_free=free, draft_lookup=draft_lookup, gamma=gamma,
         gamma_max=gamma_max,
         pipelined=pipelined, verify_profile=profile, draft_step_s=step, max_sessions=max_sessions,
         model_name=getattr(config, "model_name", None) or info["name"], export_metrics=True,
+        target_actor=target_actor, draft_actor=draft_actor if draft_mode == "remote" else None,
+        restart_timeout_s=getattr(config, "restart_timeout_s", 120.0), worker_token=worker_token,
     )

@@ -85,6 +85,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("e2e_request_latency_seconds", "histogram", "From accepting the request to its last token.",
                buckets=REQUEST_BUCKETS),
     MetricSpec("active_sessions", "gauge", "Sessions this coordinator is running now."),
+    MetricSpec("session_resumes", "counter", "Times a session lost a worker and went on from its committed tokens "
+               "on the worker's replacement."),
 )
 
 
@@ -160,6 +162,10 @@ class SessionMetrics:
         m.observe("draft_call_seconds", stats.draft_time_s - self._draft_s)
         m.observe("verify_call_seconds", stats.verify_time_s - self._verify_s)
         self._drafted, self._draft_s, self._verify_s = stats.drafted, stats.draft_time_s, stats.verify_time_s
+
+    def resumed(self) -> None:
+        if self.metrics is not None:
+            self.metrics.inc("session_resumes")
 
     def finished(self, reason: str) -> None:
         if self.metrics is not None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from specserve.spec.params import check_unicode
+
 Prompt = str | list[int] | list[dict[str, str]]
 
 
@@ -23,24 +25,42 @@ class PromptError(ValueError):
         return PromptError, (self.field, self.message)
 
 
+def _unicode(text: str, field: str) -> None:
+    try:
+        check_unicode(text)
+    except ValueError as exc:
+        raise PromptError(field, str(exc)) from None
+
+
 class PromptCodec:
     """Encode prompts (text, chat messages or token ids) and decode tokens for one model."""
 
-    def __init__(self, tokenizer: Any | None, vocab: int, max_positions: int | None = None):
+    def __init__(self, tokenizer: Any | None, vocab: int, max_positions: int | None = None,
+                 special_tokens_in_messages: bool = False):
+        """special_tokens_in_messages: chat message content that spells a special token (`<|im_start|>`) becomes
+        that control token, as the template's own do. Off by default: a user could open a system turn of their
+        own; the content is then tokenized as the plain text it is."""
         self.tokenizer = tokenizer
         self.vocab = vocab
         self.max_positions = max_positions
+        self.special_tokens_in_messages = special_tokens_in_messages
+        self._specials: list[str] | None = None
 
     def encode(self, prompt: Prompt, field: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise PromptError(field, "must not be empty")
+            _unicode(prompt, field)
             return self._require_tokenizer(field, "a text prompt").encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             tok = self._require_tokenizer(field, "chat messages")
             for i, message in enumerate(prompt):
                 if not {"role", "content"} <= set(message):
                     raise PromptError(f"{field}[{i}]", "must have 'role' and 'content'")
+                _unicode(str(message["content"]), f"{field}[{i}].content")
+            if not self.special_tokens_in_messages and any(
+                    special in str(m["content"]) for m in prompt for special in self.special_texts()):
+                return self._encode_chat_as_text(prompt, field)
             text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
             return tok.encode(text, add_special_tokens=False)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -51,6 +71,32 @@ class PromptCodec:
         if isinstance(prompt, list) and not prompt:
             raise PromptError(field, "must not be empty")
         raise PromptError(field, "must be a non-empty string, a list of token ids, or a list of chat messages")
+
+    def special_texts(self) -> list[str]:
+        """The strings the tokenizer turns into special (control) tokens."""
+        if self._specials is None:
+            tok = self.tokenizer
+            added = getattr(tok, "added_tokens_decoder", {}) or {}
+            specials = {t.content for t in added.values() if getattr(t, "special", False)}
+            self._specials = sorted(specials | set(getattr(tok, "all_special_tokens", []) or []))
+        return self._specials
+
+    def _encode_chat_as_text(self, messages: list[dict[str, Any]], field: str) -> list[int]:
+        """The chat template's tokens, with each message's content tokenized as plain text (special-token
+        spellings in it stay text). The template is rendered around placeholders; the pieces between them are
+        its own text, tokenized as usual."""
+        tok = self.tokenizer
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        shell = [{**m, "content": mark} for m, mark in zip(messages, marks)]
+        text = tok.apply_chat_template(shell, add_generation_prompt=True, tokenize=False)
+        ids: list[int] = []
+        for message, mark in zip(messages, marks):
+            before, found, text = text.partition(mark)
+            if not found:  # a template that drops or rewrites content: refuse rather than guess
+                raise PromptError(field, "contains special-token text this model's chat template cannot keep as text")
+            ids += tok.encode(before, add_special_tokens=False) if before else []
+            ids += tok.encode(str(message["content"]), add_special_tokens=False, split_special_tokens=True)
+        return ids + (tok.encode(text, add_special_tokens=False) if text else [])
 
     def check_length(self, prompt_ids: list[int], field: str = "prompt") -> int | None:
         """Raise when the prompt leaves no room in the context; return the room left (None = unbounded)."""

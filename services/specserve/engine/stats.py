@@ -24,6 +24,7 @@ class GenerationStats:
     total_time_s: float = 0.0
     new_tokens: int = 0
     controller: str = ""
+    resumes: int = 0  # served: times the session went on on a restarted worker
 
     @property
     def acceptance_rate(self) -> float:

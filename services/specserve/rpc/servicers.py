@@ -24,7 +24,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -46,6 +46,8 @@ class Session:
     params: SamplingParams
     rng: PositionRNG
     engine: Any  # Proposer or TargetVerifier, owning this session's KV cache
+    last_used: float = field(default_factory=time.monotonic)  # when a call last touched it
+    streaming: bool = False  # a colocated Generate runs it: it ends with its stream, never idle
 
 
 class SessionTable:
@@ -80,9 +82,22 @@ class SessionTable:
 
     def get(self, session_id: str) -> Session:
         try:
-            return self._sessions[session_id]
+            session = self._sessions[session_id]
         except KeyError:
             raise KeyError(f"unknown session_id {session_id!r}") from None
+        session.last_used = time.monotonic()
+        return session
+
+    def reap(self, idle_s: float) -> int:
+        """Release the sessions no call touched for idle_s seconds (their coordinator died without releasing
+        them); run on the compute thread, between steps. Returns how many."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [sid for sid, s in self._sessions.items() if not s.streaming and now - s.last_used > idle_s]
+            dropped = [self._sessions.pop(sid) for sid in stale]
+        for session in dropped:
+            session.engine.release()
+        return len(dropped)
 
     def close(self, session_id: str) -> bool:
         with self._lock:
@@ -275,6 +290,7 @@ class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerService
         if request.max_tokens < 1:
             raise ValueError("max_tokens: must be >= 1")
         session = self._run(self.sessions.open, request, self.new_engine())
+        session.streaming = True
         stats = GenerationStats()
         verifier, rounds = self.colocated.rounds(session.engine, session.tokens, session.params, session.rng,
                                                  request.max_tokens, gamma, not request.no_lookup, stats,

@@ -12,22 +12,28 @@ per-round traffic never passes through Serve.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the real body types through Serve's ingress.
+import asyncio
 import json
+import logging
+import secrets
 import time
+import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import ray
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from specserve.coordinator import Overloaded, SessionRequest, start_coordinator
+from specserve.coordinator.links import WorkerLost
 from specserve.engine.prompts import PromptCodec, PromptError
 from specserve.models import load_tokenizer
+from specserve.serve import auth, limits
 from specserve.serve.config import AppConfig
 from specserve.serve.protocol import (
     ChatCompletionRequest,
@@ -42,8 +48,19 @@ from specserve.v1 import generator_pb2
 from specserve.workers.actors import start_workers
 
 GRPC_SERVICER_FUNCTION = "specserve.v1.generator_pb2_grpc.add_GeneratorServicer_to_server"
+RETRY_AFTER_S = "5"  # what a 503 tells clients to wait (a restarting worker, a full server)
+HEALTH_TIMEOUT_S = 5.0  # a worker or coordinator that does not answer /health within this is reported down
+
+log = logging.getLogger("ray.serve")
 
 api = FastAPI(title="specserve", description="Lossless speculative decoding, OpenAI-compatible.")
+api.add_middleware(limits.BodyLimit)
+
+
+@api.exception_handler(auth.Unauthenticated)
+async def _unauthenticated(request: Request, exc: auth.Unauthenticated):
+    return JSONResponse(openai_error(auth.UNAUTHENTICATED_MESSAGE, None, "invalid_api_key"), status_code=401,
+                        headers={"WWW-Authenticate": "Bearer"})
 
 
 @api.exception_handler(RequestValidationError)
@@ -64,7 +81,8 @@ class Event:
 
 
 class _WorkerError(Exception):
-    """A session failed after validation; carries the status for each front end."""
+    """A session failed after validation: a short message for the client (no traceback, address or actor id;
+    the details go to the replica's log with the request id) and the status for each front end."""
 
     def __init__(self, message: str, http_status: int, grpc_code: grpc.StatusCode):
         super().__init__(message)
@@ -76,19 +94,28 @@ class _WorkerError(Exception):
         return self.http_status == 400
 
     @classmethod
-    def from_cause(cls, cause: BaseException) -> "_WorkerError":
+    def from_cause(cls, cause: BaseException, request_id: str) -> "_WorkerError":
         if isinstance(cause, Overloaded):
             return cls(str(cause), 503, grpc.StatusCode.RESOURCE_EXHAUSTED)
         if isinstance(cause, ValueError):
             return cls(str(cause), 400, grpc.StatusCode.INVALID_ARGUMENT)
+        if isinstance(cause, WorkerLost):
+            log.warning("request %s: %s", request_id, cause)
+            return cls(f"{cause}; retry later (request {request_id})", 503, grpc.StatusCode.UNAVAILABLE)
         if isinstance(cause, grpc.RpcError):
-            message = f"worker: {cause.code().name}: {cause.details()}"
-            if cause.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                return cls(message, 400, grpc.StatusCode.INVALID_ARGUMENT)
-            if cause.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the target's KV pool is full
-                return cls(message, 503, grpc.StatusCode.RESOURCE_EXHAUSTED)
-            return cls(message, 502, grpc.StatusCode.UNAVAILABLE)
-        return cls(f"{type(cause).__name__}: {cause}", 500, grpc.StatusCode.INTERNAL)  # a message, never a traceback
+            code = cause.code()
+            if code == grpc.StatusCode.INVALID_ARGUMENT:  # our own validation message, naming the field
+                return cls(f"worker: {cause.details()}", 400, grpc.StatusCode.INVALID_ARGUMENT)
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the target's KV pool is full
+                return cls(f"worker: {cause.details()}", 503, grpc.StatusCode.RESOURCE_EXHAUSTED)
+            log.error("request %s: worker call failed: %s: %s", request_id, code.name, cause.details())
+            return cls(f"a model worker failed (request {request_id})", 502, grpc.StatusCode.UNAVAILABLE)
+        if isinstance(cause, ray.exceptions.RayActorError):
+            log.error("request %s: the coordinator is gone: %s", request_id, cause)
+            return cls(f"the coordinator is unavailable; retry later (request {request_id})", 503,
+                       grpc.StatusCode.UNAVAILABLE)
+        log.error("request %s failed: %s", request_id, "".join(traceback.format_exception(cause)))
+        return cls(f"internal error (request {request_id})", 500, grpc.StatusCode.INTERNAL)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
@@ -97,39 +124,58 @@ class SpecServe:
     def __init__(self, config: "dict[str, Any] | None" = None):
         self.config = AppConfig(**(config or {}))
         cfg = self.config
-        self.target, self.draft = start_workers(cfg, gamma_max=cfg.gamma_max)
+        auth.configure(cfg.api_key)
+        limits.configure(cfg.max_body_bytes)
+        token = secrets.token_urlsafe(24)  # the internal worker services answer only the coordinator (rpc.auth)
+        self.target, self.draft = start_workers(cfg, gamma_max=cfg.gamma_max, token=token)
         self.coordinator = start_coordinator(
             cfg, self.target, self.draft, gamma=cfg.gamma, gamma_max=cfg.gamma_max, pipelined=cfg.pipelining(),
-            max_sessions=cfg.max_sessions, draft_lookup=cfg.draft_lookup,
+            max_sessions=cfg.max_sessions, draft_lookup=cfg.draft_lookup, worker_token=token,
         )
         info = ray.get(self.target.info.remote())
         self.info = info
         self.model_name = cfg.model_name or info["name"]
-        self.codec = PromptCodec(load_tokenizer(cfg.target), info["vocab"], info["max_positions"])
+        self.codec = PromptCodec(load_tokenizer(cfg.target), info["vocab"], info["max_positions"],
+                                 cfg.special_tokens_in_messages)
         self.created = int(time.time())
 
     # -- the shared session path ----------------------------------------------
     def _prepare(self, inp: GenerationInput, field_prefix: str = "") -> SessionRequest:
-        return prepare(inp, self.codec, self.model_name, self.config.default_max_tokens, field_prefix,
-                       self.config.gamma_max)
+        # seeded: a session resumed after a coordinator restart draws what the lost one would have
+        return prepare(inp, self.codec, self.model_name, self.config, field_prefix).seeded()
 
     async def _events(self, request: SessionRequest) -> AsyncIterator[Event]:
-        """One Event per round; ends the coordinator session when the consumer stops early (disconnect, stop string)."""
+        """One Event per round; ends the coordinator session when the consumer stops early (disconnect, stop string).
+        If the coordinator's process dies, Ray restarts it and the request goes on there from the tokens already
+        delivered: the client sees no error (and, seed and position-keyed randomness fixed, the same tokens)."""
         text = self.codec.stream(request.params.stop)
-        produced, ended = 0, False  # ended: the coordinator's session finished on its own
+        committed: list[int] = []
+        part, ended, deadline = request, False, None  # ended: the coordinator's session finished on its own
         try:
-            async for ref in self.coordinator.generate.options(num_returns="streaming").remote(request):
+            while True:
                 try:
-                    chunk = await ref
-                except ray.exceptions.RayTaskError as exc:
-                    raise _WorkerError.from_cause(exc.cause if exc.cause is not None else exc) from None
-                produced += len(chunk.tokens)
-                ended = chunk.finish_reason is not None
-                delta = text.push(chunk.tokens, ended)
-                reason = "stop" if text.stopped else chunk.finish_reason
-                yield Event(delta, chunk.tokens, reason, produced, chunk.stats)
-                if reason is not None:
+                    async for ref in self.coordinator.generate.options(num_returns="streaming").remote(part):
+                        try:
+                            chunk = await ref
+                        except ray.exceptions.RayTaskError as exc:
+                            cause = exc.cause if exc.cause is not None else exc
+                            raise _WorkerError.from_cause(cause, request.request_id) from None
+                        committed.extend(chunk.tokens)
+                        ended = chunk.finish_reason is not None
+                        delta = text.push(chunk.tokens, ended)
+                        reason = "stop" if text.stopped else chunk.finish_reason
+                        yield Event(delta, chunk.tokens, reason, len(committed), chunk.stats)
+                        if reason is not None:
+                            return
                     return
+                except ray.exceptions.RayActorError as exc:  # the coordinator died (or is restarting)
+                    deadline = deadline or time.monotonic() + self.config.restart_timeout_s
+                    if self.config.max_restarts == 0 or time.monotonic() > deadline:
+                        raise _WorkerError.from_cause(exc, request.request_id) from None
+                    log.warning("request %s: the coordinator was lost after %d tokens; resuming on its replacement",
+                                request.request_id, len(committed))
+                    part = request.resumed(committed)
+                    await asyncio.sleep(0.2)
         finally:
             if not ended:  # a disconnect, or a stop string: the session would otherwise run on to max_tokens
                 self.coordinator.cancel.remote(request.request_id, "stop" if text.stopped else "cancelled")
@@ -145,24 +191,33 @@ class SpecServe:
     # -- HTTP -------------------------------------------------------------------
     @api.get("/health")
     async def health(self):
-        try:
-            state = await self.coordinator.describe.remote()
-            target = await self.target.info.remote()  # live: the KV pool's use changes
-        except Exception as exc:  # noqa: BLE001 - report, do not crash the probe
-            return JSONResponse({"status": "unavailable", "error": str(exc)}, status_code=503)
-        return {"status": "ok", "model": self.model_name, "target": target, **state}
+        """200 when the coordinator and every worker answer; 503 "degraded" while one is down or restarting
+        (Kubernetes probes and load balancers then route elsewhere)."""
+        refs = {"coordinator": self.coordinator.describe.remote(), "target": self.target.info.remote()}
+        if self.draft is not None:
+            refs["draft"] = self.draft.is_free.remote()
+        answers, down = {}, []
+        for role, ref in refs.items():
+            try:
+                answers[role] = await asyncio.wait_for(ref, HEALTH_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - a dead, restarting or stuck actor: report it, do not crash the probe
+                down.append(role)
+        down += [role for role in answers.get("coordinator", {}).get("workers_down", []) if role not in down]
+        if down:
+            return JSONResponse({"status": "degraded", "down": down}, status_code=503)
+        return {"status": "ok", "model": self.model_name, "target": answers["target"], **answers["coordinator"]}
 
-    @api.get("/v1/models")
+    @api.get("/v1/models", dependencies=[Depends(auth.require_key)])
     async def models(self):
         return {"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specserve"}
         ]}
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", dependencies=[Depends(auth.require_key)])
     async def completions(self, body: CompletionRequest):
         return await self._openai(body, chat=False)
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", dependencies=[Depends(auth.require_key)])
     async def chat_completions(self, body: ChatCompletionRequest):
         return await self._openai(body, chat=True)
 
@@ -181,7 +236,8 @@ class SpecServe:
             event = await self._collect(request)
         except _WorkerError as exc:
             kind = "invalid_request_error" if exc.bad_input else "server_error"
-            return JSONResponse(openai_error(str(exc), None, kind=kind), status_code=exc.http_status)
+            headers = {"Retry-After": RETRY_AFTER_S} if exc.http_status == 503 else None
+            return JSONResponse(openai_error(str(exc), None, kind=kind), status_code=exc.http_status, headers=headers)
         choice = (
             {"index": 0, "message": {"role": "assistant", "content": event.text}, "finish_reason": event.finish_reason}
             if chat else {"index": 0, "text": event.text, "logprobs": None, "finish_reason": event.finish_reason}
@@ -252,7 +308,18 @@ class SpecServe:
             response.stats.CopyFrom(generator_pb2.SpeculationStats(**stats))
         return response
 
+    def _grpc_authenticate(self, grpc_context) -> None:
+        """Raise auth.Unauthenticated (status set) unless the call's metadata carries the API key."""
+        metadata = dict(grpc_context.invocation_metadata() or ()) if grpc_context is not None else {}
+        if not auth.key_matches(metadata.get("authorization")):
+            self._grpc_fail(grpc_context, grpc.StatusCode.UNAUTHENTICATED, auth.UNAUTHENTICATED_MESSAGE)
+            raise auth.Unauthenticated()
+
     async def Generate(self, request: generator_pb2.GenerateRequest, grpc_context=None):
+        try:
+            self._grpc_authenticate(grpc_context)
+        except auth.Unauthenticated:
+            return generator_pb2.GenerateResponse()
         try:
             session = self._grpc_request(request)
             session.stream = bool(session.params.stop)
@@ -268,6 +335,7 @@ class SpecServe:
     async def GenerateStream(self, request: generator_pb2.GenerateRequest, grpc_context=None):
         # A stream carries its status only with a message or an exception: set the code, then raise
         # (Serve's proxy keeps a code the deployment set before raising).
+        self._grpc_authenticate(grpc_context)
         try:
             session = self._grpc_request(request)
         except PromptError as exc:
@@ -281,6 +349,22 @@ class SpecServe:
             raise
 
     # -- introspection (tests, bench) ----------------------------------------------
+    async def process_ids(self, timeout_s: float = 120.0) -> dict[str, int]:
+        """The PIDs of this application's actors, by role, once all of them are up (fault-injection tests kill
+        them; a restarting actor refuses calls until its __init__ is done)."""
+        actors = {"coordinator": self.coordinator, "target": self.target, "draft": self.draft}
+        deadline = time.monotonic() + timeout_s
+        pids = {}
+        for role, actor in actors.items():
+            while actor is not None and role not in pids:
+                try:
+                    pids[role] = await actor.pid.remote()
+                except ray.exceptions.RayActorError:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.2)
+        return pids
+
     async def worker_sessions(self) -> dict[str, int]:
         counts = {"target": await self.target.active_sessions.remote(),
                   "coordinator": await self.coordinator.active_sessions.remote()}

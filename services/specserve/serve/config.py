@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from specserve.spec import served_gamma
 from specserve.workers.config import WorkersConfig
+
+
+API_KEY_ENV = "SPECSERVE_API_KEY"
 
 
 class AppConfig(WorkersConfig):
@@ -28,12 +32,52 @@ class AppConfig(WorkersConfig):
         "and is asked only where that finds nothing worth verifying; false: the model drafts every block.",
     )
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request does not say.")
+    max_tokens_limit: int = Field(
+        16384, ge=1, le=2**31 - 1,
+        description="The largest max_tokens a request may ask for (more: HTTP 400 / INVALID_ARGUMENT naming the "
+        "field); the model's context bounds it further.",
+    )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="The longest prompt in tokens a request may send (None: the model's context).")
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024,
+        description="The largest HTTP request body (HTTP 413, checked before it is parsed). gRPC messages are "
+        "bounded by gRPC's own 4 MiB default (RESOURCE_EXHAUSTED).",
+    )
     max_sessions: int = Field(64, ge=1, description="Concurrent sessions the coordinator runs.")
+    api_key: str | None = Field(
+        None, repr=False, min_length=1, validate_default=True,
+        description="Clients must send it (HTTP `Authorization: Bearer KEY`, gRPC metadata `authorization: Bearer "
+        "KEY`); otherwise HTTP 401 / UNAUTHENTICATED. Default: the SPECSERVE_API_KEY environment variable where the "
+        "config is validated, else no key (open, as on localhost). /health stays open for probes.",
+    )
+    special_tokens_in_messages: bool = Field(
+        False,
+        description="Chat message text that spells a special token (e.g. <|im_start|>) becomes that control token. "
+        "Off: it is tokenized as the text it is, so a user cannot open a system turn of their own.",
+    )
+    restart_timeout_s: float = Field(
+        120.0, gt=0,
+        description="How long a session that lost a worker waits for Ray to restart it (model load included) before "
+        "it fails with HTTP 503 / gRPC UNAVAILABLE.",
+    )
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _api_key_from_env(cls, value):
+        return value if value is not None else os.environ.get(API_KEY_ENV) or None
 
     def pipelining(self) -> bool:
         if self.pipelined == "auto":
             return self.draft_resources.num_gpus > 0 and self.target_resources.num_gpus > 0
         return bool(self.pipelined)
+
+    @model_validator(mode="after")
+    def _max_tokens(self):
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(f"default_max_tokens: {self.default_max_tokens} exceeds max_tokens_limit "
+                             f"{self.max_tokens_limit}")
+        return self
 
     @model_validator(mode="after")
     def _gamma(self):

@@ -10,7 +10,7 @@ INVALID_ARGUMENT.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -29,6 +29,15 @@ class GenerationInput:
     gamma: int | str | None = None
 
 
+class RequestLimits(Protocol):
+    """What `prepare` checks a request against (AppConfig has these fields)."""
+
+    default_max_tokens: int
+    max_tokens_limit: int
+    max_prompt_tokens: int | None
+    gamma_max: int
+
+
 def sampling_params(values: dict[str, Any], prefix: str = "") -> SamplingParams:
     try:
         return SamplingParams(**values)
@@ -38,25 +47,30 @@ def sampling_params(values: dict[str, Any], prefix: str = "") -> SamplingParams:
         raise PromptError(prefix + name, first["msg"]) from None
 
 
-def prepare(inp: GenerationInput, codec: PromptCodec, served_model: str, default_max_tokens: int,
-            field_prefix: str = "", gamma_max: int = 8) -> SessionRequest:
+def prepare(inp: GenerationInput, codec: PromptCodec, served_model: str, limits: RequestLimits,
+            field_prefix: str = "") -> SessionRequest:
     """Validate and tokenize; raises PromptError naming the offending field."""
     if inp.model and inp.model != served_model:
         raise PromptError("model", f"unknown model {inp.model!r}; this server serves {served_model!r}")
     if inp.max_tokens is not None and inp.max_tokens < 1:
         raise PromptError("max_tokens", f"must be >= 1, got {inp.max_tokens}")
+    if inp.max_tokens is not None and inp.max_tokens > limits.max_tokens_limit:
+        raise PromptError("max_tokens", f"must be <= {limits.max_tokens_limit} on this server, got {inp.max_tokens}")
     gamma = inp.gamma
     if gamma not in (None, ""):
         try:
-            served_gamma(gamma, gamma_max)
+            served_gamma(gamma, limits.gamma_max)
         except ValueError as exc:
             raise PromptError("gamma", str(exc)) from None
     else:
         gamma = None
     params = sampling_params(inp.sampling, field_prefix)
     prompt_ids = codec.encode(inp.prompt, inp.prompt_field)
+    if limits.max_prompt_tokens is not None and len(prompt_ids) > limits.max_prompt_tokens:
+        raise PromptError(inp.prompt_field, f"has {len(prompt_ids)} tokens; this server accepts at most "
+                          f"{limits.max_prompt_tokens} (max_prompt_tokens)")
     room = codec.check_length(prompt_ids, inp.prompt_field)
-    max_tokens = inp.max_tokens or default_max_tokens
+    max_tokens = inp.max_tokens or limits.default_max_tokens
     if room is not None:
         max_tokens = min(max_tokens, room)
     return SessionRequest(prompt_ids, params, max_tokens, gamma)

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from specserve.serve.app import GRPC_SERVICER_FUNCTION
 from specserve.serve.config import AppConfig
+from specserve.serve.listen import ray_init_options
 
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_GRPC_PORT = 9000
@@ -53,6 +54,8 @@ def config_from_flags(args) -> dict[str, Any]:
         app_args["dtype"] = args.dtype
     if args.model_name:
         app_args["model_name"] = args.model_name
+    if getattr(args, "api_key", None):
+        app_args["api_key"] = args.api_key
     return {
         "http_options": {"host": args.host, "port": args.http_port},
         "grpc_options": {"port": args.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER_FUNCTION]},
@@ -97,12 +100,17 @@ def usage_text(config: dict[str, Any], metrics_port: int = 0) -> str:
     base = f"http://{host}:{port}"
     metrics = (f"  Prometheus metrics (ray_specserve_*): curl -s http://127.0.0.1:{metrics_port}/metrics"
                " | grep specserve\n" if metrics_port else "")
+    apps = config.get("applications") or [{}]
+    keyed = any(AppConfig(**(app.get("args") or {})).api_key for app in apps
+                if app.get("import_path", "specserve").startswith("specserve"))
+    auth = " -H \"Authorization: Bearer $SPECSERVE_API_KEY\"" if keyed else ""
+    key = "os.environ['SPECSERVE_API_KEY']" if keyed else "'-'"
     return f"""
 [specserve] serving. Try:
   curl {base}/health
-  curl {base}/v1/completions -H 'Content-Type: application/json' \\
+  curl {base}/v1/completions -H 'Content-Type: application/json'{auth} \\
        -d '{{"prompt": "The capital of France is", "max_tokens": 32, "temperature": 0}}'
-  python -c "import openai; c = openai.OpenAI(base_url='{base}/v1', api_key='-'); \\
+  python -c "import os, openai; c = openai.OpenAI(base_url='{base}/v1', api_key={key}); \\
 print(c.chat.completions.create(model=c.models.list().data[0].id, \\
 messages=[{{'role': 'user', 'content': 'Hi!'}}]).choices[0].message.content)"
   gRPC: specserve.v1.Generator/Generate and /GenerateStream on {host}:{grpc_port} (protos/specserve/v1/generator.proto)
@@ -122,8 +130,10 @@ def serve_main(args) -> int:
         print(f"specserve: {exc}", file=sys.stderr)
         return 2
     metrics_port = args.metrics_port if not args.address else 0
-    ray.init(address=args.address or "local", include_dashboard=False,
-             **({"_metrics_export_port": metrics_port} if metrics_port else {}))
+    options: dict[str, Any] = {"_metrics_export_port": metrics_port} if metrics_port else {}
+    if not args.address:  # a local Ray: keep its listeners, and Serve's gRPC proxy, on the configured host
+        options.update(ray_init_options((config.get("http_options") or {}).get("host", "127.0.0.1")))
+    ray.init(address=args.address or "local", include_dashboard=False, **options)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

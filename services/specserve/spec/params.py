@@ -10,6 +10,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 GREEDY_BELOW = 1e-5
 
 
+def check_unicode(text: str) -> str:
+    """Text must be encodable as UTF-8: JSON can carry a lone surrogate ("\\ud800"), which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"is not valid Unicode (a lone surrogate at character {exc.start})") from None
+    return text
+
+
 class SamplingParams(BaseModel):
     """How the target's next-token distribution is turned into a sample.
 
@@ -24,7 +33,7 @@ class SamplingParams(BaseModel):
         description="0 = greedy (argmax); >0 divides the logits. Below GREEDY_BELOW (1e-5) it is greedy too, as "
         "in vLLM: the logits divided by a tiny or subnormal temperature overflow to inf and NaN.",
     )
-    top_k: int = Field(0, ge=0, description="Keep the k most probable tokens; 0 disables.")
+    top_k: int = Field(0, ge=0, le=2**31 - 1, description="Keep the k most probable tokens; 0 disables.")
     top_p: float = Field(
         1.0,
         gt=0.0,
@@ -34,6 +43,7 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(
         None,
         ge=0,
+        le=2**64 - 1,
         description="Makes sampling reproducible: same seed and same fixed γ give the same tokens.",
     )
     stop: list[str] | None = Field(None, description="Stop when the generated text contains one of these strings.")
@@ -46,6 +56,9 @@ class SamplingParams(BaseModel):
             value = [value]
         if value is not None and any(not s for s in value):
             raise ValueError("stop strings must be non-empty")
+        if value is not None:
+            for s in value:
+                check_unicode(s)
         return value
 
     @property

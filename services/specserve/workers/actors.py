@@ -8,7 +8,9 @@ over gRPC, never through Ray calls.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from concurrent import futures
 from typing import Any
 
@@ -21,9 +23,12 @@ from specserve.engine.profile import draft_step_time, verify_profile
 from specserve.engine.proposers import NgramProposer
 from specserve.models import load_model
 from specserve.models.loading import resolve_model_path
+from specserve.rpc.auth import server_interceptors
 from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
 from specserve.v1 import workers_pb2_grpc
 from specserve.workers.config import RoleResources, WorkersConfig
+
+log = logging.getLogger("specserve.workers")
 
 
 class _GrpcActor:
@@ -33,16 +38,32 @@ class _GrpcActor:
         self.compute = StepScheduler(threads=threads or os.cpu_count() or 1)
         return self.compute
 
-    def _start(self, servicer, add) -> None:
+    def _start(self, servicer, add, session_idle_s: float = 300.0, token: str | None = None) -> None:
+        """Serve `servicer` on a free port of this node's address (not every interface); with `token`, only to
+        callers that send it (`rpc.auth`)."""
         self.servicer = servicer
         # each in-flight call holds a thread while it waits for its step: room for every session
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=512, initializer=one_thread_torch))
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=512, initializer=one_thread_torch),
+                                  interceptors=server_interceptors(token))
         add(servicer, self.server)
-        self.port = self.server.add_insecure_port("0.0.0.0:0")
+        self.host = ray.util.get_node_ip_address()
+        self.port = self.server.add_insecure_port(f"{self.host}:0")
         self.server.start()
+        self._stopped = threading.Event()
+        threading.Thread(target=self._reap, args=(session_idle_s,), name="specserve-reaper", daemon=True).start()
+
+    def _reap(self, idle_s: float) -> None:
+        """Release sessions a dead coordinator left behind (no call for idle_s), checking every idle_s / 4."""
+        while not self._stopped.wait(min(30.0, idle_s / 4)):
+            try:
+                dropped = self.servicer._run(self.servicer.sessions.reap, idle_s)
+            except Exception:  # noqa: BLE001 - the compute thread is closing
+                return
+            if dropped:
+                log.warning("released %d session(s) idle for over %.0f s", dropped, idle_s)
 
     def address(self) -> str:
-        return f"{ray.util.get_node_ip_address()}:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -50,13 +71,17 @@ class _GrpcActor:
     def active_sessions(self) -> int:
         return len(self.servicer.sessions)
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def stop(self, grace: float = 1.0) -> None:
+        self._stopped.set()
         self.server.stop(grace).wait()
 
 
 class DraftWorkerActor(_GrpcActor):
     def __init__(self, draft: Any, vocab: int, dtype: str | None = None, top_k_q: int = 64, threads: int | None = None,
-                 kv_cache_tokens: int = 65536):
+                 kv_cache_tokens: int = 65536, session_idle_s: float = 300.0, token: str | None = None):
         compute = self._compute_thread(threads)
         if draft == "ngram":
             new_proposer = lambda: NgramProposer(vocab)  # noqa: E731
@@ -69,7 +94,7 @@ class DraftWorkerActor(_GrpcActor):
             self.free = False
         self.vocab = vocab
         self._start(DraftWorkerServicer(new_proposer, vocab, threads, compute, scheduled=not self.free),
-                    workers_pb2_grpc.add_DraftWorkerServicer_to_server)
+                    workers_pb2_grpc.add_DraftWorkerServicer_to_server, session_idle_s, token)
 
     def is_free(self) -> bool:
         return self.free
@@ -85,7 +110,8 @@ class TargetWorkerActor(_GrpcActor):
     """The target: loads the model and shards it over its GPUs, or fronts a pipeline of stage actors."""
 
     def __init__(self, target: Any, dtype: str | None = None, threads: int | None = None, stages: list | None = None,
-                 scheduling: dict | None = None, draft: Any = None, gamma_max: int = 8, draft_top_k: int = 0):
+                 scheduling: dict | None = None, draft: Any = None, gamma_max: int = 8, draft_top_k: int = 0,
+                 session_idle_s: float = 300.0, token: str | None = None):
         """scheduling: TargetWorkerServicer's batching / kv_cache_tokens / max_step_tokens / prefill_chunk.
         draft: a model draft to hold here too (colocated: whole sessions run in this worker)."""
         import torch
@@ -114,7 +140,7 @@ class TargetWorkerActor(_GrpcActor):
         self.vocab = self._info["vocab"]
         self._start(
             TargetWorkerServicer(model, self.vocab, threads, new_sequence, scheduler=compute, **(scheduling or {})),
-            workers_pb2_grpc.add_TargetWorkerServicer_to_server,
+            workers_pb2_grpc.add_TargetWorkerServicer_to_server, session_idle_s, token,
         )
         if draft is not None:
             if stages:
@@ -163,8 +189,10 @@ def describe_model(spec: Any) -> dict[str, Any]:
             "num_layers": int(config.num_hidden_layers)}
 
 
-def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, gamma_max: int = 8):
+def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, gamma_max: int = 8,
+                  token: str | None = None):
     """Create the target and draft actors with the configured placement; returns (target, draft | None).
+    token: the secret their gRPC services demand of callers (`rpc.auth`; None: none).
 
     `target`/`draft` override the config's model specs (tests pass loaded tiny models). The n-gram
     draft gets no actor unless `config.ngram_worker`: the coordinator drafts it from the tokens it holds.
@@ -180,19 +208,21 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
     scheduling = {"batching": config.batching, "kv_cache_tokens": config.kv_cache_tokens,
                   "max_step_tokens": config.max_step_tokens, "prefill_chunk": config.prefill_chunk}
     colocated = draft_spec if config.colocated(draft_spec) else None
-    target_actor = _remote(TargetWorkerActor, config.target_resources).remote(
+    target_actor = _remote(TargetWorkerActor, config.target_resources, config.max_restarts).remote(
         target_spec, config.dtype, config.target_resources.threads(), stages, scheduling, colocated, gamma_max,
-        config.draft_top_k,
+        config.draft_top_k, config.session_idle_s, token,
     )
     vocab = ray.get(target_actor.info.remote())["vocab"]
     draft_actor = None
     if config.has_draft_worker(draft_spec) and colocated is None:
-        draft_actor = _remote(DraftWorkerActor, config.draft_resources).remote(
+        draft_actor = _remote(DraftWorkerActor, config.draft_resources, config.max_restarts).remote(
             draft_spec, vocab, config.dtype, config.draft_top_k, config.draft_resources.threads(),
-            config.kv_cache_tokens,
+            config.kv_cache_tokens, config.session_idle_s, token,
         )
     return target_actor, draft_actor
 
 
-def _remote(cls, resources: RoleResources):
-    return ray.remote(cls).options(**resources.actor_options())
+def _remote(cls, resources: RoleResources, max_restarts: int = 0):
+    """A worker actor class placed as `resources` say; Ray restarts its process up to max_restarts times (its
+    replacement runs __init__ again: loads the model, serves on a new port)."""
+    return ray.remote(cls).options(**resources.actor_options(), max_restarts=max_restarts)

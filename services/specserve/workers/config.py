@@ -87,6 +87,16 @@ class WorkersConfig(BaseModel):
         "(draft_resources; pipelined drafting possible). 'auto': colocated unless draft_resources ask for a GPU, "
         "an accelerator type or custom resources of their own.",
     )
+    max_restarts: int = Field(
+        -1, ge=-1,
+        description="Times Ray restarts a worker (or the coordinator) whose process died; -1: every time. A restarted "
+        "worker loads its model again, and the sessions it held go on from their committed tokens.",
+    )
+    session_idle_s: float = Field(
+        300.0, gt=0,
+        description="A worker releases a session no call has touched for this long (its coordinator died without "
+        "releasing it); its KV memory returns to the pool.",
+    )
     draft_resources: RoleResources = Field(default_factory=RoleResources)
     target_resources: RoleResources = Field(default_factory=RoleResources)
     target_stages: list[RoleResources] = Field(

@@ -1,0 +1,69 @@
+"""The HTTP body limit (`AppConfig.max_body_bytes`): an ASGI middleware in front of the routes.
+
+A body over the limit is refused with 413 before it is parsed or tokenized
+(a 33.6 MB prompt used to stall every stream for 30 s): by its
+Content-Length when it has one, else while it arrives. The limit is set by
+the ingress replica when it starts (module state, as in `auth`).
+"""
+
+from __future__ import annotations
+
+import json
+
+_max_body_bytes = 4 * 1024 * 1024
+
+
+def configure(max_body_bytes: int) -> None:
+    global _max_body_bytes
+    _max_body_bytes = max_body_bytes
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _too_large_body(limit: int) -> bytes:
+    return json.dumps({"error": {"message": f"request body exceeds {limit} bytes (max_body_bytes)",
+                                 "type": "invalid_request_error", "param": None, "code": "request_too_large"}}).encode()
+
+
+class BodyLimit:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = _max_body_bytes
+        length = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if length.isdigit() and int(length) > limit:
+            return await self._refuse(send, limit)
+        received, started = 0, False
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise _TooLarge()
+            return message
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _TooLarge:
+            if not started:
+                await self._refuse(send, limit)
+
+    @staticmethod
+    async def _refuse(send, limit: int) -> None:
+        body = _too_large_body(limit)
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,66 @@
+"""Keep every listener of a local `specserve serve` on the host it was given.
+
+`--host 127.0.0.1` must mean nothing answers on other interfaces. The
+HTTP proxy takes the host from `http_options`; the rest need help:
+
+- Ray itself (its services, the Prometheus metrics exporter, and the
+  addresses our workers bind, which are the node's): `ray.init` is given the
+  host as the node's address when it is a loopback one (`ray_init_options`).
+- Serve's gRPC proxy binds `[::]:port` whatever the HTTP host is (Ray Serve
+  2.x has no host option for it): a worker-process setup hook rebinds it to
+  the host (`bind_grpc_proxy_to_host`, run in every Ray worker process of
+  the job; it changes nothing outside Serve's proxy).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from typing import Any
+
+GRPC_HOST_ENV = "SPECSERVE_GRPC_HOST"
+_HOOK = "specserve.serve.listen.bind_grpc_proxy_to_host"
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _wildcard(host: str) -> bool:
+    return host in ("", "0.0.0.0", "::", "[::]")
+
+
+def ray_init_options(host: str) -> dict[str, Any]:
+    """Extra `ray.init` arguments for a local Ray serving on `host`."""
+    options: dict[str, Any] = {}
+    if _loopback(host):
+        options["_node_ip_address"] = "127.0.0.1"  # Ray's services, metrics and our workers on loopback only
+    if not _wildcard(host):
+        options["runtime_env"] = {"worker_process_setup_hook": _HOOK, "env_vars": {GRPC_HOST_ENV: host}}
+    return options
+
+
+def bind_grpc_proxy_to_host() -> None:
+    """Worker-process setup hook: Serve's gRPC proxy listens on $SPECSERVE_GRPC_HOST instead of every interface."""
+    host = os.environ.get(GRPC_HOST_ENV)
+    if not host or _wildcard(host):
+        return
+    try:
+        from ray.serve._private import default_impl
+    except ImportError:  # a Ray without Serve's proxy helpers: nothing to rebind
+        return
+    original = default_impl.add_grpc_address
+    if getattr(original, "specserve_host", None) == host:
+        return
+    bracketed = f"[{host}]" if ":" in host else host
+
+    def add_grpc_address(server, address: str):
+        return original(server, f"{bracketed}:{address.rsplit(':', 1)[1]}")
+
+    add_grpc_address.specserve_host = host
+    default_impl.add_grpc_address = add_grpc_address
