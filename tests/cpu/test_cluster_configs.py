@@ -17,7 +17,7 @@ def test_cluster_config_is_valid(name):
     config = load_serve_config(CLUSTER / name)
     app = config["applications"][0]
     assert app["import_path"] == "specserve.serve:build_app"
-    assert "specserve.v1.generator_pb2_grpc.add_GeneratorServicer_to_server" in \
+    assert "specserve.serve.grpc_api.add_GeneratorServicer_to_server" in \
         config["grpc_options"]["grpc_servicer_functions"]
 
 

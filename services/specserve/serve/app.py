@@ -28,6 +28,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.coordinator import Overloaded, SessionRequest, start_coordinator
 from specserve.coordinator.links import WorkerLost
@@ -35,6 +36,7 @@ from specserve.engine.prompts import PromptCodec, PromptError
 from specserve.models import load_tokenizer
 from specserve.serve import auth, limits
 from specserve.serve.config import AppConfig
+from specserve.serve.grpc_api import UNDECODABLE
 from specserve.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,7 +49,7 @@ from specserve.serve.protocol import (
 from specserve.v1 import generator_pb2
 from specserve.workers.actors import start_workers
 
-GRPC_SERVICER_FUNCTION = "specserve.v1.generator_pb2_grpc.add_GeneratorServicer_to_server"
+GRPC_SERVICER_FUNCTION = "specserve.serve.grpc_api.add_GeneratorServicer_to_server"
 RETRY_AFTER_S = "5"  # what a 503 tells clients to wait (a restarting worker, a full server)
 HEALTH_TIMEOUT_S = 5.0  # a worker or coordinator that does not answer /health within this is reported down
 
@@ -61,6 +63,13 @@ api.add_middleware(limits.BodyLimit)
 async def _unauthenticated(request: Request, exc: auth.Unauthenticated):
     return JSONResponse(openai_error(auth.UNAUTHENTICATED_MESSAGE, None, "invalid_api_key"), status_code=401,
                         headers={"WWW-Authenticate": "Bearer"})
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    """Unknown routes (404), wrong methods (405) and the like, in OpenAI's error shape too."""
+    return JSONResponse(openai_error(str(exc.detail), None), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
 
 
 @api.exception_handler(RequestValidationError)
@@ -88,6 +97,14 @@ class _WorkerError(Exception):
         super().__init__(message)
         self.http_status = http_status
         self.grpc_code = grpc_code
+
+    def __reduce__(self):  # Serve's gRPC proxy unpickles what a stream raises ("Failed to deserialize exception")
+        return _WorkerError, (str(self), self.http_status, self.grpc_code)
+
+    def response(self) -> JSONResponse:
+        kind = "invalid_request_error" if self.bad_input else "server_error"
+        headers = {"Retry-After": RETRY_AFTER_S} if self.http_status == 503 else None
+        return JSONResponse(openai_error(str(self), None, kind=kind), status_code=self.http_status, headers=headers)
 
     @property
     def bad_input(self) -> bool:
@@ -180,6 +197,27 @@ class SpecServe:
             if not ended:  # a disconnect, or a stop string: the session would otherwise run on to max_tokens
                 self.coordinator.cancel.remote(request.request_id, "stop" if text.stopped else "cancelled")
 
+    async def _started(self, request: SessionRequest) -> AsyncIterator[Event]:
+        """The session's events, the first already here: a failure before the first token (overload, a full KV
+        pool, input a worker refused) raises _WorkerError now, to become the response's status (HTTP 503 with
+        Retry-After, gRPC RESOURCE_EXHAUSTED), not an error inside a stream that already said 200."""
+        events = self._events(request)
+        try:
+            first = await events.__anext__()
+        except StopAsyncIteration:
+            first = None
+
+        async def chained():
+            try:
+                if first is not None:
+                    yield first
+                async for event in events:
+                    yield event
+            finally:
+                await events.aclose()  # a disconnect ends the session (see _events)
+
+        return chained()
+
     async def _collect(self, request: SessionRequest) -> Event:
         text, tokens, last = [], [], None
         async for event in self._events(request):
@@ -230,14 +268,13 @@ class SpecServe:
         rid = ("chatcmpl-" if chat else "cmpl-") + request.request_id
         prompt_tokens = len(request.prompt_ids)
         request.stream = body.stream or bool(request.params.stop)  # stop strings are checked as text arrives
-        if body.stream:
-            return StreamingResponse(self._sse(request, rid, chat, prompt_tokens), media_type="text/event-stream")
         try:
+            if body.stream:
+                events = await self._started(request)
+                return StreamingResponse(self._sse(events, rid, chat, prompt_tokens), media_type="text/event-stream")
             event = await self._collect(request)
         except _WorkerError as exc:
-            kind = "invalid_request_error" if exc.bad_input else "server_error"
-            headers = {"Retry-After": RETRY_AFTER_S} if exc.http_status == 503 else None
-            return JSONResponse(openai_error(str(exc), None, kind=kind), status_code=exc.http_status, headers=headers)
+            return exc.response()
         choice = (
             {"index": 0, "message": {"role": "assistant", "content": event.text}, "finish_reason": event.finish_reason}
             if chat else {"index": 0, "text": event.text, "logprobs": None, "finish_reason": event.finish_reason}
@@ -248,11 +285,11 @@ class SpecServe:
             "usage": usage(prompt_tokens, event.completion_tokens), "specserve": stats_summary(event.stats),
         }
 
-    async def _sse(self, request: SessionRequest, rid: str, chat: bool, prompt_tokens: int):
+    async def _sse(self, events: AsyncIterator[Event], rid: str, chat: bool, prompt_tokens: int):
         created, first = int(time.time()), True
         obj = "chat.completion.chunk" if chat else "text_completion"
         try:
-            async for event in self._events(request):
+            async for event in events:
                 if chat:
                     delta = {"content": event.text}
                     if first:
@@ -272,6 +309,8 @@ class SpecServe:
 
     # -- gRPC (method names = rpc names of specserve.v1.Generator) ----------------
     def _grpc_request(self, message: generator_pb2.GenerateRequest) -> SessionRequest:
+        if message.model == UNDECODABLE:
+            raise PromptError("request", "is not a valid specserve.v1.GenerateRequest message")
         kind = message.WhichOneof("input")
         if kind == "prompt":
             prompt, field_name = message.prompt, "prompt"
@@ -342,7 +381,7 @@ class SpecServe:
             self._grpc_fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise
         try:
-            async for event in self._events(session):
+            async for event in await self._started(session):
                 yield self._grpc_response(event, session)
         except _WorkerError as exc:
             self._grpc_fail(grpc_context, exc.grpc_code, str(exc))

@@ -18,10 +18,6 @@ def configure(max_body_bytes: int) -> None:
     _max_body_bytes = max_body_bytes
 
 
-class _TooLarge(Exception):
-    pass
-
-
 def _too_large_body(limit: int) -> bytes:
     return json.dumps({"error": {"message": f"request body exceeds {limit} bytes (max_body_bytes)",
                                  "type": "invalid_request_error", "param": None, "code": "request_too_large"}}).encode()
@@ -38,27 +34,29 @@ class BodyLimit:
         length = dict(scope.get("headers") or ()).get(b"content-length", b"")
         if length.isdigit() and int(length) > limit:
             return await self._refuse(send, limit)
-        received, started = 0, False
-
-        async def limited_receive():
-            nonlocal received
+        # Read the body here (at most `limit` bytes are held), then hand it to the app in one piece: an error
+        # raised while the app reads it would surface as FastAPI's 400 "error parsing the body".
+        chunks, size = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise _TooLarge()
-            return message
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                return await self._refuse(send, limit)
+            if not message.get("more_body"):
+                break
+        replayed = False
 
-        async def tracking_send(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # later: disconnect notices, as a streaming response waits for them
 
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:
-            if not started:
-                await self._refuse(send, limit)
+        await self.app(scope, replay, send)
 
     @staticmethod
     async def _refuse(send, limit: int) -> None:

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from specserve.serve.app import GRPC_SERVICER_FUNCTION
 from specserve.serve.config import AppConfig
+from specserve.serve.grpc_api import GENERATED_FUNCTION
 from specserve.serve.listen import ray_init_options
 
 DEFAULT_HTTP_PORT = 8000
@@ -73,7 +74,8 @@ def start(config: dict[str, Any]) -> list[str]:
     http = dict(config.get("http_options") or {})
     grpc_opts = dict(config.get("grpc_options") or {})
     grpc_opts.setdefault("port", DEFAULT_GRPC_PORT)
-    functions = list(grpc_opts.get("grpc_servicer_functions") or [])
+    # the generated registration (older configs name it) is replaced by ours: it answers undecodable messages
+    functions = [f for f in grpc_opts.get("grpc_servicer_functions") or [] if f != GENERATED_FUNCTION]
     if GRPC_SERVICER_FUNCTION not in functions:
         functions.append(GRPC_SERVICER_FUNCTION)
     grpc_opts["grpc_servicer_functions"] = functions
