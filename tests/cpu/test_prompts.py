@@ -75,3 +75,13 @@ def test_special_token_text_in_messages_stays_text(codec):
     assert tok.decode(ids) == tok.apply_chat_template(evil, add_generation_prompt=True, tokenize=False)
     opted_in = PromptCodec(tok, len(tok), special_tokens_in_messages=True).encode(evil, "messages")
     assert opted_in.count(start) == 4 and opted_in.count(end) == 3
+
+
+def test_text_that_cannot_fit_the_context_is_refused_before_tokenizing(codec, monkeypatch):
+    codec.encode("warm up the longest-token length")
+    too_long = "a" * (64 * codec._longest_token + 1)  # max_positions=64: more characters than 64 tokens can hold
+    monkeypatch.setattr(codec.tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized anyway"))
+    for prompt, field in ((too_long, "prompt"), ([{"role": "user", "content": too_long}], "messages")):
+        with pytest.raises(PromptError) as info:
+            codec.encode(prompt, field)
+        assert info.value.field == field and "context" in info.value.message

@@ -45,19 +45,22 @@ class PromptCodec:
         self.max_positions = max_positions
         self.special_tokens_in_messages = special_tokens_in_messages
         self._specials: list[str] | None = None
+        self._longest_token: int | None = None
 
     def encode(self, prompt: Prompt, field: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise PromptError(field, "must not be empty")
             _unicode(prompt, field)
-            return self._require_tokenizer(field, "a text prompt").encode(prompt)
+            self._too_long_to_tokenize(len(prompt), self._require_tokenizer(field, "a text prompt"), field)
+            return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             tok = self._require_tokenizer(field, "chat messages")
             for i, message in enumerate(prompt):
                 if not {"role", "content"} <= set(message):
                     raise PromptError(f"{field}[{i}]", "must have 'role' and 'content'")
                 _unicode(str(message["content"]), f"{field}[{i}].content")
+            self._too_long_to_tokenize(sum(len(str(m["content"])) for m in prompt), tok, field)
             if not self.special_tokens_in_messages and any(
                     special in str(m["content"]) for m in prompt for special in self.special_texts()):
                 return self._encode_chat_as_text(prompt, field)
@@ -71,6 +74,18 @@ class PromptCodec:
         if isinstance(prompt, list) and not prompt:
             raise PromptError(field, "must not be empty")
         raise PromptError(field, "must be a non-empty string, a list of token ids, or a list of chat messages")
+
+    def _too_long_to_tokenize(self, chars: int, tok, field: str) -> None:
+        """Refuse text that must exceed the context before tokenizing it (tokenizing 4 MB took 4 s of the ingress'
+        event loop): no token is longer than the vocabulary's longest, so chars / that is a floor on the tokens."""
+        if self.max_positions is None:
+            return
+        if self._longest_token is None:
+            pieces = tok.convert_ids_to_tokens(list(range(len(tok))))
+            self._longest_token = max((len(tok.convert_tokens_to_string([p])) for p in pieces if p), default=1)
+        if chars > self.max_positions * max(self._longest_token, 1):
+            raise PromptError(field, f"has {chars} characters, more than the model's context of {self.max_positions} "
+                              "tokens can hold")
 
     def special_texts(self) -> list[str]:
         """The strings the tokenizer turns into special (control) tokens."""
