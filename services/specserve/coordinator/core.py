@@ -262,7 +262,7 @@ class Coordinator:
                         if not resumable(exc) or cancel.is_set():
                             raise
                         stats.worker_verify_time_s += verifier.worker_time_s
-                        self._recover(exc, request.request_id)
+                        self._recover(exc, request.request_id, cancel.is_set)
                         stats.resumes += 1
                         observed.resumed()
                         part = request.resumed(committed)
@@ -301,14 +301,14 @@ class Coordinator:
             self._sessions.pop(request.request_id, None)
             self._gauge_sessions()
 
-    def _recover(self, exc: BaseException, request_id: str) -> None:
+    def _recover(self, exc: BaseException, request_id: str, cancelled) -> None:
         """A worker call failed as if the worker were gone: wait for every worker to answer again (a restarted
         one at its new address). Raises WorkerLost when one does not within restart_timeout_s."""
         log.warning("session %s lost a worker (%s); resuming from its committed tokens", request_id,
                     exc.code().name if hasattr(exc, "code") else type(exc).__name__)
         deadline = time.monotonic() + self.restart_timeout_s
         for link in self.links():
-            link.reconnect(deadline)
+            link.reconnect(deadline, cancelled)
 
     def _gauge_sessions(self) -> None:
         if self._metrics is not None:

@@ -51,10 +51,10 @@ class WorkerLink:
         self.address = address
         self.stub = self.stub_class(worker_channel(address, self.token))
 
-    def reconnect(self, deadline: float) -> None:
+    def reconnect(self, deadline: float, cancelled=lambda: False) -> None:
         """Wait until the worker answers Ray again (its replacement, after a crash), then point the stub at its
-        address. Raises WorkerLost past `deadline` (time.monotonic()). Sessions that lose the worker together
-        wait for one reconnect."""
+        address. Raises WorkerLost past `deadline` (time.monotonic()) or once `cancelled()` (the session's consumer
+        is gone). Sessions that lose the worker together wait for one reconnect."""
         if self.actor is None:
             raise WorkerLost(f"the {self.role} worker is unreachable")
         import ray
@@ -64,7 +64,7 @@ class WorkerLink:
             try:
                 while True:
                     left = deadline - time.monotonic()
-                    if left <= 0:
+                    if left <= 0 or cancelled():
                         raise WorkerLost(f"the {self.role} worker did not come back in time")
                     try:
                         # a future, not ray.get: this runs on a session thread of an asyncio actor

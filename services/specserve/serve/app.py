@@ -18,8 +18,9 @@ import logging
 import secrets
 import time
 import traceback
+import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -191,11 +192,12 @@ class SpecServe:
                         raise _WorkerError.from_cause(exc, request.request_id) from None
                     log.warning("request %s: the coordinator was lost after %d tokens; resuming on its replacement",
                                 request.request_id, len(committed))
-                    part = request.resumed(committed)
+                    # a new id: should the old coordinator still be running it after all, the two cannot collide
+                    part = replace(request.resumed(committed), request_id=uuid.uuid4().hex)
                     await asyncio.sleep(0.2)
         finally:
             if not ended:  # a disconnect, or a stop string: the session would otherwise run on to max_tokens
-                self.coordinator.cancel.remote(request.request_id, "stop" if text.stopped else "cancelled")
+                self.coordinator.cancel.remote(part.request_id, "stop" if text.stopped else "cancelled")
 
     async def _started(self, request: SessionRequest) -> AsyncIterator[Event]:
         """The session's events, the first already here: a failure before the first token (overload, a full KV
