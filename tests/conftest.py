@@ -67,3 +67,35 @@ def save_tokenized_pair(root, noise: float = 0.3):
         model.save_pretrained(str(root / name))
         tokenizer.save_pretrained(str(root / name))
     return root
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_local_serve(**ray_init) -> dict:
+    """A local Ray and Serve for e2e tests: HTTP and gRPC (the Generator service) on free localhost ports.
+    Returns their addresses; `stop_local_serve` ends both."""
+    import ray
+    from ray import serve
+    from ray.serve.config import gRPCOptions, HTTPOptions
+
+    from specserve.serve import GRPC_SERVICER_FUNCTION
+
+    http_port, grpc_port = free_port(), free_port()
+    ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False, **ray_init)
+    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=http_port),
+                grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER_FUNCTION]))
+    return {"http": f"http://127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}"}
+
+
+def stop_local_serve() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()

@@ -11,21 +11,18 @@ from __future__ import annotations
 
 import collections
 import json
-import socket
 import time
 
 import grpc
 import pytest
-import ray
 import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ray import serve
-from ray.serve.config import gRPCOptions, HTTPOptions
 
-from specserve.serve import GRPC_SERVICER_FUNCTION, build_app
+from specserve.serve import build_app
 from specserve.v1 import generator_pb2, generator_pb2_grpc
-from tests.conftest import save_tokenized_pair
+from tests.conftest import save_tokenized_pair, start_local_serve, stop_local_serve
 
 pytestmark = pytest.mark.slow
 
@@ -35,29 +32,20 @@ HTTP_STATUSES: collections.Counter = collections.Counter()  # of the fuzz reques
 GRPC_CODES: collections.Counter = collections.Counter()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = save_tokenized_pair(tmp_path_factory.mktemp("hardening-models"), noise=0.05)
-    http_port, grpc_port = _free_port(), _free_port()
-    ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False)
-    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=http_port),
-                grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER_FUNCTION]))
+    addresses = start_local_serve()
     args = {"target": str(root / "target"), "draft": str(root / "draft"), "dtype": "float32", "gamma": 2,
             "model_name": "tiny", "target_resources": {"torch_threads": 1}, "draft_placement": "colocated",
             **LIMITS}
     serve.run(build_app(args), name="hard", route_prefix="/")
-    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-    yield {"http": f"http://127.0.0.1:{http_port}", "channel": channel,
-           "stub": generator_pb2_grpc.GeneratorStub(channel), "app": serve.get_app_handle("hard")}
+    channel = grpc.insecure_channel(addresses["grpc"])
+    yield {"http": addresses["http"], "channel": channel, "stub": generator_pb2_grpc.GeneratorStub(channel),
+           "app": serve.get_app_handle("hard")}
     channel.close()
-    serve.shutdown()
-    ray.shutdown()
+    stop_local_serve()
 
 
 def post(server, path: str, body, **kwargs) -> requests.Response:

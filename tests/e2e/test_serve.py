@@ -8,22 +8,19 @@ fixed γ, and greedy output must equal target-only greedy decoding.
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import grpc
 import openai
 import pytest
-import ray
 import requests
 from ray import serve
-from ray.serve.config import gRPCOptions, HTTPOptions
 
 from specserve import SamplingParams, SpeculativeDecoder
 from specserve.coordinator.metrics import METRICS, scrape, scrape_until, since, total
-from specserve.serve import GRPC_SERVICER_FUNCTION, build_app
+from specserve.serve import build_app
 from specserve.v1 import generator_pb2, generator_pb2_grpc
-from tests.conftest import save_tokenized_pair
+from tests.conftest import free_port, save_tokenized_pair, start_local_serve, stop_local_serve
 
 pytestmark = pytest.mark.slow
 
@@ -31,33 +28,22 @@ APPS = {"pipelined": "/", "sequential": "/sequential", "colocated": "/colocated"
 PROMPT = "Write a short poem about the sea."
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = save_tokenized_pair(tmp_path_factory.mktemp("serve-models"), noise=0.05)
-    http_port, grpc_port, metrics_port = _free_port(), _free_port(), _free_port()
+    metrics_port = free_port()
     # Prometheus endpoint of this node, exporting every second (Ray's default is 10 s)
-    ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False,
-             _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
-    serve.start(
-        http_options=HTTPOptions(host="127.0.0.1", port=http_port),
-        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER_FUNCTION]),
-    )
+    addresses = start_local_serve(_metrics_export_port=metrics_port,
+                                  _system_config={"metrics_report_interval_ms": 1000})
     args = {"target": str(root / "target"), "draft": str(root / "draft"), "dtype": "float32", "gamma": 3,
             "model_name": "tiny", "target_resources": {"torch_threads": 1}, "draft_resources": {"torch_threads": 1},
             "draft_placement": "split"}
     for name, prefix in APPS.items():
         placement = {"draft_placement": "colocated"} if name == "colocated" else {}
         serve.run(build_app({**args, "pipelined": name == "pipelined", **placement}), name=name, route_prefix=prefix)
-    yield {"root": root, "http": f"http://127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}",
-           "metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
-    serve.shutdown()
-    ray.shutdown()
+    yield {"root": root, **addresses, "metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
+    stop_local_serve()
 
 
 @pytest.fixture(scope="module")

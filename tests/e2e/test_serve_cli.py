@@ -6,7 +6,6 @@ import ipaddress
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,15 +17,10 @@ import yaml
 
 from specserve.coordinator.metrics import scrape_until, total
 from specserve.v1 import generator_pb2, generator_pb2_grpc
-from tests.conftest import save_tokenized_pair
+from tests.conftest import free_port, save_tokenized_pair
 
 pytestmark = pytest.mark.slow
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _listening(port: int) -> set[str]:
@@ -50,7 +44,7 @@ def _listening(port: int) -> set[str]:
 
 def test_serve_command_serves_and_stops_cleanly(tmp_path):
     root = save_tokenized_pair(tmp_path / "models")
-    http_port, grpc_port, metrics_port = _free_port(), _free_port(), _free_port()
+    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     config = {
         "http_options": {"host": "127.0.0.1", "port": http_port},
         "grpc_options": {"port": grpc_port},  # the Generator servicer function is added by specserve serve

@@ -29,7 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from specserve.coordinator.links import WorkerLink, WorkerLost, resumable
+import grpc
+
+from specserve.coordinator.links import WorkerLink, resumable
 from specserve.coordinator.metrics import ServingMetrics, SessionMetrics
 from specserve.engine.batching import one_thread_torch
 from specserve.engine.loop import speculate
@@ -175,7 +177,6 @@ class Coordinator:
             "active_sessions": self.active_sessions(), "max_sessions": self.max_sessions,
             # a worker some session found gone, not back yet (Ray is restarting it)
             "workers_down": [link.role for link in self.links() if link.recovering],
-            "worker_restarts_seen": {link.role: link.restarts_seen for link in self.links()},
         }
 
     def controller(self, gamma: int | str | None):
@@ -227,36 +228,39 @@ class Coordinator:
         def emit(item) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
+        t0 = time.perf_counter()
+        committed: list[int] = []  # every token of the session's finished rounds
+        held: list[int] = []  # tokens not yet handed over (all of them when not streaming)
+
+        def consume(rounds, verifier) -> str:
+            """Hand over one worker incarnation's rounds; the session's finish reason."""
+            nonlocal held
+            for new, reason in rounds:
+                if cancel.is_set():  # the consumer is gone: this round is neither delivered nor counted
+                    return cancel.reason
+                committed.extend(new)
+                held.extend(new)
+                observed.round_done(stats, len(new))
+                if reason is not None:
+                    stats.total_time_s, stats.new_tokens = time.perf_counter() - t0, len(committed)
+                    stats.worker_verify_time_s += verifier.worker_time_s
+                    emit(Chunk(held, reason, stats.to_dict()))
+                    return reason
+                if request.stream:
+                    # statistics so far only where the consumer may end the session early (stop strings)
+                    emit(Chunk(held, None, stats.to_dict() if request.params.stop else None))
+                    held = []
+                if cancel.is_set():
+                    return cancel.reason
+            return cancel.reason  # speculate always ends with a reason; only a closed generator gets here
+
         def drive() -> None:  # one thread per session; the generators never leave it
-            t0 = time.perf_counter()
-            committed: list[int] = []  # every token of the session's finished rounds
-            held: list[int] = []  # tokens not yet handed over (all of them when not streaming)
-            finish = "cancelled"
+            finish, part = "error", request
             try:
-                part = request
                 while True:  # one pass per worker incarnation: a lost worker's session goes on on its replacement
                     verifier, rounds = self._rounds(part, stats)
                     try:
-                        for new, reason in rounds:
-                            if cancel.is_set():  # the consumer is gone: this round is neither delivered nor counted
-                                finish = cancel.reason
-                                break
-                            committed.extend(new)
-                            held.extend(new)
-                            observed.round_done(stats, len(new))
-                            if reason is not None:
-                                stats.total_time_s, stats.new_tokens = time.perf_counter() - t0, len(committed)
-                                stats.worker_verify_time_s += verifier.worker_time_s
-                                emit(Chunk(held, reason, stats.to_dict()))
-                                finish = reason
-                                break
-                            if request.stream:
-                                # statistics so far only where the consumer may end the session early (stop strings)
-                                emit(Chunk(held, None, stats.to_dict() if request.params.stop else None))
-                                held = []
-                            if cancel.is_set():
-                                finish = cancel.reason
-                                break
+                        finish = consume(rounds, verifier)
                         break
                     except Exception as exc:  # noqa: BLE001 - a lost worker is waited for, anything else re-raised
                         if not resumable(exc) or cancel.is_set():
@@ -265,7 +269,9 @@ class Coordinator:
                         self._recover(exc, request.request_id, cancel.is_set)
                         stats.resumes += 1
                         observed.resumed()
-                        part = request.resumed(committed)
+                        # a worker session id of its own: a call of the lost incarnation still running on a surviving
+                        # worker (a pipelined prefetch) must not land in the new session
+                        part = replace(request.resumed(committed), request_id=f"{request.request_id}.{stats.resumes}")
                     finally:
                         try:
                             rounds.close()  # runs speculate's finally: Release on both workers
@@ -301,11 +307,10 @@ class Coordinator:
             self._sessions.pop(request.request_id, None)
             self._gauge_sessions()
 
-    def _recover(self, exc: BaseException, request_id: str, cancelled) -> None:
+    def _recover(self, exc: grpc.RpcError, request_id: str, cancelled) -> None:
         """A worker call failed as if the worker were gone: wait for every worker to answer again (a restarted
         one at its new address). Raises WorkerLost when one does not within restart_timeout_s."""
-        log.warning("session %s lost a worker (%s); resuming from its committed tokens", request_id,
-                    exc.code().name if hasattr(exc, "code") else type(exc).__name__)
+        log.warning("session %s lost a worker (%s); resuming from its committed tokens", request_id, exc.code().name)
         deadline = time.monotonic() + self.restart_timeout_s
         for link in self.links():
             link.reconnect(deadline, cancelled)

@@ -44,7 +44,6 @@ class WorkerLink:
         self.actor = actor
         self._lock = threading.Lock()
         self.recovering = False  # /health reports the worker as down meanwhile
-        self.restarts_seen = 0
         self._connect(address)
 
     def _connect(self, address: str) -> None:
@@ -75,7 +74,6 @@ class WorkerLink:
                         log.debug("waiting for the %s worker: %s", self.role, type(exc).__name__)
                         time.sleep(0.2)
                 if address != self.address:
-                    self.restarts_seen += 1
                     log.warning("the %s worker is back at a new address; sessions continue there", self.role)
                     # the old channel is left to the garbage collector: a session may still hold its stub (a call
                     # on it fails UNAVAILABLE and resumes; on a closed channel it would raise ValueError)

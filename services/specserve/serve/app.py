@@ -179,6 +179,7 @@ class SpecServe:
                             cause = exc.cause if exc.cause is not None else exc
                             raise _WorkerError.from_cause(cause, request.request_id) from None
                         committed.extend(chunk.tokens)
+                        deadline = None  # the coordinator answers: a later loss gets a restart timeout of its own
                         ended = chunk.finish_reason is not None
                         delta = text.push(chunk.tokens, ended)
                         reason = "stop" if text.stopped else chunk.finish_reason

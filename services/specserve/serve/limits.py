@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 
+from specserve.serve.protocol import openai_error
+
 _max_body_bytes = 4 * 1024 * 1024
 
 
@@ -19,8 +21,8 @@ def configure(max_body_bytes: int) -> None:
 
 
 def _too_large_body(limit: int) -> bytes:
-    return json.dumps({"error": {"message": f"request body exceeds {limit} bytes (max_body_bytes)",
-                                 "type": "invalid_request_error", "param": None, "code": "request_too_large"}}).encode()
+    return json.dumps(openai_error(f"request body exceeds {limit} bytes (max_body_bytes)", None,
+                                   "request_too_large")).encode()
 
 
 class BodyLimit:
