@@ -14,6 +14,7 @@ from concurrent import futures
 import grpc
 import numpy as np
 import pytest
+import torch
 
 from specserve import SamplingParams, SpeculativeDecoder
 from specserve.coordinator import Coordinator, SessionRequest
@@ -71,15 +72,21 @@ VOCAB = 64
 TOP_K_Q = 4
 
 
-@pytest.fixture(scope="module", params=["draft worker", "batched draft worker"])
+# the last runs both workers' models on CUDA where there is a GPU (a device session: `pytest tests -k cuda`)
+@pytest.fixture(scope="module", params=[
+    "draft worker", "batched draft worker",
+    pytest.param("batched on cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
+])
 def served(request):
     target = tiny_llama(0, vocab=VOCAB, layers=2, hidden=32, scale=8)
     draft = perturbed_copy(target, 0.3)
+    if request.param == "batched on cuda":
+        target, draft = target.to("cuda"), draft.to("cuda")
     target_servicer = TargetWorkerServicer(target, VOCAB, kv_cache_tokens=4096)
     # a tiny model's step takes ~1 ms, less than a session's trip through the coordinator and the draft worker:
     # wait longer for the others than the default tenth of a step, so that they really share steps
     target_servicer.scheduler.gather = 20.0
-    if request.param == "batched draft worker":  # its sessions' draft tokens share draft forwards
+    if request.param != "draft worker":  # its sessions' draft tokens share draft forwards
         compute = StepScheduler()
         draft_servicer = DraftWorkerServicer(ScheduledDraft(compute, draft, VOCAB, TOP_K_Q).proposer, VOCAB,
                                              scheduler=compute, scheduled=True)

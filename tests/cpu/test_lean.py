@@ -29,7 +29,7 @@ def subset_draft(seed: int = 3) -> SubsetDraftForCausalLM:
 
 def hf_logits(model, tokens: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return model(torch.tensor([tokens], device=model.device)).logits[0].float()
+        return model(torch.tensor([tokens], device=model.device)).logits[0].float().cpu()
 
 
 # CUDA runs only where there is a GPU (a device session: `pytest tests/cpu/test_lean.py`); CI has none

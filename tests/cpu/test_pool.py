@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -15,7 +16,7 @@ VOCAB = 40
 
 def hf_logits(model, tokens: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return model(torch.tensor([tokens])).logits[0].float()
+        return model(torch.tensor([tokens], device=model.device)).logits[0].float()
 
 
 def test_buddy_allocator_splits_merges_and_grows_in_place():
@@ -44,7 +45,13 @@ def model():
     return tiny_llama(5, vocab=VOCAB, layers=2, hidden=32, scale=8)
 
 
-def test_one_forward_over_ragged_sequences_matches_each_alone(model):
+# CUDA runs only where there is a GPU (a device session: `pytest tests -k cuda`); CI has none
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_forward_over_ragged_sequences_matches_each_alone(model, device):
+    model = copy.deepcopy(model).to(device)
     pool = KVPool(model, tokens=1024, max_length=256, min_block=4)
     rng = random.Random(0)
     histories = [[rng.randrange(VOCAB) for _ in range(n)] for n in (3, 9, 1, 17)]
@@ -53,7 +60,7 @@ def test_one_forward_over_ragged_sequences_matches_each_alone(model):
     keeps = [1, 3, 1, 2]
     logits = pool.forward(seqs, histories, keeps)
     expected = torch.cat([hf_logits(model, h)[-k:] for h, k in zip(histories, keeps)])
-    torch.testing.assert_close(logits, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(logits.cpu(), expected.cpu(), atol=1e-6, rtol=0)
     # rounds: a 1-token step for some, a 4-token verify block for others, rollbacks in between; blocks grow
     for step in range(12):
         chosen = [j for j in range(len(seqs)) if rng.random() < 0.7] or [0]
@@ -66,7 +73,7 @@ def test_one_forward_over_ragged_sequences_matches_each_alone(model):
         for j, tokens in zip(chosen, new):
             histories[j] += tokens
         expected = torch.cat([hf_logits(model, histories[j])[-len(t):] for j, t in zip(chosen, new)])
-        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got.cpu(), expected.cpu(), atol=1e-6, rtol=0)
     assert [s.tokens for s in seqs] == histories
     for s in seqs:
         s.release()

@@ -3,7 +3,9 @@
 Each actor loads its model once, starts a gRPC server on a free port of its
 node and reports the address to whoever created it. Ray decides placement
 (resources from `WorkersConfig`) and restarts; the per-round traffic goes
-over gRPC, never through Ray calls.
+over gRPC, never through Ray calls. The classes also run as plain objects
+without Ray (serving on 127.0.0.1): the data-plane bench (`bench.dataplane`)
+times them that way on machines that have no Ray.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-import ray
 
 from specserve.engine.batching import StepScheduler, one_thread_torch
 from specserve.engine.colocated import ScheduledDraft
@@ -46,7 +47,7 @@ class _GrpcActor:
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=512, initializer=one_thread_torch),
                                   interceptors=server_interceptors(token))
         add(servicer, self.server)
-        self.host = ray.util.get_node_ip_address()
+        self.host = _node_ip()
         self.port = self.server.add_insecure_port(f"{self.host}:0")
         self.server.start()
         self._stopped = threading.Event()
@@ -66,6 +67,8 @@ class _GrpcActor:
         return f"{self.host}:{self.port}"
 
     def node_id(self) -> str:
+        import ray
+
         return ray.get_runtime_context().get_node_id()
 
     def active_sessions(self) -> int:
@@ -197,6 +200,8 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
     `target`/`draft` override the config's model specs (tests pass loaded tiny models). The n-gram
     draft gets no actor unless `config.ngram_worker`: the coordinator drafts it from the tokens it holds.
     """
+    import ray
+
     target_spec = config.target if target is None else target
     draft_spec = config.draft if draft is None else draft
     stages = None
@@ -225,4 +230,16 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
 def _remote(cls, resources: RoleResources, max_restarts: int = 0):
     """A worker actor class placed as `resources` say; Ray restarts its process up to max_restarts times (its
     replacement runs __init__ again: loads the model, serves on a new port)."""
+    import ray
+
     return ray.remote(cls).options(**resources.actor_options(), max_restarts=max_restarts)
+
+
+def _node_ip() -> str:
+    """The address a worker serves on: its Ray node's (the coordinator may be on another node), or loopback
+    outside Ray."""
+    try:
+        import ray
+    except ImportError:
+        return "127.0.0.1"
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"

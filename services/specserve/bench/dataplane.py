@@ -1,0 +1,406 @@
+"""The data plane without Ray: worker processes serving gRPC and a coordinator, timed on synthetic Llama pairs.
+
+    python -m specserve.bench.dataplane --targets 1b,7b --out dataplane-out
+
+This is what a GPU machine with no Ray (and too little room to carry real
+weights) can measure of the served path: the same `TargetWorkerActor` /
+`DraftWorkerActor` classes the Ray deployment runs, each in a process of
+its own serving gRPC on 127.0.0.1, and the same `Coordinator` driving
+sessions over them, against the in-process `SpeculativeDecoder`.
+
+The models are random-weight Llamas of realistic shapes (`SHAPES`; every
+matmul of a real model runs) built so that greedy decoding has a known
+acceptance rate. Each layer's attention and MLP output projections are
+zero, so a model's next token depends on the last token alone: token t is
+embedded as a random unit vector e_t, and lm_head row u is the sum of the
+e_t whose successor is u. The target's successor of t is t+1; the draft's
+is t+1 for a fraction `alpha` of the vocabulary (a fixed random subset) and
+t+2 elsewhere. Greedy output is then t+1, t+2, ... whatever the path, which
+the bench checks, and each drafted token is accepted with probability
+alpha, independently: alpha=1 is a draft that copies the target, alpha=0
+one that never matches. Timings are of these random weights, not of a
+real pair's acceptance: take alpha from real pairs (`specserve bench`).
+
+Parts (`--parts`):
+  rounds  one stream per configuration, fixed γ, alpha ∈ --alphas: in-process,
+          colocated (one worker holds both models), split sequential and split
+          pipelined (a draft worker of its own on each --draft-devices), plus
+          γ=0; per round: draft call, verify call, the target worker's
+          compute, and the rest (gRPC, scheduling).
+  load    the colocated worker under --concurrency streams, γ=0 against
+          auto, alpha = --load-alpha: aggregate and per-stream tok/s, TTFT.
+Writes dataplane.json (and prints a table per part) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+# Layer shapes of public models (random weights here). vocab is the bench's (--vocab) for every model, so any
+# draft shape pairs with any target.
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2),
+    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3),  # SmolLM2-135M, the embedded target and its distilled draft's family
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8),  # Llama-3.2-1B
+    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=32),  # Llama-2-7B
+}
+
+
+def synthetic_llama(shape: str, vocab: int, alpha: float | None, device: str, dtype: str | None = None,
+                    seed: int = 0):
+    """A random-weight Llama of `shape` whose greedy next token after t is t+1 (alpha None: the target), or a
+    draft's: t+1 on a random `alpha` share of the vocabulary, t+2 elsewhere (see the module docstring)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specserve.models.loading import default_dtype, resolve_dtype
+
+    torch_dtype = resolve_dtype(dtype) or default_dtype(device)
+    config = LlamaConfig(vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None, **SHAPES[shape])
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    gen = torch.Generator().manual_seed(seed + 1000 * (alpha is not None))
+    unit = torch.randn(vocab, config.hidden_size, generator=gen)
+    unit /= unit.norm(dim=1, keepdim=True)
+    ids = torch.arange(vocab)
+    successor = (ids + 1) % vocab
+    if alpha is not None:
+        agree = torch.rand(vocab, generator=torch.Generator().manual_seed(seed + 1)) < alpha
+        successor = torch.where(agree, successor, (ids + 2) % vocab)
+    head = torch.zeros(vocab, config.hidden_size).index_add_(0, successor, unit)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(unit)
+        model.lm_head.weight.copy_(head)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return model.eval()
+
+
+# -- worker processes -----------------------------------------------------------------------------------------
+def _worker(role: str, spec: dict, conn) -> None:
+    """A worker process: build the model(s), serve gRPC, send what the coordinator needs, wait for 'stop'."""
+    try:
+        from specserve.workers.actors import DraftWorkerActor, TargetWorkerActor
+
+        vocab = spec["vocab"]
+        if role == "target":
+            target = synthetic_llama(spec["shape"], vocab, None, spec["device"], spec["dtype"])
+            draft = (synthetic_llama(spec["draft_shape"], vocab, spec["alpha"], spec["device"], spec["dtype"])
+                     if spec.get("draft_shape") else None)
+            actor = TargetWorkerActor(target, threads=spec["threads"], draft=draft, gamma_max=spec["gamma_max"],
+                                      scheduling={"kv_cache_tokens": spec["kv_cache_tokens"],
+                                                  "max_step_tokens": spec["max_step_tokens"]})
+            reply = {"address": actor.address(), "info": actor.info(),
+                     "profile": actor.verify_profile(spec["gamma_max"] + 1)}
+        else:
+            draft = synthetic_llama(spec["shape"], vocab, spec["alpha"], spec["device"], spec["dtype"])
+            actor = DraftWorkerActor(draft, vocab, threads=spec["threads"], kv_cache_tokens=spec["kv_cache_tokens"])
+            reply = {"address": actor.address(), "step_s": actor.step_time()}
+        conn.send(reply)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send({"error": f"{type(exc).__name__}: {exc}"})
+        raise
+    conn.recv()
+    actor.stop(0)
+
+
+class Worker:
+    """A worker process; `reply` holds what it sent once serving."""
+
+    def __init__(self, role: str, spec: dict):
+        self.role = role
+        self.conn, child = mp.get_context("spawn").Pipe()
+        self.process = mp.get_context("spawn").Process(target=_worker, args=(role, spec, child), daemon=True)
+        self.process.start()
+        if not self.conn.poll(900):
+            self.stop()
+            raise TimeoutError(f"the {role} worker did not start within 900 s")
+        self.reply = self.conn.recv()
+        if "error" in self.reply:
+            self.stop()
+            raise RuntimeError(f"the {role} worker failed: {self.reply['error']}")
+
+    def stop(self) -> None:
+        try:
+            self.conn.send("stop")
+        except (BrokenPipeError, OSError):
+            pass
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+# -- measurements ---------------------------------------------------------------------------------------------
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=gen).tolist() for _ in range(n)]
+
+
+def wrong_tokens(prompt: list[int], tokens: list[int], vocab: int) -> int:
+    """Tokens that are not the target's greedy output t+1, t+2, ... (0 for an exact path)."""
+    start = prompt[-1]
+    return sum(t != (start + 1 + i) % vocab for i, t in enumerate(tokens))
+
+
+def summarize(stats: list[dict], wall_s: float, ttft: list[float], wrong: int) -> dict[str, Any]:
+    """Aggregate figures of sessions that ran together for wall_s seconds."""
+    rounds = sum(s["rounds"] for s in stats) or 1
+    tokens = sum(s["new_tokens"] for s in stats)
+    drafted = sum(s["drafted"] for s in stats)
+    gammas = [g for s in stats for g in s["gamma_history"]]
+
+    def per_round_ms(key: str) -> float:
+        return 1000 * sum(s.get(key, 0.0) for s in stats) / rounds
+
+    out = {
+        "streams": len(stats), "tokens": tokens, "wall_s": wall_s,
+        "tok_s": tokens / wall_s if wall_s else 0.0,
+        "per_stream_tok_s": statistics.median(s["new_tokens"] / s["total_time_s"] for s in stats if s["total_time_s"]),
+        "acceptance": sum(s["accepted"] for s in stats) / drafted if drafted else 0.0,
+        "tokens_per_round": sum(s["emitted"] for s in stats) / rounds,
+        "mean_gamma": statistics.fmean(gammas) if gammas else 0.0,
+        "draft_ms_per_round": per_round_ms("draft_time_s"),
+        "verify_ms_per_round": per_round_ms("verify_time_s"),
+        "worker_verify_ms_per_round": per_round_ms("worker_verify_time_s"),
+        "wrong_tokens": wrong,
+    }
+    if any(s.get("worker_verify_time_s") for s in stats):
+        out["overhead_ms_per_round"] = out["verify_ms_per_round"] - out["worker_verify_ms_per_round"]
+    if ttft:
+        ttft = sorted(ttft)
+        out["ttft_p50_s"] = ttft[len(ttft) // 2]
+        out["ttft_p95_s"] = ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))]
+    return out
+
+
+def run_in_process(decoder, prompt_ids: list[int], gamma, max_tokens: int, vocab: int) -> dict[str, Any]:
+    from specserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, ignore_eos=True)
+    decoder.generate(prompt_ids, params, 8, gamma=gamma)  # warm-up
+    t0 = time.perf_counter()
+    result = decoder.generate(prompt_ids, params, max_tokens, gamma=gamma)
+    wall = time.perf_counter() - t0
+    return summarize([result.stats.to_dict()], wall, [], wrong_tokens(prompt_ids, result.token_ids, vocab))
+
+
+def run_served(coordinator, batch: list[list[int]], gamma, max_tokens: int, vocab: int) -> dict[str, Any]:
+    """All prompts of `batch` as concurrent streams through the coordinator."""
+    from specserve import SamplingParams
+    from specserve.coordinator import SessionRequest
+
+    async def one(prompt_ids: list[int], t0: float):
+        request = SessionRequest(prompt_ids, SamplingParams(temperature=0.0, ignore_eos=True), max_tokens, gamma)
+        tokens, first, stats = [], None, None
+        async for chunk in coordinator.generate(request):
+            first = first if first is not None else time.perf_counter() - t0
+            tokens.extend(chunk.tokens)
+            stats = chunk.stats or stats
+        return stats, first, wrong_tokens(prompt_ids, tokens, vocab)
+
+    async def all_of():
+        await one(batch[0], time.perf_counter())  # warm-up
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(p, t0) for p in batch))
+        return results, time.perf_counter() - t0
+
+    results, wall = asyncio.run(all_of())
+    return summarize([r[0] for r in results], wall, [r[1] for r in results], sum(r[2] for r in results))
+
+
+def coordinator_for(target: Worker, draft: Worker | None, *, colocated: bool, gamma, gamma_max: int,
+                    pipelined: bool, vocab: int, max_sessions: int = 128):
+    from specserve.coordinator import Coordinator
+
+    mode = "colocated" if colocated else "remote" if draft is not None else "none"
+    return Coordinator(
+        target.reply["address"], vocab, [], draft=mode, draft_address=draft.reply["address"] if draft else None,
+        draft_lookup=False, gamma=gamma, gamma_max=gamma_max, pipelined=pipelined,
+        verify_profile=target.reply["profile"], draft_step_s=draft.reply["step_s"] if draft else None,
+        max_sessions=max_sessions,
+    )
+
+
+def _free_cuda() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def bench_rounds(args, shape: str, log) -> list[dict[str, Any]]:
+    from specserve import SpeculativeDecoder
+
+    rows = []
+    prompt_ids = prompts(1, args.prompt_len, args.vocab)[0]
+    kv_one = 4 * (args.prompt_len + args.max_tokens + 64)
+    base = {"vocab": args.vocab, "dtype": args.dtype, "gamma_max": args.gamma_max, "threads": None,
+            "kv_cache_tokens": kv_one, "max_step_tokens": args.max_step_tokens}
+
+    def row(config: str, alpha, draft_device, gamma, figures):
+        rows.append({"target": shape, "draft": args.draft_shape, "config": config, "alpha": alpha,
+                     "draft_device": draft_device, "gamma": gamma, **figures})
+        log(f"  {config:<22} alpha={alpha!s:<4} draft on {draft_device or '-':<4} γ={gamma!s:<4} "
+            f"{figures['tok_s']:8.1f} tok/s  {figures['tokens_per_round']:.2f} tok/round  "
+            f"draft {figures['draft_ms_per_round']:.2f} ms  verify {figures['verify_ms_per_round']:.2f} ms"
+            + (f" (worker {figures['worker_verify_ms_per_round']:.2f})" if "overhead_ms_per_round" in figures
+               else "") + (f"  WRONG {figures['wrong_tokens']}" if figures["wrong_tokens"] else ""))
+
+    target_model = synthetic_llama(shape, args.vocab, None, args.device, args.dtype)
+    for alpha in args.alphas:
+        draft_model = synthetic_llama(args.draft_shape, args.vocab, alpha, args.device, args.dtype)
+        decoder = SpeculativeDecoder(target_model, draft_model, gamma=args.gamma, gamma_max=args.gamma_max,
+                                     draft_lookup=False, kv_cache_tokens=kv_one)
+        row("in-process", alpha, args.device, args.gamma,
+            run_in_process(decoder, prompt_ids, args.gamma, args.max_tokens, args.vocab))
+        if alpha == args.alphas[0]:
+            row("in-process", None, None, 0, run_in_process(decoder, prompt_ids, 0, args.max_tokens, args.vocab))
+        del decoder, draft_model
+        _free_cuda()
+        target = Worker("target", {**base, "shape": shape, "device": args.device, "draft_shape": args.draft_shape,
+                                   "alpha": alpha})
+        try:
+            coord = coordinator_for(target, None, colocated=True, gamma=args.gamma, gamma_max=args.gamma_max,
+                                    pipelined=False, vocab=args.vocab)
+            row("colocated", alpha, args.device, args.gamma,
+                run_served(coord, [prompt_ids], args.gamma, args.max_tokens, args.vocab))
+            if alpha == args.alphas[0]:
+                coord = coordinator_for(target, None, colocated=False, gamma=0, gamma_max=args.gamma_max,
+                                        pipelined=False, vocab=args.vocab)
+                row("served target only", None, None, 0,
+                    run_served(coord, [prompt_ids], 0, args.max_tokens, args.vocab))
+            for draft_device in args.draft_devices:
+                draft = Worker("draft", {**base, "shape": args.draft_shape, "device": draft_device, "alpha": alpha,
+                                         "dtype": args.dtype if draft_device != "cpu" else None})
+                try:
+                    for pipelined in (False, True):
+                        coord = coordinator_for(target, draft, colocated=False, gamma=args.gamma,
+                                                gamma_max=args.gamma_max, pipelined=pipelined, vocab=args.vocab)
+                        row("split pipelined" if pipelined else "split sequential", alpha, draft_device, args.gamma,
+                            run_served(coord, [prompt_ids], args.gamma, args.max_tokens, args.vocab))
+                finally:
+                    draft.stop()
+        finally:
+            target.stop()
+        _free_cuda()
+    del target_model
+    _free_cuda()
+    return rows
+
+
+def bench_load(args, shape: str, log) -> list[dict[str, Any]]:
+    rows = []
+    top = max(args.concurrency)
+    # a session's buddy block, twice over: a block that outgrows itself may move to a bigger one
+    per_session = 1 << (args.prompt_len + args.max_tokens + 2 * args.gamma_max + 8).bit_length()
+    spec = {"vocab": args.vocab, "dtype": args.dtype, "gamma_max": args.gamma_max, "threads": None,
+            "kv_cache_tokens": 2 * (top + 2) * per_session, "max_step_tokens": args.max_step_tokens,
+            "shape": shape, "device": args.device, "draft_shape": args.draft_shape, "alpha": args.load_alpha}
+    target = Worker("target", spec)
+    try:
+        for gamma in args.load_gammas:
+            coord = coordinator_for(target, None, colocated=True, gamma=gamma, gamma_max=args.gamma_max,
+                                    pipelined=False, vocab=args.vocab)
+            for n in args.concurrency:
+                figures = run_served(coord, prompts(n, args.prompt_len, args.vocab, seed=n), gamma, args.max_tokens,
+                                     args.vocab)
+                rows.append({"target": shape, "draft": args.draft_shape, "config": "colocated", "alpha": args.load_alpha,
+                             "gamma": gamma, **figures})
+                log(f"  γ={gamma!s:<4} {n:>3} streams  {figures['tok_s']:8.1f} tok/s aggregate  "
+                    f"{figures['per_stream_tok_s']:7.1f} per stream  TTFT p50 {figures['ttft_p50_s']:.3f} s "
+                    f"p95 {figures['ttft_p95_s']:.3f} s  mean γ {figures['mean_gamma']:.2f}"
+                    + (f"  WRONG {figures['wrong_tokens']}" if figures["wrong_tokens"] else ""))
+    finally:
+        target.stop()
+    return rows
+
+
+def _csv(kind):
+    return lambda text: [kind(x) for x in text.split(",") if x]
+
+
+def _gamma(text: str):
+    return text if text in ("auto", "heuristic") else int(text)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m specserve.bench.dataplane", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--targets", type=_csv(str), default=["1b", "7b"], help=f"target shapes, of {sorted(SHAPES)}")
+    p.add_argument("--draft-shape", default="135m", choices=sorted(SHAPES))
+    p.add_argument("--vocab", type=int, default=49152, help="vocabulary of every model (SmolLM2's by default)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--draft-devices", type=_csv(str), default=None,
+                   help="devices of the split draft worker (default: the target's, and cpu beside a GPU)")
+    p.add_argument("--dtype", default=None, help="default: bf16 on a GPU (see specserve.models.loading)")
+    p.add_argument("--parts", type=_csv(str), default=["rounds", "load"])
+    p.add_argument("--alphas", type=_csv(float), default=[1.0, 0.0])
+    p.add_argument("--gamma", type=_gamma, default=4, help="fixed γ of the rounds part")
+    p.add_argument("--gamma-max", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-step-tokens", type=int, default=2048)
+    p.add_argument("--concurrency", type=_csv(int), default=[1, 4, 16, 32, 64])
+    p.add_argument("--load-alpha", type=float, default=0.7)
+    p.add_argument("--load-gammas", type=_csv(_gamma), default=[0, "auto"])
+    p.add_argument("--out", default="dataplane-out")
+    args = p.parse_args(argv)
+    unknown = [s for s in args.targets if s not in SHAPES]
+    if unknown:
+        p.error(f"--targets: unknown shape(s) {unknown}; choose from {sorted(SHAPES)}")
+    if args.draft_devices is None:
+        args.draft_devices = [args.device] + (["cpu"] if args.device != "cpu" else [])
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+
+    def log(line: str) -> None:
+        print(f"[{time.perf_counter() - started:7.1f} s] {line}", flush=True)
+
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu x{os.cpu_count()}"
+    report = {"device": device_name, "torch": torch.__version__, "args": vars(args), "rounds": [], "load": []}
+    for shape in args.targets:
+        if "rounds" in args.parts:
+            log(f"{shape} target, {args.draft_shape} draft: one stream per configuration, γ={args.gamma}")
+            report["rounds"] += bench_rounds(args, shape, log)
+        if "load" in args.parts:
+            log(f"{shape} target: colocated under load, alpha={args.load_alpha}")
+            report["load"] += bench_load(args, shape, log)
+        (out / "dataplane.json").write_text(json.dumps(report, indent=1))
+    log(f"wrote {out / 'dataplane.json'}")
+    wrong = sum(r["wrong_tokens"] for part in ("rounds", "load") for r in report[part])
+    if wrong:
+        print(f"ERROR: {wrong} token(s) differ from the target's greedy output", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
