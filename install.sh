@@ -9,6 +9,11 @@ PY=${PYTHON:-python3}
 "$PY" -m pip install --quiet "torch==2.13.0"
 if [ "${1:-}" = "--dev" ]; then
   "$PY" -m pip install --quiet -e ".[dev]"
+  # the playground's browser test drives Debian's headless Chromium (it skips where there is none)
+  if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver) >/dev/null \
+      || echo "install.sh: could not install chromium; the playground browser test will skip" >&2
+  fi
 else
   "$PY" -m pip install --quiet -e .
 fi

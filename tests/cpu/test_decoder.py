@@ -167,3 +167,24 @@ def test_max_new_tokens_and_eos(models):
     stopped = decoder.generate(PROMPT, SamplingParams(temperature=0.0), 7)
     first = res.token_ids.index(eos)
     assert stopped.token_ids == res.token_ids[: first + 1] and stopped.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("mode", [dict(temperature=0.0), dict(temperature=0.7, top_k=3, seed=4),
+                                  dict(temperature=1.0, top_p=0.8, seed=5)], ids=["greedy", "top-k", "top-p"])
+def test_logprobs_are_the_targets_raw_log_probabilities_of_the_emitted_tokens(models, mode):
+    target = models["target"]
+    dec = SpeculativeDecoder(target, models["close draft"], gamma=3)
+    result = dec.generate(PROMPT, SamplingParams(**mode, ignore_eos=True, logprobs=2), 20)
+    assert result.stats.accepted > 0 and len(result.logprobs) == len(result.token_ids) == 20
+    with torch.inference_mode():  # the target alone over the whole output, raw logits (no temperature, top-k, top-p)
+        logits = target(torch.tensor([PROMPT + result.token_ids])).logits[0, len(PROMPT) - 1 : -1]
+    reference = torch.log_softmax(logits.double(), -1)
+    for i, (token, logprob, top) in enumerate(result.logprobs):
+        assert token == result.token_ids[i]
+        assert logprob == pytest.approx(reference[i, token].item(), abs=1e-6)
+        assert [t for t, _ in top] == reference[i].topk(2).indices.tolist()
+        assert [v for _, v in top] == pytest.approx(reference[i].topk(2).values.tolist(), abs=1e-6)
+    # asking for them changes nothing else: the same tokens with and without
+    plain = dec.generate(PROMPT, SamplingParams(**mode, ignore_eos=True), 20)
+    assert plain.token_ids == result.token_ids and plain.logprobs is None
+    assert [len(top) for _, _, top in dec.generate(PROMPT, SamplingParams(**mode, logprobs=0), 5).logprobs] == [0] * 5

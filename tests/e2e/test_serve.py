@@ -148,9 +148,8 @@ def test_raw_sse(server):
         events = [line[len("data: "):] for line in response.iter_lines(decode_unicode=True) if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     payloads = [json.loads(e) for e in events[:-1]]
-    assert all(p["object"] == "text_completion" for p in payloads)
+    assert all(p["object"] == "text_completion" and "usage" not in p for p in payloads)  # as OpenAI: no usage asked
     assert payloads[-1]["choices"][0]["finish_reason"] == "length"
-    assert payloads[-1]["usage"]["completion_tokens"] == 12
     assert payloads[-1]["specserve"]["rounds"] == len(payloads)
 
 
@@ -386,3 +385,186 @@ def test_colocated_app_runs_sessions_in_the_target_worker_and_frees_them(server)
         assert next(response.iter_lines(decode_unicode=True)).startswith("data: ")
         assert set(sessions("colocated")) == {"target", "coordinator"}  # no draft worker at all
     assert wait_for_no_sessions("colocated") == {"target": 0, "coordinator": 0}
+
+
+# -- OpenAI compatibility (issue 17): n, stream_options, models/{id}, content parts, refused parameters --------
+def derived(seed: int, index: int) -> int:
+    from specserve.coordinator import SessionRequest
+
+    return SessionRequest([1], SamplingParams(seed=seed), 1).choice(index).params.seed
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_are_independent_seeded_samples(server, local, stream):
+    c = client(server, "colocated")
+    messages = [{"role": "user", "content": PROMPT}]
+    params = dict(temperature=1.0, seed=7)
+    results = [local["spec"].generate(messages, SamplingParams(temperature=1.0, seed=derived(7, i)), 10)
+               for i in range(3)]
+    expected = [r.text for r in results]
+    assert expected[0] == local["spec"].generate(messages, SamplingParams(**params), 10).text  # choice 0 = n=1
+    assert len(set(expected)) == 3
+    if not stream:
+        reply = c.chat.completions.create(model="tiny", messages=messages, max_tokens=10, n=3, **params)
+        assert [ch.index for ch in reply.choices] == [0, 1, 2]
+        assert [ch.message.content for ch in reply.choices] == expected
+        assert reply.usage.completion_tokens == sum(len(r.token_ids) for r in results)
+    else:
+        chunks = list(c.chat.completions.create(model="tiny", messages=messages, max_tokens=10, n=3, stream=True,
+                                                stream_options={"include_usage": True}, **params))
+        texts, roles, finished = ["", "", ""], set(), set()
+        for chunk in chunks[:-1]:
+            assert len(chunk.choices) == 1 and chunk.usage is None
+            choice = chunk.choices[0]
+            texts[choice.index] += choice.delta.content or ""
+            if choice.delta.role == "assistant":
+                assert choice.index not in roles  # the role comes once per choice, first
+                roles.add(choice.index)
+            if choice.finish_reason:
+                finished.add(choice.index)
+        assert texts == expected and roles == finished == {0, 1, 2}
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == sum(len(r.token_ids) for r in results)
+    completion = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, n=2, temperature=0)
+    assert [ch.index for ch in completion.choices] == [0, 1]
+    assert completion.choices[0].text == completion.choices[1].text  # greedy: the same sample twice
+    assert wait_for_no_sessions("colocated") == {"target": 0, "coordinator": 0}
+
+
+def test_stream_options_include_usage_ends_with_a_usage_only_chunk(server):
+    c = client(server)
+    chunks = list(c.completions.create(model="tiny", prompt=PROMPT, max_tokens=9, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert all(ch.usage is None and len(ch.choices) == 1 for ch in chunks[:-1])
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 9 and last.usage.prompt_tokens > 0
+    assert last.usage.total_tokens == last.usage.prompt_tokens + 9
+    with pytest.raises(openai.BadRequestError) as info:  # as OpenAI: only with stream
+        c.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, stream_options={"include_usage": True})
+    assert info.value.body["param"] == "stream_options"
+
+
+def test_a_model_is_retrieved_by_its_id(server):
+    c = client(server)
+    assert c.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as info:
+        c.models.retrieve("gpt-4")
+    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+
+
+def test_chat_content_given_as_text_parts(server, local):
+    c = client(server)
+    parts = [{"type": "text", "text": "Write a short poem"}, {"type": "text", "text": "about the sea."}]
+    expected = local["plain"].generate([{"role": "user", "content": "Write a short poem\nabout the sea."}],
+                                       SamplingParams(temperature=0.0), 12).text
+    reply = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=12,
+                                      temperature=0)
+    assert reply.choices[0].message.content == expected
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [parts[0], image]}])
+    assert info.value.body["param"] == "messages.0.content.1.type"
+
+
+REFUSED_CHAT = [  # (keyword of the openai client, value): each is a parameter this server does not implement
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    ("tool_choice", "auto"), ("response_format", {"type": "json_object"}), ("logit_bias", {"42": 5}),
+    ("presence_penalty", 0.5), ("frequency_penalty", 1.0),
+    ("parallel_tool_calls", False), ("store", True), ("modalities", ["text", "audio"]),
+    ("reasoning_effort", "low"), ("service_tier", "flex"), ("prediction", {"type": "content", "content": "x"}),
+]
+REFUSED_COMPLETIONS = [("best_of", 2), ("echo", True), ("suffix", "end"), ("logit_bias", {"1": -1}),
+                       ("presence_penalty", -1.0)]
+
+
+def test_parameters_it_does_not_implement_are_refused_by_name(server):
+    c = client(server)
+    messages = [{"role": "user", "content": "hi"}]
+    for name, value in REFUSED_CHAT:
+        with pytest.raises(openai.BadRequestError) as info:
+            c.chat.completions.create(model="tiny", messages=messages, max_tokens=2, **{name: value})
+        assert info.value.body["param"] == name, (name, info.value.body)
+    for name, value in REFUSED_COMPLETIONS:
+        with pytest.raises(openai.BadRequestError) as info:
+            c.completions.create(model="tiny", prompt="hi", max_tokens=2, **{name: value})
+        assert info.value.body["param"] == name, (name, info.value.body)
+    with pytest.raises(openai.BadRequestError) as info:  # a parameter nobody defined
+        c.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={"temprature": 0.5})
+    assert info.value.body["param"] == "temprature" and "not a parameter" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:  # a message field that would be dropped
+        c.chat.completions.create(model="tiny", max_tokens=2, messages=[
+            {"role": "assistant", "content": "x", "tool_calls": [{"id": "1", "type": "function",
+                                                                  "function": {"name": "f", "arguments": "{}"}}]}])
+    assert info.value.body["param"] == "messages.0.tool_calls"
+    for name, value in [("n", 0), ("n", 17)]:
+        with pytest.raises(openai.BadRequestError) as info:
+            c.completions.create(model="tiny", prompt="hi", max_tokens=2, **{name: value})
+        assert info.value.body["param"] == name
+    # the values that mean "not used", and `user`, are accepted
+    reply = c.chat.completions.create(model="tiny", messages=messages, max_tokens=2, presence_penalty=0,
+                                      frequency_penalty=0.0, logprobs=False, user="someone", tool_choice="none")
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    assert c.completions.create(model="tiny", prompt="hi", max_tokens=2, echo=False, best_of=1).choices
+
+
+@pytest.mark.parametrize("app", ["pipelined", "colocated"])
+def test_logprobs_are_the_targets_for_the_emitted_tokens(server, local, app):
+    """From the verify pass (a draft worker's session, or the colocated worker's): the in-process engine's values
+    for the same tokens, through the openai client (chat and completions, streamed and not) and gRPC."""
+    c = client(server, app)
+    messages = [{"role": "user", "content": PROMPT}]
+    params = dict(temperature=1.0, seed=3)
+    expected = local["spec"].generate(messages, SamplingParams(**params, logprobs=3), 12)
+    tokenizer = local["spec"].tokenizer
+    reply = c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, logprobs=True, top_logprobs=3,
+                                      **params)
+    content = reply.choices[0].logprobs.content
+    assert reply.choices[0].message.content == expected.text and len(content) == len(expected.token_ids)
+    for entry, (token, logprob, top) in zip(content, expected.logprobs):
+        assert entry.token == tokenizer.decode([token]) and entry.bytes == list(entry.token.encode())
+        assert entry.logprob == pytest.approx(logprob, abs=1e-4)
+        assert [t.token for t in entry.top_logprobs] == [tokenizer.decode([i]) for i, _ in top]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx([v for _, v in top], abs=1e-4)
+    streamed = list(c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, logprobs=True,
+                                              stream=True, **params))
+    entries = [e for ch in streamed if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [e.logprob for e in entries] == pytest.approx([lp for _, lp, _ in expected.logprobs], abs=1e-4)
+    assert all(e.top_logprobs == [] for e in entries)  # logprobs without top_logprobs: the tokens' own only
+    plain = c.chat.completions.create(model="tiny", messages=messages, max_tokens=4, **params)
+    assert plain.choices[0].logprobs is None  # not asked, not sent
+    completion = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2)
+    lp = completion.choices[0].logprobs
+    assert "".join(lp.tokens) == completion.choices[0].text and len(lp.token_logprobs) == 8
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    assert all(len(top) == 2 and max(top.values()) >= v - 1e-6 for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model="tiny", messages=messages, max_tokens=2, top_logprobs=2)
+    assert info.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as info:
+        c.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, logprobs=21)
+    assert info.value.body["param"] == "logprobs"
+    request = generator_pb2.GenerateRequest(
+        messages=generator_pb2.ChatMessages(messages=[generator_pb2.ChatMessage(role="user", content=PROMPT)]),
+        max_tokens=12, sampling=generator_pb2.SamplingParams(temperature=1.0, seed=3, logprobs=3))
+    reply = grpc_stub(server).Generate(request, metadata=metadata(app))
+    assert [m.token_id for m in reply.logprobs] == list(reply.token_ids) == expected.token_ids
+    assert [m.logprob for m in reply.logprobs] == pytest.approx([lp for _, lp, _ in expected.logprobs], abs=1e-4)
+    assert [[t.token_id for t in m.top] for m in reply.logprobs] == [[i for i, _ in top] for _, _, top in
+                                                                   expected.logprobs]
+
+
+def test_grpc_n_samples_unary_and_streamed(server, local):
+    stub = grpc_stub(server)
+    request = generator_pb2.GenerateRequest(prompt=PROMPT, max_tokens=8, n=3,
+                                            sampling=generator_pb2.SamplingParams(temperature=1.0, seed=21))
+    expected = [local["spec"].generate(PROMPT, SamplingParams(temperature=1.0, seed=derived(21, i)), 8).token_ids
+                for i in range(3)]
+    reply = stub.Generate(request, metadata=metadata("colocated"))
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [list(c.token_ids) for c in reply.choices] == expected and list(reply.token_ids) == expected[0]
+    streamed: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for part in stub.GenerateStream(request, metadata=metadata("colocated")):
+        streamed[part.index] += list(part.token_ids)
+    assert [streamed[i] for i in range(3)] == expected
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(generator_pb2.GenerateRequest(prompt=PROMPT, max_tokens=2, n=17), metadata=metadata())
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("n")

@@ -52,16 +52,14 @@ async def _stream(client, model: str, prompt: str, max_tokens: int, gamma) -> di
     tokens = 0
     response = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
-        stream=True, extra_body=body,
+        stream=True, stream_options={"include_usage": True}, extra_body=body,
     )
     async for chunk in response:
         if first is None and chunk.choices and chunk.choices[0].delta.content:
             first = time.perf_counter()
         extra = chunk.model_extra or {}
-        if chunk.usage is not None:
+        if chunk.usage is not None:  # the last chunk (include_usage)
             tokens = chunk.usage.completion_tokens
-        elif "usage" in extra:
-            tokens = extra["usage"]["completion_tokens"]
         stats = extra.get("specserve") or stats
     end = time.perf_counter()
     first = first or end

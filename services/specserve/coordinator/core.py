@@ -61,11 +61,23 @@ class SessionRequest:
     # False: one chunk at the end. Each streamed chunk costs the ingress work while the target computes the
     # next round, which on a small CPU slows that forward; a non-streaming request need not pay it.
     stream: bool = True
+    # True: each chunk lists its rounds (`Chunk.rounds`): the block drafted, how much of it was kept, γ, lookup
+    detail: bool = False
 
     def resumed(self, committed: list[int]) -> SessionRequest:
         """The rest of this request after `committed` tokens (a session going on on a restarted worker). Keyed by
         position and seed, its randomness is the uninterrupted session's: the same tokens follow."""
         return replace(self, prompt_ids=self.prompt_ids + committed, max_tokens=self.max_tokens - len(committed))
+
+    def choice(self, index: int) -> SessionRequest:
+        """Choice `index` of a request for several (OpenAI's n): the same request with a seed of its own derived
+        from this one's, which must be set (`seeded`). Choice 0 is this request, so the first of n draws what n=1
+        would."""
+        if index == 0:
+            return self
+        seed = (self.params.seed + index * 0x9E3779B97F4A7C15) % 2**64  # distinct for every index below 2^64
+        return replace(self, params=self.params.model_copy(update={"seed": seed}),
+                       request_id=f"{self.request_id}-{index}")
 
     def seeded(self) -> SessionRequest:
         """This request with a seed fixed (a random one if it had none), so a resumed part draws as it would have."""
@@ -82,6 +94,17 @@ class Chunk:
     tokens: list[int]
     finish_reason: str | None = None
     stats: dict[str, Any] | None = None
+    logprobs: list | None = None  # one entry per token, when the request asked (`spec.sampling.token_logprobs`)
+    # per round, when the request asked (SessionRequest.detail): {"tokens", "drafted", "accepted", "gamma", "lookup"}
+    rounds: list[dict[str, Any]] | None = None
+
+    def then(self, after: Chunk) -> Chunk:
+        """This chunk and the next as one (a consumer that fell behind gets them together)."""
+        def joined(a, b):
+            return a + b if a is not None and b is not None else None
+
+        return Chunk(self.tokens + after.tokens, after.finish_reason, after.stats,
+                     joined(self.logprobs, after.logprobs), joined(self.rounds, after.rounds))
 
 
 class Coordinator:
@@ -230,26 +253,36 @@ class Coordinator:
 
         t0 = time.perf_counter()
         committed: list[int] = []  # every token of the session's finished rounds
-        held: list[int] = []  # tokens not yet handed over (all of them when not streaming)
+        def fresh() -> Chunk:  # what is not handed over yet
+            return Chunk([], logprobs=[] if request.params.logprobs is not None else None,
+                         rounds=[] if request.detail else None)
+
+        held = fresh()
 
         def consume(rounds, verifier) -> str:
             """Hand over one worker incarnation's rounds; the session's finish reason."""
             nonlocal held
-            for new, reason in rounds:
+            for rnd in rounds:
+                new, reason = rnd
                 if cancel.is_set():  # the consumer is gone: this round is neither delivered nor counted
                     return cancel.reason
                 committed.extend(new)
-                held.extend(new)
+                held.tokens.extend(new)
+                if held.logprobs is not None:
+                    held.logprobs.extend(rnd.logprobs or ())
+                if held.rounds is not None:
+                    held.rounds.append({"tokens": list(new), "drafted": rnd.drafted, "accepted": rnd.accepted,
+                                        "gamma": stats.gamma_history[-1], "lookup": rnd.looked_up})
                 observed.round_done(stats, len(new))
                 if reason is not None:
                     stats.total_time_s, stats.new_tokens = time.perf_counter() - t0, len(committed)
                     stats.worker_verify_time_s += verifier.worker_time_s
-                    emit(Chunk(held, reason, stats.to_dict()))
+                    emit(replace(held, finish_reason=reason, stats=stats.to_dict()))
                     return reason
                 if request.stream:
                     # statistics so far only where the consumer may end the session early (stop strings)
-                    emit(Chunk(held, None, stats.to_dict() if request.params.stop else None))
-                    held = []
+                    emit(replace(held, stats=stats.to_dict() if request.params.stop else None))
+                    held = fresh()
                 if cancel.is_set():
                     return cancel.reason
             return cancel.reason  # speculate always ends with a reason; only a closed generator gets here
@@ -294,7 +327,7 @@ class Coordinator:
                     if not isinstance(after, Chunk):
                         pending = after  # an error or the end: delivered after this chunk
                         break
-                    item = Chunk(item.tokens + after.tokens, after.finish_reason, after.stats)
+                    item = item.then(after)
                 if item is None:
                     return
                 if isinstance(item, BaseException):

@@ -36,6 +36,8 @@ class GenerationResult:
     finish_reason: str  # "stop" (eos or a stop string) or "length"
     prompt_tokens: int
     stats: GenerationStats = field(default_factory=GenerationStats)
+    # per new token (token, log-probability, top alternatives) when params.logprobs is set
+    logprobs: list | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -175,16 +177,20 @@ class SpeculativeDecoder:
         if (self.gamma if gamma is None else gamma) == "auto" and self.draft_kind != "none":
             self.cost_profile()  # one-time calibration, kept out of the timed generation
         t_start = time.perf_counter()
-        for new, reason in self.rounds(prompt_ids, params, max_new_tokens, gamma, stats, draft_lookup):
+        logprobs: list | None = [] if params.logprobs is not None else None
+        for rnd in self.rounds(prompt_ids, params, max_new_tokens, gamma, stats, draft_lookup):
+            new, reason = rnd
             tokens.extend(new)
             finish = reason or finish
+            if logprobs is not None:
+                logprobs.extend(rnd.logprobs)
         stats.total_time_s = time.perf_counter() - t_start
         stats.new_tokens = len(tokens)
         text = self.decode(tokens)
         if text is not None and params.stop:
             text, stopped = cut_at_stop(text, params.stop)
             finish = "stop" if stopped else finish
-        return GenerationResult(tokens, text, finish, len(prompt_ids), stats)
+        return GenerationResult(tokens, text, finish, len(prompt_ids), stats, logprobs)
 
     def rounds(
         self,

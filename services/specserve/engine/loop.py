@@ -17,6 +17,24 @@ from specserve.engine.stats import GenerationStats
 from specserve.spec import GammaController, PositionRNG, RoundObservation, SamplingParams
 
 
+class Round(tuple):
+    """What `speculate` yields each round: a (new tokens, finish reason or None) pair, which is how most callers
+    unpack it, with the round's detail as attributes: `drafted` (the block the target verified), `accepted`
+    (how many of it were kept), `looked_up` (prompt lookup drafted it) and `logprobs` (of the new tokens,
+    when the request asked for them; see `spec.sampling.token_logprobs`)."""
+
+    drafted: list[int]
+    accepted: int
+    looked_up: bool
+    logprobs: list | None
+
+    def __new__(cls, tokens: list[int], reason: str | None, drafted=(), accepted: int = 0, looked_up: bool = False,
+                logprobs: list | None = None):
+        self = super().__new__(cls, (tokens, reason))
+        self.drafted, self.accepted, self.looked_up, self.logprobs = list(drafted), accepted, looked_up, logprobs
+        return self
+
+
 def draft_block(
     proposer: Proposer | None,
     controller: GammaController,
@@ -119,7 +137,8 @@ def speculate(
             produced += len(new)
             if reason is None and hit_stop is not None and hit_stop(context[len(prompt_ids) :]):
                 reason = "stop"
-            yield new, reason
+            logprobs = verdict.logprobs[: len(new)] if verdict.logprobs is not None else None
+            yield Round(new, reason, proposal.tokens, verdict.n_accepted, looked_up, logprobs)
             if reason is not None:
                 return
     finally:

@@ -28,7 +28,7 @@ from specserve.spec import (
     accept_prefix,
     probs_from_logits,
 )
-from specserve.spec.sampling import sample_from_probs, sparse_to_dense, truncate_top_k
+from specserve.spec.sampling import sample_from_probs, sparse_to_dense, token_logprobs, truncate_top_k
 
 
 @dataclass
@@ -284,6 +284,9 @@ class TargetVerifier:
                 rng.uniforms(start, k, Purpose.ACCEPT),
                 rng.uniforms(start, k + 1, Purpose.FINAL),
             )
+        if params.logprobs is not None:  # of the emitted tokens, from the logits this verify computed anyway
+            emitted = proposal.tokens[: verdict.n_accepted] + [verdict.next_token]
+            verdict.logprobs = token_logprobs(logits, emitted, params.logprobs)
         self.seq.rollback(start + verdict.n_accepted)  # drop rejected positions now
         return verdict
 

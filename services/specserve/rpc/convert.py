@@ -18,6 +18,8 @@ def sampling_to_proto(params: SamplingParams, seed: int | None = None) -> genera
     seed = params.seed if seed is None else seed
     if seed is not None:
         msg.seed = seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
     return msg
 
 
@@ -29,6 +31,7 @@ def sampling_from_proto(msg: generator_pb2.SamplingParams, field: str = "samplin
         "seed": msg.seed if msg.HasField("seed") else None,
         "stop": list(msg.stop) or None,
         "ignore_eos": msg.ignore_eos,
+        "logprobs": msg.logprobs if msg.HasField("logprobs") else None,
     }
     try:
         return SamplingParams(**values)
@@ -75,3 +78,17 @@ def proposal_from_wire(tokens, dists, vocab: int, key: str | None = None):
     if all(len(d.ids) == 1 and d.ids[0] == t and 0 <= t < vocab and d.probs[:] == [1.0] for d, t in zip(dists, tokens)):
         return Proposal(tokens, vocab, key)
     return Proposal(tokens, q_from_wire(dists, vocab), key)
+
+
+def logprobs_to_wire(logprobs) -> list[generator_pb2.TokenLogprob]:
+    """`Verdict.logprobs` entries (token, log-probability, [(token, log-probability)]) as messages."""
+    return [generator_pb2.TokenLogprob(token_id=t, logprob=lp, top=[generator_pb2.TopLogprob(token_id=i, logprob=v)
+                                                                    for i, v in top])
+            for t, lp, top in logprobs or ()]
+
+
+def logprobs_from_wire(messages) -> list | None:
+    """The inverse of logprobs_to_wire (None for none: the request did not ask)."""
+    if not len(messages):
+        return None
+    return [(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top]) for m in messages]

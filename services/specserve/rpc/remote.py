@@ -11,10 +11,10 @@ from __future__ import annotations
 import uuid
 
 from specserve.engine.batching import StepInfo
-from specserve.engine.loop import speculate
+from specserve.engine.loop import Round, speculate
 from specserve.engine.proposers import Proposal, Proposer, prompt_lookup
 from specserve.engine.stats import GenerationStats
-from specserve.rpc.convert import proposal_from_wire, proposal_q_to_wire, sampling_to_proto
+from specserve.rpc.convert import logprobs_from_wire, proposal_from_wire, proposal_q_to_wire, sampling_to_proto
 from specserve.spec import GammaController, PositionRNG, SamplingParams, Verdict
 from specserve.v1 import workers_pb2
 
@@ -114,7 +114,8 @@ class RemoteVerifier(_SessionProxy):
         self.worker_time_s += reply.verify_time_s
         if reply.step_sessions:
             self.last_step = StepInfo(reply.step_tokens, reply.step_sessions, reply.verify_time_s)
-        return Verdict(reply.n_accepted, reply.next_token, list(reply.accept_probs), list(reply.betas))
+        return Verdict(reply.n_accepted, reply.next_token, list(reply.accept_probs), list(reply.betas),
+                       logprobs_from_wire(reply.logprobs))
 
 
 class RemoteSession:
@@ -137,7 +138,8 @@ class RemoteSession:
                 stats.record_round(reply.gamma, reply.drafted, reply.accepted, reply.draft_time_s,
                                    reply.verify_time_s, reply.looked_up)
                 self.worker_time_s += reply.step_time_s
-                yield list(reply.tokens), reply.finish_reason or None
+                yield Round(list(reply.tokens), reply.finish_reason or None, reply.drafted_tokens, reply.accepted,
+                            reply.looked_up, logprobs_from_wire(reply.logprobs))
         finally:
             call.cancel()  # a consumer that stops early ends the session on the worker
 

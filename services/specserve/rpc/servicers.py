@@ -35,7 +35,7 @@ from specserve.engine.proposers import Proposer, TargetVerifier
 from specserve.engine.stats import GenerationStats
 from specserve.models.lean import unsupported_reason
 from specserve.models.pool import KVCacheFull, KVPool
-from specserve.rpc.convert import proposal_from_wire, proposal_q_to_wire, sampling_from_proto
+from specserve.rpc.convert import logprobs_to_wire, proposal_from_wire, proposal_q_to_wire, sampling_from_proto
 from specserve.spec import PositionRNG, SamplingParams, served_gamma
 from specserve.v1 import workers_pb2, workers_pb2_grpc
 
@@ -275,7 +275,7 @@ class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerService
         return workers_pb2.VerifyReply(
             n_accepted=verdict.n_accepted, next_token=verdict.next_token,
             accept_probs=verdict.accept_probs, betas=verdict.betas, verify_time_s=step.seconds,
-            step_tokens=step.tokens, step_sessions=step.sessions,
+            step_tokens=step.tokens, step_sessions=step.sessions, logprobs=logprobs_to_wire(verdict.logprobs),
         )
 
     @_rpc_stream
@@ -297,13 +297,15 @@ class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerService
                                                  len(self.sessions))
         before, last = (0, 0.0, 0.0, 0), None
         try:
-            for new, reason in rounds:
+            for rnd in rounds:
+                new, reason = rnd
                 now = (stats.drafted, stats.draft_time_s, stats.verify_time_s, stats.lookup_rounds)
                 reply = workers_pb2.RoundReply(
                     tokens=new, finish_reason=reason or "", gamma=stats.gamma_history[-1],
                     drafted=now[0] - before[0], accepted=stats.accepted_history[-1],
                     draft_time_s=now[1] - before[1], verify_time_s=now[2] - before[2],
                     looked_up=now[3] > before[3], step_time_s=verifier.last_step.seconds,
+                    logprobs=logprobs_to_wire(rnd.logprobs), drafted_tokens=rnd.drafted,
                 )
                 before = now
                 if reason is not None:

@@ -15,6 +15,7 @@ per-round traffic never passes through Serve.
 import asyncio
 import json
 import logging
+import pathlib
 import secrets
 import time
 import traceback
@@ -27,7 +28,7 @@ import grpc
 import ray
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -36,14 +37,18 @@ from specserve.coordinator.links import WorkerLost
 from specserve.engine.prompts import PromptCodec, PromptError
 from specserve.models import load_tokenizer
 from specserve.serve import auth, limits
+from specserve.rpc.convert import logprobs_to_wire
 from specserve.serve.config import AppConfig
 from specserve.serve.grpc_api import UNDECODABLE
 from specserve.serve.protocol import (
+    MAX_N,
     ChatCompletionRequest,
     CompletionRequest,
     GenerationInput,
     openai_error,
+    openai_logprobs,
     prepare,
+    round_view,
     stats_summary,
     usage,
 )
@@ -52,6 +57,7 @@ from specserve.workers.actors import start_workers
 
 GRPC_SERVICER_FUNCTION = "specserve.serve.grpc_api.add_GeneratorServicer_to_server"
 RETRY_AFTER_S = "5"  # what a 503 tells clients to wait (a restarting worker, a full server)
+PLAYGROUND_HTML = (pathlib.Path(__file__).parent / "playground.html").read_text(encoding="utf-8")
 HEALTH_TIMEOUT_S = 5.0  # a worker or coordinator that does not answer /health within this is reported down
 
 log = logging.getLogger("ray.serve")
@@ -88,6 +94,8 @@ class Event:
     finish_reason: str | None
     completion_tokens: int
     stats: dict[str, Any] | None
+    logprobs: list | None = None  # per token of token_ids, when the request asked
+    rounds: list | None = None  # the rounds behind them, when the request asked (SessionRequest.detail)
 
 
 class _WorkerError(Exception):
@@ -134,6 +142,58 @@ class _WorkerError(Exception):
                        grpc.StatusCode.UNAVAILABLE)
         log.error("request %s failed: %s", request_id, "".join(traceback.format_exception(cause)))
         return cls(f"internal error (request {request_id})", 500, grpc.StatusCode.INTERNAL)
+
+
+# Helpers the ingress uses are defined above it: Serve serializes the class where it is decorated.
+async def _merged(streams: list[AsyncIterator[Event]]) -> AsyncIterator[tuple[int, Event]]:
+    """(choice index, event) from several choices' event streams as they come. Closing this closes them all (their
+    sessions end); the first failure of one is raised here and ends the others."""
+    if len(streams) == 1:  # the usual n=1: no tasks in between
+        try:
+            async for event in streams[0]:
+                yield 0, event
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator[Event]) -> None:
+        try:
+            async for event in stream:
+                await queue.put((index, event))
+        except Exception as exc:  # noqa: BLE001 - handed over
+            await queue.put((index, exc))
+        finally:
+            await stream.aclose()
+            await queue.put((index, done))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _all_or_none(calls: list) -> list:
+    """Await every call; if one fails, cancel the others (their sessions end) and raise its error."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
@@ -183,7 +243,8 @@ class SpecServe:
                         ended = chunk.finish_reason is not None
                         delta = text.push(chunk.tokens, ended)
                         reason = "stop" if text.stopped else chunk.finish_reason
-                        yield Event(delta, chunk.tokens, reason, len(committed), chunk.stats)
+                        yield Event(delta, chunk.tokens, reason, len(committed), chunk.stats, chunk.logprobs,
+                                    chunk.rounds)
                         if reason is not None:
                             return
                     return
@@ -223,13 +284,31 @@ class SpecServe:
 
     async def _collect(self, request: SessionRequest) -> Event:
         text, tokens, last = [], [], None
+        logprobs = [] if request.params.logprobs is not None else None
         async for event in self._events(request):
             text.append(event.text)
             tokens.extend(event.token_ids)
+            if logprobs is not None:
+                logprobs.extend(event.logprobs or ())
             last = event
-        return Event("".join(text), tokens, last.finish_reason, last.completion_tokens, last.stats)
+        return Event("".join(text), tokens, last.finish_reason, last.completion_tokens, last.stats, logprobs)
+
+    def _token_text(self, token: int) -> str:
+        return self.codec.tokenizer.decode([token]) if self.codec.tokenizer is not None else str(token)
+
+    def _logprobs(self, event: Event, chat: bool, offset: int = 0) -> dict[str, Any] | None:
+        """The event's tokens' `logprobs` object (None when the request did not ask)."""
+        if event.logprobs is None:
+            return None
+        return openai_logprobs(event.logprobs, self._token_text, chat, offset)
 
     # -- HTTP -------------------------------------------------------------------
+    @api.get("/", response_class=HTMLResponse)
+    async def playground(self):
+        """The playground page: a chat that colours each token by how speculation produced it (no build step,
+        nothing fetched from elsewhere; it calls this app's own API)."""
+        return HTMLResponse(PLAYGROUND_HTML)
+
     @api.get("/health")
     async def health(self):
         """200 when the coordinator and every worker answer; 503 "degraded" while one is down or restarting
@@ -248,11 +327,19 @@ class SpecServe:
             return JSONResponse({"status": "degraded", "down": down}, status_code=503)
         return {"status": "ok", "model": self.model_name, "target": answers["target"], **answers["coordinator"]}
 
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specserve"}
+
     @api.get("/v1/models", dependencies=[Depends(auth.require_key)])
     async def models(self):
-        return {"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specserve"}
-        ]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    @api.get("/v1/models/{model_id:path}", dependencies=[Depends(auth.require_key)])
+    async def model(self, model_id: str):
+        if model_id != self.model_name:
+            return JSONResponse(openai_error(f"The model {model_id!r} does not exist; this server serves "
+                                             f"{self.model_name!r}", "model", "model_not_found"), status_code=404)
+        return self._model_card()
 
     @api.post("/v1/completions", dependencies=[Depends(auth.require_key)])
     async def completions(self, body: CompletionRequest):
@@ -271,40 +358,71 @@ class SpecServe:
         rid = ("chatcmpl-" if chat else "cmpl-") + request.request_id
         prompt_tokens = len(request.prompt_ids)
         request.stream = body.stream or bool(request.params.stop)  # stop strings are checked as text arrives
+        request.detail = body.speculation_detail
+        choices = [request.choice(i) for i in range(body.n)]  # n > 1: sessions of their own, seeds of their own
         try:
             if body.stream:
-                events = await self._started(request)
-                return StreamingResponse(self._sse(events, rid, chat, prompt_tokens), media_type="text/event-stream")
-            event = await self._collect(request)
+                streams = []
+                try:
+                    for choice in choices:
+                        streams.append(await self._started(choice))
+                except BaseException:
+                    for started in streams:
+                        await started.aclose()
+                    raise
+                sse = self._sse(_merged(streams), rid, chat, prompt_tokens, body.include_usage)
+                return StreamingResponse(sse, media_type="text/event-stream")
+            events = await _all_or_none([self._collect(choice) for choice in choices])
         except _WorkerError as exc:
             return exc.response()
-        choice = (
-            {"index": 0, "message": {"role": "assistant", "content": event.text}, "finish_reason": event.finish_reason}
-            if chat else {"index": 0, "text": event.text, "logprobs": None, "finish_reason": event.finish_reason}
-        )
         return {
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": self.model_name, "choices": [choice],
-            "usage": usage(prompt_tokens, event.completion_tokens), "specserve": stats_summary(event.stats),
+            "model": self.model_name,
+            "choices": [
+                {"index": i, "message": {"role": "assistant", "content": event.text},
+                 "logprobs": self._logprobs(event, chat), "finish_reason": event.finish_reason}
+                if chat else {"index": i, "text": event.text, "logprobs": self._logprobs(event, chat),
+                              "finish_reason": event.finish_reason}
+                for i, event in enumerate(events)
+            ],
+            "usage": usage(prompt_tokens, sum(event.completion_tokens for event in events)),
+            "specserve": stats_summary(events[0].stats),  # the first choice's
         }
 
-    async def _sse(self, events: AsyncIterator[Event], rid: str, chat: bool, prompt_tokens: int):
-        created, first = int(time.time()), True
+    async def _sse(self, events: AsyncIterator[tuple[int, Event]], rid: str, chat: bool, prompt_tokens: int,
+                   include_usage: bool = False):
+        """OpenAI's stream: a chunk per round and choice; with include_usage, `usage: null` on each and a last
+        chunk with empty choices and the usage (as OpenAI sends it)."""
+        created, started = int(time.time()), set()
+        completion_tokens: dict[int, int] = {}
+        offsets: dict[int, int] = {}  # completions' text_offset: the text each choice streamed so far
         obj = "chat.completion.chunk" if chat else "text_completion"
         try:
-            async for event in events:
+            async for index, event in events:
                 if chat:
                     delta = {"content": event.text}
-                    if first:
+                    if index not in started:
                         delta["role"] = "assistant"
-                    choice = {"index": 0, "delta": delta, "finish_reason": event.finish_reason}
+                    choice = {"index": index, "delta": delta, "logprobs": self._logprobs(event, chat),
+                              "finish_reason": event.finish_reason}
                 else:
-                    choice = {"index": 0, "text": event.text, "logprobs": None, "finish_reason": event.finish_reason}
-                first = False
+                    choice = {"index": index, "text": event.text,
+                              "logprobs": self._logprobs(event, chat, offsets.get(index, 0)),
+                              "finish_reason": event.finish_reason}
+                    offsets[index] = offsets.get(index, 0) + len(event.text)
+                started.add(index)
+                completion_tokens[index] = event.completion_tokens
                 payload = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
+                if include_usage:
+                    payload["usage"] = None
+                if event.rounds is not None:  # extension, asked for with speculation_detail
+                    payload["specserve_rounds"] = [round_view(r, self._token_text) for r in event.rounds]
                 if event.finish_reason is not None:
-                    payload["usage"] = usage(prompt_tokens, event.completion_tokens)
-                    payload["specserve"] = stats_summary(event.stats)
+                    payload["specserve"] = stats_summary(event.stats)  # extension: this choice's statistics
+                yield f"data: {json.dumps(payload)}\n\n"
+            if include_usage:
+                payload = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
+                           "usage": usage(prompt_tokens, sum(completion_tokens.values()))}
                 yield f"data: {json.dumps(payload)}\n\n"
         except _WorkerError as exc:
             yield f"data: {json.dumps(openai_error(str(exc), None))}\n\n"
@@ -326,7 +444,7 @@ class SpecServe:
             raise PromptError("prompt", "set either prompt or messages")
         s = message.sampling
         sampling: dict[str, Any] = {"top_k": s.top_k, "stop": list(s.stop), "ignore_eos": s.ignore_eos}
-        for name in ("temperature", "top_p", "seed"):
+        for name in ("temperature", "top_p", "seed", "logprobs"):
             if s.HasField(name):
                 sampling[name] = getattr(s, name)
         max_tokens = None if message.max_tokens == 0 else message.max_tokens
@@ -338,10 +456,12 @@ class SpecServe:
         context.set_code(code)
         context.set_details(details)
 
-    def _grpc_response(self, event: Event, request: SessionRequest) -> generator_pb2.GenerateResponse:
+    def _grpc_response(self, event: Event, request: SessionRequest, index: int = 0) -> generator_pb2.GenerateResponse:
         response = generator_pb2.GenerateResponse(
+            index=index,
             text=event.text, token_ids=event.token_ids, finish_reason=event.finish_reason or "",
             prompt_tokens=len(request.prompt_ids), completion_tokens=event.completion_tokens,
+            logprobs=logprobs_to_wire(event.logprobs),
         )
         if event.finish_reason is not None:
             stats = stats_summary(event.stats)
@@ -357,6 +477,13 @@ class SpecServe:
             self._grpc_fail(grpc_context, grpc.StatusCode.UNAUTHENTICATED, auth.UNAUTHENTICATED_MESSAGE)
             raise auth.Unauthenticated()
 
+    @staticmethod
+    def _grpc_choices(message: generator_pb2.GenerateRequest, session: SessionRequest) -> list[SessionRequest]:
+        n = message.n or 1
+        if not 1 <= n <= MAX_N:
+            raise PromptError("n", f"must be between 1 and {MAX_N}, got {n}")
+        return [session.choice(i) for i in range(n)]
+
     async def Generate(self, request: generator_pb2.GenerateRequest, grpc_context=None):
         try:
             self._grpc_authenticate(grpc_context)
@@ -365,14 +492,19 @@ class SpecServe:
         try:
             session = self._grpc_request(request)
             session.stream = bool(session.params.stop)
-            event = await self._collect(session)
+            choices = self._grpc_choices(request, session)
+            events = await _all_or_none([self._collect(choice) for choice in choices])
         except PromptError as exc:
             self._grpc_fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return generator_pb2.GenerateResponse()
         except _WorkerError as exc:
             self._grpc_fail(grpc_context, exc.grpc_code, str(exc))
             return generator_pb2.GenerateResponse()
-        return self._grpc_response(event, session)
+        response = self._grpc_response(events[0], session)
+        if len(events) > 1:  # n > 1: every sample in `choices`, sample 0's fields at the top as well
+            for i, event in enumerate(events):
+                response.choices.append(self._grpc_response(event, session, i))
+        return response
 
     async def GenerateStream(self, request: generator_pb2.GenerateRequest, grpc_context=None):
         # A stream carries its status only with a message or an exception: set the code, then raise
@@ -380,13 +512,19 @@ class SpecServe:
         self._grpc_authenticate(grpc_context)
         try:
             session = self._grpc_request(request)
+            choices = self._grpc_choices(request, session)
         except PromptError as exc:
             self._grpc_fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise
+        streams = []
         try:
-            async for event in await self._started(session):
-                yield self._grpc_response(event, session)
+            for choice in choices:
+                streams.append(await self._started(choice))
+            async for index, event in _merged(streams):
+                yield self._grpc_response(event, session, index)
         except _WorkerError as exc:
+            for started in streams:
+                await started.aclose()
             self._grpc_fail(grpc_context, exc.grpc_code, str(exc))
             raise
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from specserve.coordinator import SessionRequest
 from specserve.engine.prompts import PromptCodec, PromptError
 from specserve.spec import SamplingParams, served_gamma
+from specserve.spec.params import MAX_TOP_LOGPROBS
 
 
 @dataclass
@@ -90,8 +91,37 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 # -- OpenAI HTTP bodies ------------------------------------------------------------
+MAX_N = 16  # choices per request (each is a session of its own)
+
+# OpenAI parameters this server does not implement, with the value that means "not used": a request that sets one
+# to anything else is refused (400 naming it), never served as if the parameter had been honoured.
+UNSUPPORTED: dict[str, Any] = {
+    "frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "logit_bias": {}, "best_of": 1,
+    "echo": False, "suffix": "", "tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
+    "parallel_tool_calls": None, "response_format": {"type": "text"},
+    "store": False, "metadata": {}, "modalities": ["text"], "audio": None, "prediction": None,
+    "reasoning_effort": None, "service_tier": "auto", "web_search_options": None, "min_p": 0, "min_tokens": 0,
+    "stop_token_ids": [], "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+}
+# OpenAI parameters accepted and not used, because they cannot change the output
+IGNORED = {"user"}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; not implemented, refused when true
+
+    def check(self) -> None:
+        if self.continuous_usage_stats:
+            raise PromptError("stream_options.continuous_usage_stats", "is not supported by this server")
+
+
 class _OpenAIRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # clients send fields we do not use (user, n=1, ...)
+    # Unknown and unimplemented fields are collected here and refused in check() with their name (an
+    # OpenAI-shaped 400), so a client never gets output that silently ignored what it asked for.
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -101,8 +131,11 @@ class _OpenAIRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension
     gamma: int | str | None = None  # extension: speculation depth for this request
+    # extension: each streamed chunk lists its rounds (`specserve_rounds`: drafted, accepted, rejected, γ)
+    speculation_detail: bool = False
     n: int = 1
 
     def sampling(self) -> dict[str, Any]:
@@ -114,38 +147,131 @@ class _OpenAIRequest(BaseModel):
             values["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         return values
 
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
     def check(self) -> None:
-        if self.n != 1:
-            raise PromptError("n", "only n=1 is supported")
+        if not 1 <= self.n <= MAX_N:
+            raise PromptError("n", f"must be between 1 and {MAX_N}, got {self.n}")
+        if self.stream_options is not None:
+            if not self.stream:
+                raise PromptError("stream_options", "is only allowed when stream is true")
+            self.stream_options.check()
+        if self.speculation_detail and not self.stream:
+            raise PromptError("speculation_detail", "is only allowed when stream is true")
+        for name, value in (self.model_extra or {}).items():
+            if name in IGNORED or value is None:
+                continue
+            if name not in UNSUPPORTED:
+                raise PromptError(name, "is not a parameter this server knows")
+            if not _neutral(value, UNSUPPORTED[name]):
+                raise PromptError(name, "is not supported by this server")
+
+
+def _neutral(value: Any, default: Any) -> bool:
+    """Whether `value` means what leaving the parameter out means (True is not 1, 0 is not False)."""
+    if isinstance(value, bool) or isinstance(default, bool):
+        return value is default
+    return value == default
 
 
 class CompletionRequest(_OpenAIRequest):
     prompt: str | list[int]
+    logprobs: int | None = None  # the emitted tokens' log-probabilities and this many alternatives each
 
     def to_input(self) -> GenerationInput:
         self.check()
-        return GenerationInput(self.prompt, "prompt", self.model, self.max_tokens, self.sampling(), self.gamma)
+        sampling = self.sampling()
+        if self.logprobs is not None:
+            sampling["logprobs"] = self.logprobs
+        return GenerationInput(self.prompt, "prompt", self.model, self.max_tokens, sampling, self.gamma)
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # tool_calls, audio, ...: refused with their name, not dropped
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[Any]  # a string, or OpenAI's content parts (only text parts are served)
+    name: str | None = None  # OpenAI's participant name: accepted, not shown to the model
+
+    def text(self, field_name: str) -> str:
+        """The content as one string: text parts joined by newlines (as vLLM joins them). Other parts (images,
+        audio, files) are refused naming the part."""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            where = f"{field_name}.content.{j}"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise PromptError(f"{where}.type", f"content parts of type {kind!r} are not supported; only 'text'")
+            if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                raise PromptError(where, "a text part is {'type': 'text', 'text': <string>}")
+            texts.append(part["text"])
+        return "\n".join(texts)
 
 
 class ChatCompletionRequest(_OpenAIRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
     def to_input(self) -> GenerationInput:
         self.check()
+        sampling = self.sampling()
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise PromptError("top_logprobs", "needs logprobs: true")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise PromptError("top_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
+        if self.logprobs:
+            sampling["logprobs"] = self.top_logprobs or 0
         if not self.messages:
             raise PromptError("messages", "must not be empty")
-        messages = [m.model_dump() for m in self.messages]
+        messages = [{"role": m.role, "content": m.text(f"messages.{i}")} for i, m in enumerate(self.messages)]
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         field_name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         if max_tokens is not None and max_tokens < 1:
             raise PromptError(field_name, f"must be >= 1, got {max_tokens}")
-        return GenerationInput(messages, "messages", self.model, max_tokens, self.sampling(), self.gamma)
+        return GenerationInput(messages, "messages", self.model, max_tokens, sampling, self.gamma)
+
+
+def openai_logprobs(entries: list, token_text, chat: bool, offset: int = 0) -> dict[str, Any]:
+    """OpenAI's `logprobs` object for the tokens of `entries` ((token, log-probability, top alternatives), as
+    `spec.sampling.token_logprobs` makes them); token_text(id) -> its text. Chat: {"content": [...]};
+    completions: tokens / token_logprobs / top_logprobs / text_offset (offsets from `offset` in the completion)."""
+    if chat:
+        def item(token: int, logprob: float) -> dict[str, Any]:
+            text = token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top]} for t, lp, top in entries],
+                "refusal": None}
+    texts = [token_text(t) for t, _, _ in entries]
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": texts, "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [{token_text(i): v for i, v in top} for _, _, top in entries],
+            "text_offset": offsets}
+
+
+def round_view(detail: dict[str, Any], token_text) -> dict[str, Any]:
+    """One round as the `specserve_rounds` extension shows it, texts per token: `accepted` (draft tokens the
+    target kept), `rejected` (the draft tokens after the first rejection, not emitted), `next` (the target's own
+    token: `next_kind` "correction" after a rejection, "bonus" after a fully accepted block, "target" when
+    nothing was drafted), `lookup` (prompt lookup drafted the block), `gamma` and the emitted `token_ids`.
+    A round cut short (eos, max_tokens) shows only what it emitted."""
+    new, drafted, n = detail["tokens"], detail["drafted"], detail["accepted"]
+    view = {"token_ids": new, "accepted": [token_text(t) for t in new[:n]],
+            "rejected": [token_text(t) for t in drafted[n:]], "gamma": detail["gamma"], "lookup": detail["lookup"]}
+    if len(new) > n:
+        view["next"] = token_text(new[n])
+        view["next_kind"] = "correction" if n < len(drafted) else "bonus" if drafted else "target"
+    return view
 
 
 def openai_error(message: str, param: str | None, code: str | None = None, kind: str = "invalid_request_error"):

@@ -109,6 +109,7 @@ def usage_text(config: dict[str, Any], metrics_port: int = 0) -> str:
     key = "os.environ['SPECSERVE_API_KEY']" if keyed else "'-'"
     return f"""
 [specserve] serving. Try:
+  the playground (tokens coloured by how speculation made them): open {base}/ in a browser
   curl {base}/health
   curl {base}/v1/completions -H 'Content-Type: application/json'{auth} \\
        -d '{{"prompt": "The capital of France is", "max_tokens": 32, "temperature": 0}}'

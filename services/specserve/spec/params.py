@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): at T=1e-5 a logit gap of 0.001 already
 # gives the runner-up a probability of e^-100; below it, logits / T overflows (T=1e-40 gave invalid tokens).
 GREEDY_BELOW = 1e-5
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
 def check_unicode(text: str) -> str:
@@ -48,6 +49,12 @@ class SamplingParams(BaseModel):
     )
     stop: list[str] | None = Field(None, description="Stop when the generated text contains one of these strings.")
     ignore_eos: bool = Field(False, description="Keep generating after the end-of-sequence token.")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS,
+        description="Report each emitted token's log-probability and the this-many most likely tokens at its "
+        "position (None: none). From the target's raw distribution, before temperature, top-k and top-p; "
+        "never changes which tokens are drawn.",
+    )
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -25,6 +25,8 @@ class Verdict:
     next_token: int  # correction (n < γ) or bonus (n = γ) token, always emitted
     accept_probs: list[float] = field(default_factory=list)  # min(1, p_i(x_i)/q_i(x_i)), positions 1..n+1
     betas: list[float] = field(default_factory=list)  # Σ_x min(p_i, q_i), positions 1..n+1
+    # (token, log-probability, top alternatives) of the n+1 emitted tokens, when the request asked for them
+    logprobs: list | None = None
 
     @property
     def emitted(self) -> int:

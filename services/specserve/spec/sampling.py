@@ -81,3 +81,17 @@ def vocab_last_nonzero(probs: torch.Tensor) -> torch.Tensor:
     vocab = probs.shape[-1]
     positions = torch.arange(vocab).expand_as(probs)
     return torch.where(probs > 0, positions, -1).max(-1).values
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """(token, its log-probability, the `top` most likely (token, log-probability) pairs) per row of logits
+    [len(tokens), vocab]: the raw distribution (OpenAI's and vLLM's default), not the sampled one, which
+    temperature, top-k and top-p change."""
+    logp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+    chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
+    if top:
+        values, ids = torch.topk(logp, top, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        tops = [[] for _ in tokens]
+    return [(t, lp, tp) for t, lp, tp in zip(tokens, chosen, tops)]

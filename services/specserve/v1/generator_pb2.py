@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecserve/v1/generator.proto\x12\x0cspecserve.v1\"\xa5\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\"\xbe\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12.\n\x08messages\x18\x03 \x01(\x0b\x32\x1a.specserve.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\r\n\x05gamma\x18\x06 \x01(\tB\x07\n\x05input\"\xd6\x01\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x02\x12\x15\n\rgamma_history\x18\x06 \x03(\x05\x12\x14\n\x0c\x64raft_time_s\x18\x07 \x01(\x02\x12\x15\n\rverify_time_s\x18\x08 \x01(\x02\x12\x14\n\x0ctokens_per_s\x18\t \x01(\x02\"\xab\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12-\n\x05stats\x18\x06 \x01(\x0b\x32\x1e.specserve.v1.SpeculationStats2\xa9\x01\n\tGenerator\x12I\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecserve/v1/generator.proto\x12\x0cspecserve.v1\"\xc9\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x15\n\x08logprobs\x18\x07 \x01(\x05H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.specserve.v1.TopLogprob\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\"\xc9\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12.\n\x08messages\x18\x03 \x01(\x0b\x32\x1a.specserve.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\r\n\x05gamma\x18\x06 \x01(\t\x12\t\n\x01n\x18\x07 \x01(\x05\x42\x07\n\x05input\"\xd6\x01\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x02\x12\x15\n\rgamma_history\x18\x06 \x03(\x05\x12\x14\n\x0c\x64raft_time_s\x18\x07 \x01(\x02\x12\x15\n\rverify_time_s\x18\x08 \x01(\x02\x12\x14\n\x0ctokens_per_s\x18\t \x01(\x02\"\x99\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12-\n\x05stats\x18\x06 \x01(\x0b\x32\x1e.specserve.v1.SpeculationStats\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\x05\x12/\n\x07\x63hoices\x18\t \x03(\x0b\x32\x1e.specserve.v1.GenerateResponse2\xa9\x01\n\tGenerator\x12I\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,17 +32,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.v1.generator_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=47
-  _globals['_SAMPLINGPARAMS']._serialized_end=212
-  _globals['_CHATMESSAGE']._serialized_start=214
-  _globals['_CHATMESSAGE']._serialized_end=258
-  _globals['_CHATMESSAGES']._serialized_start=260
-  _globals['_CHATMESSAGES']._serialized_end=319
-  _globals['_GENERATEREQUEST']._serialized_start=322
-  _globals['_GENERATEREQUEST']._serialized_end=512
-  _globals['_SPECULATIONSTATS']._serialized_start=515
-  _globals['_SPECULATIONSTATS']._serialized_end=729
-  _globals['_GENERATERESPONSE']._serialized_start=732
-  _globals['_GENERATERESPONSE']._serialized_end=903
-  _globals['_GENERATOR']._serialized_start=906
-  _globals['_GENERATOR']._serialized_end=1075
+  _globals['_SAMPLINGPARAMS']._serialized_end=248
+  _globals['_TOPLOGPROB']._serialized_start=250
+  _globals['_TOPLOGPROB']._serialized_end=297
+  _globals['_TOKENLOGPROB']._serialized_start=299
+  _globals['_TOKENLOGPROB']._serialized_end=387
+  _globals['_CHATMESSAGE']._serialized_start=389
+  _globals['_CHATMESSAGE']._serialized_end=433
+  _globals['_CHATMESSAGES']._serialized_start=435
+  _globals['_CHATMESSAGES']._serialized_end=494
+  _globals['_GENERATEREQUEST']._serialized_start=497
+  _globals['_GENERATEREQUEST']._serialized_end=698
+  _globals['_SPECULATIONSTATS']._serialized_start=701
+  _globals['_SPECULATIONSTATS']._serialized_end=915
+  _globals['_GENERATERESPONSE']._serialized_start=918
+  _globals['_GENERATERESPONSE']._serialized_end=1199
+  _globals['_GENERATOR']._serialized_start=1202
+  _globals['_GENERATOR']._serialized_end=1371
 # @@protoc_insertion_point(module_scope)

@@ -84,7 +84,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, update: _Optional[_Union[SessionUpdate, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("n_accepted", "next_token", "accept_probs", "betas", "verify_time_s", "step_tokens", "step_sessions")
+    __slots__ = ("n_accepted", "next_token", "accept_probs", "betas", "verify_time_s", "step_tokens", "step_sessions", "logprobs")
     N_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class VerifyReply(_message.Message):
     VERIFY_TIME_S_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     n_accepted: int
     next_token: int
     accept_probs: _containers.RepeatedScalarFieldContainer[float]
@@ -99,7 +100,8 @@ class VerifyReply(_message.Message):
     verify_time_s: float
     step_tokens: int
     step_sessions: int
-    def __init__(self, n_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., accept_probs: _Optional[_Iterable[float]] = ..., betas: _Optional[_Iterable[float]] = ..., verify_time_s: _Optional[float] = ..., step_tokens: _Optional[int] = ..., step_sessions: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generator_pb2.TokenLogprob]
+    def __init__(self, n_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., accept_probs: _Optional[_Iterable[float]] = ..., betas: _Optional[_Iterable[float]] = ..., verify_time_s: _Optional[float] = ..., step_tokens: _Optional[int] = ..., step_sessions: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generator_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("session_id", "prompt_ids", "sampling", "max_tokens", "gamma", "no_lookup")
@@ -118,7 +120,7 @@ class SessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generator_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., gamma: _Optional[str] = ..., no_lookup: _Optional[bool] = ...) -> None: ...
 
 class RoundReply(_message.Message):
-    __slots__ = ("tokens", "finish_reason", "gamma", "drafted", "accepted", "draft_time_s", "verify_time_s", "looked_up", "step_time_s")
+    __slots__ = ("tokens", "finish_reason", "gamma", "drafted", "accepted", "draft_time_s", "verify_time_s", "looked_up", "step_time_s", "logprobs", "drafted_tokens")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +130,8 @@ class RoundReply(_message.Message):
     VERIFY_TIME_S_FIELD_NUMBER: _ClassVar[int]
     LOOKED_UP_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     gamma: int
@@ -137,7 +141,9 @@ class RoundReply(_message.Message):
     verify_time_s: float
     looked_up: bool
     step_time_s: float
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., gamma: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., looked_up: _Optional[bool] = ..., step_time_s: _Optional[float] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generator_pb2.TokenLogprob]
+    drafted_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., gamma: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., looked_up: _Optional[bool] = ..., step_time_s: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_generator_pb2.TokenLogprob, _Mapping]]] = ..., drafted_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
