@@ -251,29 +251,52 @@ def _summary(report: dict) -> None:
 
 
 def _plot(report: dict, path: pathlib.Path) -> None:
+    """Aggregate tokens/s and TTFT p95 against concurrency, one line per configuration, values on the points;
+    with several rounds a point is the median run and its whisker the range over the rounds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     levels = report["config"]["concurrency"]
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, rows in report["levels"].items():
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
+    for k, (name, rows) in enumerate(report["levels"].items()):
+        offset = (0, 6) if k % 2 == 0 else (0, -13)  # alternate configurations' labels above and below their points
+        xs = levels[: len(rows)]
         values = [r["aggregate_tokens_per_s"] for r in rows]
-        ax.plot(levels[: len(values)], values, marker="o", label=name)
-        for x, y in zip(levels, values):
-            ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(0, 5), ha="center", fontsize=7)
-        ax2.plot(levels[: len(rows)], [r["ttft_p95_s"] for r in rows], marker="o", label=name)
-    for a, label in ((ax, "aggregate tokens/s"), (ax2, "TTFT p95 (s)")):
+        runs = [r.get("runs_aggregate_tokens_per_s") or [v] for r, v in zip(rows, values)]
+        spread = [[v - min(rs) for v, rs in zip(values, runs)], [max(rs) - v for v, rs in zip(values, runs)]]
+        line = ax.errorbar(xs, values, yerr=spread, marker="o", capsize=3, label=f"{name} ({_describe(name)})")
+        for x, y in zip(xs, values):
+            ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=offset, ha="center", fontsize=7,
+                        color=line[0].get_color())
+        ttft = [r["ttft_p95_s"] for r in rows]
+        ax2.plot(xs, ttft, marker="o", label=name, color=line[0].get_color())
+        for x, y in zip(xs, ttft):
+            ax2.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=offset, ha="center", fontsize=7,
+                         color=line[0].get_color())
+    for a, label, title in ((ax, "aggregate tokens/s (all streams)", "throughput"),
+                            (ax2, "time to first token, p95 (s)", "latency")):
         a.set_xscale("log", base=2)
         a.set_xticks(levels, [str(x) for x in levels])
         a.set_xlabel("concurrent streams")
         a.set_ylabel(label)
-        a.legend(fontsize=8)
+        a.set_title(title, fontsize=10)
+        a.set_ylim(bottom=0)
+        a.legend(fontsize=8, title="configuration")
     c = report["config"]
-    fig.suptitle(f"load: target={c['target']}, draft={c['draft']}, greedy, {c['max_new_tokens']} tokens, "
-                 f"{c['requests_per_stream']} requests per stream"
-                 + (f", median of {c['rounds']} rounds (ABBA)" if c.get("rounds", 1) > 1 else ""), fontsize=9)
-    fig.tight_layout()
+    where = c["url"] or "a server started by the bench"
+    fig.suptitle(f"load: target {c['target']}, draft {c['draft']}, {c['sampling']}, {c['max_new_tokens']} new tokens\n"
+                 f"chat prompts, {c['requests_per_stream']} request(s) per stream, {where}"
+                 + (f"; median of {c['rounds']} rounds (ABBA), whiskers: range" if c.get("rounds", 1) > 1 else ""),
+                 fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _describe(config: str) -> str:
+    """What a --load-configs name runs, for the legend."""
+    app, gamma = CONFIGS[config]
+    depth = "γ=0, plain decoding" if gamma == 0 else f"γ {gamma}" if gamma is not None else "server's γ"
+    return f"{depth}, {app}"

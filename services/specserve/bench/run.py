@@ -45,6 +45,18 @@ class Run:
     gammas: list[int] = field(default_factory=list)
     matches_target: bool = True
     draft: str | None = None  # label of the draft a speculative method used
+    # every repeat, summed over the prompts: [tokens, seconds] per repeat (the spread the plot shows)
+    repeats: list[list[float]] = field(default_factory=list)
+
+    def add_repeat(self, repeat: int, tokens: int, seconds: float) -> None:
+        while len(self.repeats) <= repeat:
+            self.repeats.append([0, 0.0])
+        self.repeats[repeat][0] += tokens
+        self.repeats[repeat][1] += seconds
+
+    @property
+    def repeat_tokens_per_s(self) -> list[float]:
+        return [t / s for t, s in self.repeats if s]
 
     def add(self, tokens: list[int], seconds: float, stats, matches_target: bool) -> None:
         self.tokens += len(tokens)
@@ -220,9 +232,10 @@ def run_bench(args) -> int:
             ids = decoder.encode([{"role": "user", "content": prompt}])
             decoder.generate(ids, GREEDY, 8, gamma=2)  # warm caches and allocator
             best: dict[str, tuple] = {}
-            for _ in range(args.repeats):  # round-robin over methods; keep each method's fastest repeat
+            for repeat in range(args.repeats):  # round-robin over methods; keep each method's fastest repeat
                 for name, _family, _gamma, fn in methods:
                     tokens, seconds, stats = fn(ids, args.max_new_tokens)
+                    runs[workload][name].add_repeat(repeat, len(tokens), seconds)
                     if name not in best or len(tokens) / seconds > len(best[name][0]) / best[name][1]:
                         best[name] = (tokens, seconds, stats)
                     step += 1
@@ -291,6 +304,8 @@ def _report(args, decoder, workloads, runs, verify_costs, costs, specs) -> dict:
             table.append({
                 "method": r.name, "family": r.family, "gamma": r.gamma, "tokens": r.tokens, "seconds": r.seconds,
                 "tokens_per_s": r.tokens_per_s, "speedup": speedup, "alpha": r.alpha,
+                # each repeat's speedup (all prompts of that repeat): the spread around the best-of figure
+                "repeat_speedups": [v / base for v in r.repeat_tokens_per_s],
                 "mean_accepted_length": r.mean_accepted_length, "theorem8_prediction": pred,
                 "fraction_of_prediction": speedup / pred if pred else None,
                 "mean_gamma": sum(r.gammas) / len(r.gammas) if r.gammas else None,

@@ -102,6 +102,7 @@ def run_served_bench(args) -> int:
         names = wanted
     port = _free_port()
     served: dict[str, dict[int, tuple[float, int, str, int]]] = {name: {} for name in names}
+    repeats: dict[str, dict[str, list[list[float]]]] = {}  # application -> workload -> [tokens, seconds] per repeat
     during: dict[int, tuple[float, int, str]] = {}  # in-process while Ray + Serve are up and idle
     metrics_port = _free_port()
     metrics: dict[str, dict] = {}  # per application: what its requests added to the scraped series
@@ -131,9 +132,12 @@ def run_served_bench(args) -> int:
                 body = {"prompt": ids, "max_tokens": args.max_new_tokens, "temperature": 0}
                 _post(url, {**body, "max_tokens": 8})  # warm
                 requests_sent += 1 + args.repeats
-                for _ in range(args.repeats):
+                for repeat in range(args.repeats):
                     payload, seconds = _post(url, body)
                     tokens = payload["usage"]["completion_tokens"]
+                    totals = repeats.setdefault(name, {}).setdefault(workload, [[0, 0.0] for _ in range(args.repeats)])
+                    totals[repeat][0] += tokens
+                    totals[repeat][1] += seconds
                     rounds = payload["specserve"]["rounds"]
                     if i not in served[name] or seconds < served[name][i][0]:
                         served[name][i] = (seconds, tokens, payload["choices"][0]["text"], rounds, payload["specserve"])
@@ -152,7 +156,7 @@ def run_served_bench(args) -> int:
 
     print("  in-process (after Ray) ...", flush=True)
     after = _in_process(decoder, prompts, args, gamma)
-    report = _report(args, gamma, workloads, prompts, before, after, during, served)
+    report = _report(args, gamma, workloads, prompts, before, after, during, served, repeats)
     report["metrics"] = metrics
     for name, summary in metrics.items():
         print(f"  {name}: metrics scraped (Prometheus, summed over its workers): "
@@ -163,7 +167,7 @@ def run_served_bench(args) -> int:
     return 0
 
 
-def _report(args, gamma, workloads, prompts, before, after, during, served) -> dict:
+def _report(args, gamma, workloads, prompts, before, after, during, served, repeats=None) -> dict:
     report = {
         "config": {"target": args.target, "draft": args.draft, "gamma": gamma, "max_new_tokens": args.max_new_tokens,
                    "prompts": args.prompts, "repeats": args.repeats, "sampling": "greedy"},
@@ -194,6 +198,8 @@ def _report(args, gamma, workloads, prompts, before, after, during, served) -> d
             rounds = sum(results[i][3] for i in idx)
             row[name] = {
                 "tokens_per_s": tokens / s,
+                # each repeat's figure over the workload's prompts (the bar is the best per prompt)
+                "repeat_tokens_per_s": [t / sec for t, sec in (repeats or {}).get(name, {}).get(workload, []) if sec],
                 "served_over_in_process": (tokens / s) / (local_tokens / local_s),
                 "rounds": rounds,
                 "overhead_ms_per_round": 1000 * (s - local_s * tokens / local_tokens) / rounds,
@@ -220,24 +226,49 @@ def _report(args, gamma, workloads, prompts, before, after, during, served) -> d
 
 
 def _plot(report: dict, path: pathlib.Path) -> None:
+    """Tokens/s per workload: in-process (whisker: before to after Ray ran) and each served application (whisker:
+    range over repeats), values on the bars, the configuration in the title."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     workloads = list(report["workloads"])
-    series = {"in-process": [report["workloads"][w]["in_process_tokens_per_s"] for w in workloads]}
+    rows = [report["workloads"][w] for w in workloads]
+    series = {"in-process (best of before / after Ray)": (
+        [r["in_process_tokens_per_s"] for r in rows],
+        [[r["in_process_before_ray_tokens_per_s"], r["in_process_after_ray_tokens_per_s"],
+          r["in_process_tokens_per_s"]] for r in rows])}
+    series["in-process beside idle Ray + Serve"] = ([r["in_process_ray_up_tokens_per_s"] for r in rows],
+                                                   [[r["in_process_ray_up_tokens_per_s"]] for r in rows])
     for name in ("served", "colocated", "sequential", "pipelined"):
-        if name in report["workloads"][workloads[0]]:
-            series[f"served ({name})"] = [report["workloads"][w][name]["tokens_per_s"] for w in workloads]
-    fig, ax = plt.subplots(figsize=(7, 4))
+        if name in rows[0]:
+            series[f"served: {name}"] = ([r[name]["tokens_per_s"] for r in rows],
+                                         [r[name].get("repeat_tokens_per_s") or [r[name]["tokens_per_s"]]
+                                          for r in rows])
+    fig, ax = plt.subplots(figsize=(10, 4.8))
     width = 0.8 / len(series)
-    for k, (label, values) in enumerate(series.items()):
-        ax.bar([i + k * width for i in range(len(workloads))], values, width, label=label)
+    top = 0.0
+    for k, (label, (values, spreads)) in enumerate(series.items()):
+        xs = [i + k * width for i in range(len(workloads))]
+        below = [max(0.0, v - min(sp)) for v, sp in zip(values, spreads)]
+        above = [max(0.0, max(sp) - v) for v, sp in zip(values, spreads)]
+        ax.bar(xs, values, width, label=label, yerr=[below, above], capsize=2, error_kw={"elinewidth": 0.8})
+        for x, v, a in zip(xs, values, above):
+            ax.annotate(f"{v:.1f}", (x, v + a), textcoords="offset points", xytext=(0, 2), ha="center", fontsize=7)
+            top = max(top, v + a)
+    for i, w in enumerate(workloads):
+        ratio = rows[i][next(n for n in ("served", "colocated", "sequential", "pipelined") if n in rows[i])]
+        ax.annotate(f"served / in-process {ratio['served_over_in_process']:.2f}", (i + 0.4 - width / 2, top * 1.12),
+                    ha="center", fontsize=7)
     ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(workloads))], workloads)
-    ax.set_ylabel("tokens/s (greedy)")
-    ax.set_title(f"served vs in-process, γ={report['config']['gamma']}, draft={report['config']['draft']}")
-    ax.legend()
+    ax.set_ylabel("tokens/s (greedy, one stream)")
+    ax.set_ylim(0, top * 1.22)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=len(series))
+    c = report["config"]
+    ax.set_title(f"served vs in-process: target {c['target']}, draft {c['draft']}, γ={c['gamma']}\n"
+                 f"{c['max_new_tokens']} new tokens, {c['prompts']} prompt(s) per workload, best of {c['repeats']} "
+                 "repeat(s); whiskers: range", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
