@@ -504,6 +504,10 @@ def test_parameters_it_does_not_implement_are_refused_by_name(server):
                                       frequency_penalty=0.0, logprobs=False, user="someone", tool_choice="none")
     assert reply.choices[0].finish_reason in ("length", "stop")
     assert c.completions.create(model="tiny", prompt="hi", max_tokens=2, echo=False, best_of=1).choices
+    nulls = {"n": None, "stream": None, "logprobs": None, "top_logprobs": None, "stream_options": None, "user": None}
+    response = requests.post(server["http"] + "/v1/chat/completions", timeout=60,
+                             json={"model": "tiny", "messages": messages, "max_tokens": 2, **nulls})
+    assert response.status_code == 200 and len(response.json()["choices"]) == 1  # null means "left out"
 
 
 @pytest.mark.parametrize("app", ["pipelined", "colocated"])

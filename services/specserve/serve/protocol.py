@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from specserve.coordinator import SessionRequest
 from specserve.engine.prompts import PromptCodec, PromptError
@@ -105,6 +105,7 @@ UNSUPPORTED: dict[str, Any] = {
 }
 # OpenAI parameters accepted and not used, because they cannot change the output
 IGNORED = {"user"}
+NULL_IS_DEFAULT = {"stream", "ignore_eos", "speculation_detail", "n", "logprobs"}
 
 
 class StreamOptions(BaseModel):
@@ -137,6 +138,14 @@ class _OpenAIRequest(BaseModel):
     # extension: each streamed chunk lists its rounds (`specserve_rounds`: drafted, accepted, rejected, γ)
     speculation_detail: bool = False
     n: int = 1
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """`null` for a flag or `n` means what leaving it out means (OpenAI's clients send that)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in NULL_IS_DEFAULT}
+        return data
 
     def sampling(self) -> dict[str, Any]:
         values: dict[str, Any] = {"ignore_eos": self.ignore_eos}
