@@ -208,12 +208,13 @@ def run_in_process(decoder, prompt_ids: list[int], gamma, max_tokens: int, vocab
 
 
 def run_served(coordinator, batch: list[list[int]], gamma, max_tokens: int, vocab: int) -> dict[str, Any]:
-    """All prompts of `batch` as concurrent streams through the coordinator."""
+    """All prompts of `batch` as concurrent streams through the coordinator, after a short warm-up run of the
+    same streams (the batch shapes' first steps are slower on a GPU)."""
     from specserve import SamplingParams
     from specserve.coordinator import SessionRequest
 
-    async def one(prompt_ids: list[int], t0: float):
-        request = SessionRequest(prompt_ids, SamplingParams(temperature=0.0, ignore_eos=True), max_tokens, gamma)
+    async def one(prompt_ids: list[int], t0: float, tokens_wanted: int = max_tokens):
+        request = SessionRequest(prompt_ids, SamplingParams(temperature=0.0, ignore_eos=True), tokens_wanted, gamma)
         tokens, first, stats = [], None, None
         async for chunk in coordinator.generate(request):
             first = first if first is not None else time.perf_counter() - t0
@@ -222,7 +223,8 @@ def run_served(coordinator, batch: list[list[int]], gamma, max_tokens: int, voca
         return stats, first, wrong_tokens(prompt_ids, tokens, vocab)
 
     async def all_of():
-        await one(batch[0], time.perf_counter())  # warm-up
+        warm = time.perf_counter()
+        await asyncio.gather(*(one(p, warm, min(8, max_tokens)) for p in batch))
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one(p, t0) for p in batch))
         return results, time.perf_counter() - t0
@@ -320,10 +322,12 @@ def bench_load(args, shape: str, log) -> list[dict[str, Any]]:
             "shape": shape, "device": args.device, "draft_shape": args.draft_shape, "alpha": args.load_alpha}
     target = Worker("target", spec)
     try:
-        for gamma in args.load_gammas:
-            coord = coordinator_for(target, None, colocated=True, gamma=gamma, gamma_max=args.gamma_max,
-                                    pipelined=False, vocab=args.vocab)
-            for n in args.concurrency:
+        coords = {gamma: coordinator_for(target, None, colocated=True, gamma=gamma, gamma_max=args.gamma_max,
+                                         pipelined=False, vocab=args.vocab) for gamma in args.load_gammas}
+        for k, n in enumerate(args.concurrency):
+            # the configurations side by side at each level, in alternating order (drift hits both alike)
+            for gamma in args.load_gammas if k % 2 == 0 else args.load_gammas[::-1]:
+                coord = coords[gamma]
                 figures = run_served(coord, prompts(n, args.prompt_len, args.vocab, seed=n), gamma, args.max_tokens,
                                      args.vocab)
                 rows.append({"target": shape, "draft": args.draft_shape, "config": "colocated", "alpha": args.load_alpha,
