@@ -41,10 +41,10 @@ from specserve.rpc.convert import logprobs_to_wire
 from specserve.serve.config import AppConfig
 from specserve.serve.grpc_api import UNDECODABLE
 from specserve.serve.protocol import (
-    MAX_N,
     ChatCompletionRequest,
     CompletionRequest,
     GenerationInput,
+    choices,
     openai_error,
     openai_logprobs,
     prepare,
@@ -282,6 +282,19 @@ class SpecServe:
 
         return chained()
 
+    async def _started_all(self, sessions: list[SessionRequest]) -> AsyncIterator[tuple[int, Event]]:
+        """Every session started (`_started`; a failure raises here, after closing those already started), their
+        events merged as (index, event)."""
+        streams = []
+        try:
+            for session in sessions:
+                streams.append(await self._started(session))
+        except BaseException:
+            for started in streams:
+                await started.aclose()
+            raise
+        return _merged(streams)
+
     async def _collect(self, request: SessionRequest) -> Event:
         text, tokens, last = [], [], None
         logprobs = [] if request.params.logprobs is not None else None
@@ -352,27 +365,19 @@ class SpecServe:
     async def _openai(self, body, chat: bool):
         try:
             request = self._prepare(body.to_input())
+            request.stream = body.stream or bool(request.params.stop)  # stop strings are checked as text arrives
+            request.detail = body.speculation_detail
+            sessions = choices(request, body.n)  # n > 1: sessions of their own, seeds of their own
         except PromptError as exc:
             code = "model_not_found" if exc.field == "model" else None
             return JSONResponse(openai_error(str(exc), exc.field, code), status_code=400)
         rid = ("chatcmpl-" if chat else "cmpl-") + request.request_id
         prompt_tokens = len(request.prompt_ids)
-        request.stream = body.stream or bool(request.params.stop)  # stop strings are checked as text arrives
-        request.detail = body.speculation_detail
-        choices = [request.choice(i) for i in range(body.n)]  # n > 1: sessions of their own, seeds of their own
         try:
             if body.stream:
-                streams = []
-                try:
-                    for choice in choices:
-                        streams.append(await self._started(choice))
-                except BaseException:
-                    for started in streams:
-                        await started.aclose()
-                    raise
-                sse = self._sse(_merged(streams), rid, chat, prompt_tokens, body.include_usage)
+                sse = self._sse(await self._started_all(sessions), rid, chat, prompt_tokens, body.include_usage)
                 return StreamingResponse(sse, media_type="text/event-stream")
-            events = await _all_or_none([self._collect(choice) for choice in choices])
+            events = await _all_or_none([self._collect(session) for session in sessions])
         except _WorkerError as exc:
             return exc.response()
         return {
@@ -477,13 +482,6 @@ class SpecServe:
             self._grpc_fail(grpc_context, grpc.StatusCode.UNAUTHENTICATED, auth.UNAUTHENTICATED_MESSAGE)
             raise auth.Unauthenticated()
 
-    @staticmethod
-    def _grpc_choices(message: generator_pb2.GenerateRequest, session: SessionRequest) -> list[SessionRequest]:
-        n = message.n or 1
-        if not 1 <= n <= MAX_N:
-            raise PromptError("n", f"must be between 1 and {MAX_N}, got {n}")
-        return [session.choice(i) for i in range(n)]
-
     async def Generate(self, request: generator_pb2.GenerateRequest, grpc_context=None):
         try:
             self._grpc_authenticate(grpc_context)
@@ -492,8 +490,7 @@ class SpecServe:
         try:
             session = self._grpc_request(request)
             session.stream = bool(session.params.stop)
-            choices = self._grpc_choices(request, session)
-            events = await _all_or_none([self._collect(choice) for choice in choices])
+            events = await _all_or_none([self._collect(one) for one in choices(session, request.n or 1)])
         except PromptError as exc:
             self._grpc_fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return generator_pb2.GenerateResponse()
@@ -512,19 +509,14 @@ class SpecServe:
         self._grpc_authenticate(grpc_context)
         try:
             session = self._grpc_request(request)
-            choices = self._grpc_choices(request, session)
+            sessions = choices(session, request.n or 1)
         except PromptError as exc:
             self._grpc_fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise
-        streams = []
-        try:
-            for choice in choices:
-                streams.append(await self._started(choice))
-            async for index, event in _merged(streams):
+        try:  # a failed session's stream, and every other, is closed by the merge itself
+            async for index, event in await self._started_all(sessions):
                 yield self._grpc_response(event, session, index)
         except _WorkerError as exc:
-            for started in streams:
-                await started.aclose()
             self._grpc_fail(grpc_context, exc.grpc_code, str(exc))
             raise
 

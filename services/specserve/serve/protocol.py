@@ -77,6 +77,14 @@ def prepare(inp: GenerationInput, codec: PromptCodec, served_model: str, limits:
     return SessionRequest(prompt_ids, params, max_tokens, gamma)
 
 
+def choices(request: SessionRequest, n: int) -> list[SessionRequest]:
+    """The sessions of a request for n independent samples (OpenAI's and gRPC's `n`): each with a seed of its own
+    (`SessionRequest.choice`). The request's seed must be set."""
+    if not 1 <= n <= MAX_N:
+        raise PromptError("n", f"must be between 1 and {MAX_N}, got {n}")
+    return [request.choice(i) for i in range(n)]
+
+
 def stats_summary(stats: dict[str, Any] | None) -> dict[str, Any]:
     """The per-request speculation statistics clients see (the `specserve` object / SpeculationStats)."""
     stats = stats or {}
@@ -161,8 +169,6 @@ class _OpenAIRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def check(self) -> None:
-        if not 1 <= self.n <= MAX_N:
-            raise PromptError("n", f"must be between 1 and {MAX_N}, got {self.n}")
         if self.stream_options is not None:
             if not self.stream:
                 raise PromptError("stream_options", "is only allowed when stream is true")
