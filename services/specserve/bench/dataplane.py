@@ -345,11 +345,9 @@ def _csv(kind):
     return lambda text: [kind(x) for x in text.split(",") if x]
 
 
-def _gamma(text: str):
-    return text if text in ("auto", "heuristic") else int(text)
-
-
 def parse_args(argv=None):
+    from specserve.cli import _gamma
+
     p = argparse.ArgumentParser(prog="python -m specserve.bench.dataplane", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--targets", type=_csv(str), default=["1b", "7b"], help=f"target shapes, of {sorted(SHAPES)}")
