@@ -134,8 +134,10 @@ def _start_servers(args, apps: set[str]) -> tuple[str, dict[str, str]]:
 
     from specserve.bench.served import _free_port
     from specserve.serve import build_app
+    from specserve.workers.quiet import quiet_env, yield_control_plane
 
     port = _free_port()
+    quiet_env()  # as `specserve serve` runs its local Ray (`workers.quiet`)
     ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=8)  # logical slots
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
     app_args = {"target": args.target, "draft": args.draft, "gamma": "auto", "gamma_max": args.gamma_max}
@@ -147,6 +149,7 @@ def _start_servers(args, apps: set[str]) -> tuple[str, dict[str, str]]:
         print(f"  deploying the {name} application (draft={args.draft}) ...", flush=True)
         serve.run(build_app({**app_args, "batching": name == "batched"}), name=name, route_prefix=prefix)
         urls[name] = f"http://127.0.0.1:{port}{prefix.rstrip('/')}/v1"
+    yield_control_plane(include_root=False)  # this driver runs the clients: it keeps its priority
     return port, urls
 
 

@@ -13,9 +13,13 @@ and served.png.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import pathlib
+import signal
 import socket
+import statistics
 import sys
 import time
 import urllib.request
@@ -24,8 +28,10 @@ from specserve import SamplingParams, SpeculativeDecoder
 from specserve.bench.prompts import SUITE
 from specserve.coordinator.metrics import metrics_summary, scrape_until, since
 from specserve.models import resolve_draft
+from specserve.workers.quiet import descendants, quiet_env, yield_control_plane
 
 GREEDY = SamplingParams(temperature=0.0)
+RAY_SETTLE_S = 2.0
 
 
 def _free_port() -> int:
@@ -54,6 +60,35 @@ def _in_process(decoder, prompts, args, gamma, index: int = 0) -> dict[int, tupl
             if i not in best or seconds < best[i][0]:
                 best[i] = (seconds, len(result.token_ids), result.text, result.stats)
     return best
+
+
+@contextlib.contextmanager
+def _ray_frozen():
+    """Ray's processes (this driver's descendants) stopped (SIGSTOP) for the block, continued after it."""
+    stopped = []
+    try:
+        for pid in descendants(os.getpid()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+        yield
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def _paired_in_process(decoder, ids, args, gamma) -> tuple[float, int]:
+    """(seconds, tokens) of the in-process engine right after a served request, with Ray frozen: the engine as
+    without Ray, in the same minute. This machine's speed drifts by 10-20% over minutes, more than the
+    difference measured; a ratio of neighbours cancels the drift, best-of over separate phases does not."""
+    with _ray_frozen():
+        t0 = time.perf_counter()
+        result = decoder.generate(ids, GREEDY, args.max_new_tokens, gamma=gamma)
+        seconds = time.perf_counter() - t0
+    # continued, Ray's processes run every periodic task they owe at once: let that pass before the next request
+    time.sleep(RAY_SETTLE_S)
+    return seconds, len(result.token_ids)
 
 
 def run_served_bench(args) -> int:
@@ -103,13 +138,16 @@ def run_served_bench(args) -> int:
     port = _free_port()
     served: dict[str, dict[int, tuple[float, int, str, int]]] = {name: {} for name in names}
     repeats: dict[str, dict[str, list[list[float]]]] = {}  # application -> workload -> [tokens, seconds] per repeat
+    paired: dict[str, dict[str, list[float]]] = {}  # application -> workload -> served / in-process per repeat
     during: dict[int, tuple[float, int, str]] = {}  # in-process while Ray + Serve are up and idle
     metrics_port = _free_port()
     metrics: dict[str, dict] = {}  # per application: what its requests added to the scraped series
     # Ray's default metrics export interval (10 s; the scrapes wait for it): a 1 s one made every Ray process
     # wake up ten times as often, 0.18 cores of idle load instead of 0.13, which the served forwards paid.
     # Logical CPU slots for a split application's actors (half a slot each by default) while the last one's are
-    # still being released.
+    # still being released. The local Ray runs as `specserve serve` runs it (`workers.quiet`), except that this
+    # driver, which runs the in-process engine, keeps its own priority.
+    quiet_env()
     ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=8,
              _metrics_export_port=metrics_port)
     try:
@@ -126,6 +164,7 @@ def run_served_bench(args) -> int:
             placement = "colocated" if name == "colocated" else "split"
             serve.run(build_app({**app_args, "pipelined": name == "pipelined", "draft_placement": placement}),
                       name=name, route_prefix="/")
+            yield_control_plane(include_root=False)
             baseline = scrape_until(metrics_url, "ray_specserve_requests_total", 0, timeout=0)
             requests_sent = 0
             for i, (workload, ids) in enumerate(prompts):
@@ -135,6 +174,9 @@ def run_served_bench(args) -> int:
                 for repeat in range(args.repeats):
                     payload, seconds = _post(url, body)
                     tokens = payload["usage"]["completion_tokens"]
+                    local_s, local_tokens = _paired_in_process(decoder, ids, args, gamma)
+                    paired.setdefault(name, {}).setdefault(workload, []).append(
+                        (tokens / seconds) / (local_tokens / local_s))
                     totals = repeats.setdefault(name, {}).setdefault(workload, [[0, 0.0] for _ in range(args.repeats)])
                     totals[repeat][0] += tokens
                     totals[repeat][1] += seconds
@@ -142,7 +184,8 @@ def run_served_bench(args) -> int:
                     if i not in served[name] or seconds < served[name][i][0]:
                         served[name][i] = (seconds, tokens, payload["choices"][0]["text"], rounds, payload["specserve"])
                     print(f"  {workload:8s} prompt {i} {name:10s} {tokens / seconds:6.1f} tok/s "
-                          f"(in-process {before[i][1] / before[i][0]:6.1f})", flush=True)
+                          f"(in-process {before[i][1] / before[i][0]:6.1f} before Ray, "
+                          f"{local_tokens / local_s:6.1f} right after, Ray frozen)", flush=True)
             if not during:
                 print("  in-process beside the idle application ...", flush=True)
                 during = _in_process(decoder, prompts, args, gamma)
@@ -156,7 +199,7 @@ def run_served_bench(args) -> int:
 
     print("  in-process (after Ray) ...", flush=True)
     after = _in_process(decoder, prompts, args, gamma)
-    report = _report(args, gamma, workloads, prompts, before, after, during, served, repeats)
+    report = _report(args, gamma, workloads, prompts, before, after, during, served, repeats, paired)
     report["metrics"] = metrics
     for name, summary in metrics.items():
         print(f"  {name}: metrics scraped (Prometheus, summed over its workers): "
@@ -167,14 +210,14 @@ def run_served_bench(args) -> int:
     return 0
 
 
-def _report(args, gamma, workloads, prompts, before, after, during, served, repeats=None) -> dict:
+def _report(args, gamma, workloads, prompts, before, after, during, served, repeats=None, paired=None) -> dict:
     report = {
         "config": {"target": args.target, "draft": args.draft, "gamma": gamma, "max_new_tokens": args.max_new_tokens,
                    "prompts": args.prompts, "repeats": args.repeats, "sampling": "greedy"},
         "workloads": {},
     }
-    print(f"\n{'workload':9s} {'in-proc':>8s} {'(ray up)':>8s} {'served':>8s} {'ratio':>6s} {'ms/round':>9s} "
-          f"{'same text':>9s}"
+    print(f"\n{'workload':9s} {'in-proc':>8s} {'(ray up)':>8s} {'served':>8s} {'ratio':>6s} {'paired':>6s} "
+          f"{'ms/round':>9s} {'same text':>9s}"
           + ("  pipelined/sequential" if "pipelined" in served else ""))
     for workload in workloads:
         idx = [i for i, (w, _) in enumerate(prompts) if w == workload]
@@ -201,6 +244,9 @@ def _report(args, gamma, workloads, prompts, before, after, during, served, repe
                 # each repeat's figure over the workload's prompts (the bar is the best per prompt)
                 "repeat_tokens_per_s": [t / sec for t, sec in (repeats or {}).get(name, {}).get(workload, []) if sec],
                 "served_over_in_process": (tokens / s) / (local_tokens / local_s),
+                # each served request over the in-process run right after it (Ray frozen), median over the
+                # workload's requests (`_paired_in_process`)
+                "paired_ratios": (paired or {}).get(name, {}).get(workload, []),
                 "rounds": rounds,
                 "overhead_ms_per_round": 1000 * (s - local_s * tokens / local_tokens) / rounds,
                 "same_text_as_in_process": all(results[i][2] == best_local[i][2] for i in idx),
@@ -214,13 +260,16 @@ def _report(args, gamma, workloads, prompts, before, after, during, served, repe
                     "draft": 1000 * sum(results[i][4]["draft_time_s"] for i in idx) / rounds,
                 },
             }
+            ratios = row[name]["paired_ratios"]
+            row[name]["served_over_in_process_paired"] = statistics.median(ratios) if ratios else None
         if "pipelined" in served:
             row["pipelined_over_sequential"] = row["pipelined"]["tokens_per_s"] / row["sequential"]["tokens_per_s"]
         report["workloads"][workload] = row
         p = row[next(iter(served))]
         print(f"{workload:9s} {row['in_process_tokens_per_s']:8.1f} {row['in_process_ray_up_tokens_per_s']:8.1f} "
               f"{p['tokens_per_s']:8.1f} "
-              f"{p['served_over_in_process']:6.2f} {p['overhead_ms_per_round']:9.1f} {str(p['same_text_as_in_process']):>9s}"
+              f"{p['served_over_in_process']:6.2f} {p['served_over_in_process_paired'] or float('nan'):6.2f} "
+              f"{p['overhead_ms_per_round']:9.1f} {str(p['same_text_as_in_process']):>9s}"
               + (f"  {row['pipelined_over_sequential']:.2f}" if "pipelined" in served else ""))
     return report
 
@@ -259,8 +308,10 @@ def _plot(report: dict, path: pathlib.Path) -> None:
             top = max(top, v + a)
     for i, w in enumerate(workloads):
         ratio = rows[i][next(n for n in ("served", "colocated", "sequential", "pipelined") if n in rows[i])]
-        ax.annotate(f"served / in-process {ratio['served_over_in_process']:.2f}", (i + 0.4 - width / 2, top * 1.12),
-                    ha="center", fontsize=7)
+        text = f"served / in-process {ratio['served_over_in_process']:.2f}"
+        if ratio.get("served_over_in_process_paired") is not None:
+            text += f"\n(paired, median {ratio['served_over_in_process_paired']:.2f})"
+        ax.annotate(text, (i + 0.4 - width / 2, top * 1.12), ha="center", fontsize=7)
     ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(workloads))], workloads)
     ax.set_ylabel("tokens/s (greedy, one stream)")
     ax.set_ylim(0, top * 1.22)

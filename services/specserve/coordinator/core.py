@@ -40,6 +40,7 @@ from specserve.engine.stats import GenerationStats
 from specserve.rpc.remote import RemoteProposer, RemoteSession, RemoteVerifier
 from specserve.spec import PositionRNG, SamplingParams, WarmStarts, make_controller
 from specserve.v1 import workers_pb2_grpc
+from specserve.workers.quiet import data_plane_priority
 
 
 log = logging.getLogger("specserve.coordinator")
@@ -143,6 +144,7 @@ class Coordinator:
         restart_timeout_s: float = 120.0,
         worker_token: str | None = None,
     ):
+        data_plane_priority()  # on the request path (`workers.quiet`)
         if draft not in ("ngram", "remote", "colocated", "none"):
             raise ValueError(f"draft must be 'ngram', 'remote', 'colocated' or 'none', got {draft!r}")
         if draft == "remote" and not draft_address:

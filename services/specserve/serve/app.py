@@ -54,6 +54,7 @@ from specserve.serve.protocol import (
 )
 from specserve.v1 import generator_pb2
 from specserve.workers.actors import start_workers
+from specserve.workers.quiet import data_plane_priority
 
 GRPC_SERVICER_FUNCTION = "specserve.serve.grpc_api.add_GeneratorServicer_to_server"
 RETRY_AFTER_S = "5"  # what a 503 tells clients to wait (a restarting worker, a full server)
@@ -200,6 +201,7 @@ async def _all_or_none(calls: list) -> list:
 @serve.ingress(api)
 class SpecServe:
     def __init__(self, config: "dict[str, Any] | None" = None):
+        data_plane_priority()  # on the request path (`workers.quiet`)
         self.config = AppConfig(**(config or {}))
         cfg = self.config
         auth.configure(cfg.api_key)

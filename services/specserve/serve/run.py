@@ -20,6 +20,7 @@ from specserve.serve.app import GRPC_SERVICER_FUNCTION
 from specserve.serve.config import AppConfig
 from specserve.serve.grpc_api import GENERATED_FUNCTION
 from specserve.serve.listen import ray_init_options
+from specserve.workers.quiet import quiet_env, yield_control_plane
 
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_GRPC_PORT = 9000
@@ -136,12 +137,15 @@ def serve_main(args) -> int:
     options: dict[str, Any] = {"_metrics_export_port": metrics_port} if metrics_port else {}
     if not args.address:  # a local Ray: keep its listeners, and Serve's gRPC proxy, on the configured host
         options.update(ray_init_options((config.get("http_options") or {}).get("host", "127.0.0.1")))
+        quiet_env()  # and its periodic work out of the forwards' way (`workers.quiet`)
     ray.init(address=args.address or "local", include_dashboard=False, **options)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
         start(config)
+        if not args.address:
+            yield_control_plane()
         print(usage_text(config, metrics_port), flush=True)
         stop.wait()
     except Exception as exc:  # noqa: BLE001 - report the failure, then clean up

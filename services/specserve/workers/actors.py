@@ -28,6 +28,7 @@ from specserve.rpc.auth import server_interceptors
 from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
 from specserve.v1 import workers_pb2_grpc
 from specserve.workers.config import RoleResources, WorkersConfig
+from specserve.workers.quiet import data_plane_priority
 
 log = logging.getLogger("specserve.workers")
 
@@ -35,6 +36,7 @@ log = logging.getLogger("specserve.workers")
 class _GrpcActor:
     def _compute_thread(self, threads: int | None) -> StepScheduler:
         """The actor's one torch thread, started first so the model is loaded on it too (`one_thread_torch`)."""
+        data_plane_priority()  # before any thread starts: they inherit it (`workers.quiet`)
         one_thread_torch()  # the actor's own thread
         self.compute = StepScheduler(threads=threads or os.cpu_count() or 1)
         return self.compute

@@ -23,10 +23,12 @@ from specserve.engine.batching import torch_threads
 from specserve.models import load_model
 from specserve.models.kv import TokenSequence
 from specserve.models.stages import PipelineStage
+from specserve.workers.quiet import data_plane_priority
 
 
 class TargetStageActor:
     def __init__(self, target: Any, dtype: str | None, start: int, end: int, threads: int | None = None):
+        data_plane_priority()  # a stage is on the request path (`workers.quiet`)
         torch_threads(threads or os.cpu_count() or 1)
         loaded = load_model(target, dtype)  # TODO(scale): read only this stage's tensors from the checkpoint
         self.stage = PipelineStage(loaded.model, start, end)
