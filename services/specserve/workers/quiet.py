@@ -12,8 +12,9 @@ benches start (never a cluster joined with --address):
    work every second instead (`QUIET_ENV`), and no idle worker processes
    kept around. Values set in the environment win. Costs: resource and
    memory reports, the Serve controller's reconciliation and the OOM
-   monitor react within a second instead of 0.1-0.25 s; a plain Ray task
-   starts a fresh worker process (specserve runs actors).
+   monitor react within a second instead of 0.1-0.25 s; a new worker's
+   log lines reach the console up to 5 s late; a plain Ray task starts a
+   fresh worker process (specserve runs actors).
 2. `yield_control_plane` (after the application is up): the control plane's
    processes (GCS, raylet, agents, log monitor, Serve controller, idle
    workers, and the driver that started them) go to SCHED_BATCH. They keep
@@ -44,6 +45,8 @@ QUIET_ENV = {
     # no pool of idle Python workers, each waking 100 times a second
     "RAY_prestart_worker_first_driver": "false",
     "RAY_num_workers_soft_limit": "0",
+    # the log monitor: its scan of the log directory for new files (0.5 s; it still polls known files every 0.1 s)
+    "LOG_NAME_UPDATE_INTERVAL_S": "5",
     # Serve: the controller's loop (0.1 s) and the replicas' and proxies' metric caches (0.1 s; Ray exports
     # metrics every 10 s anyway)
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
