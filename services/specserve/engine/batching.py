@@ -150,6 +150,8 @@ class StepScheduler:
         """Run fn(*args) on the compute thread between steps (every torch op of a worker goes through here)."""
         future: Future = Future()
         with self._cond:
+            if self._closed:
+                raise RuntimeError("the step scheduler is stopped")
             self._calls.append((fn, args, future))
             self._cond.notify()
         return future
