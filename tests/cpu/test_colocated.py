@@ -72,28 +72,6 @@ def test_colocated_sessions_equal_alone_and_in_process(colocated):
     assert servicer.colocated.draft.pool.used_tokens == 0
 
 
-def test_a_lone_session_drafts_its_blocks_on_the_compute_thread(colocated, monkeypatch):
-    """Alone on the worker, a session's draft tokens are not handed to the compute thread one by one: its whole
-    block runs there (one hand-off per round). Its tokens are the same (in-process decoder, seeded T=1 top-p)."""
-    scheduler = colocated["servicer"].scheduler
-    coord = Coordinator(colocated["address"], VOCAB, [], draft="colocated", gamma=3, draft_lookup=False)
-    handed = []
-    feed = scheduler.feed
-    monkeypatch.setattr(scheduler, "feed", lambda *work: handed.append(len(work[2])) or feed(*work))
-    for params in (SamplingParams(temperature=1.0, top_p=0.9, seed=7, ignore_eos=True),
-                   SamplingParams(temperature=0.0, ignore_eos=True)):
-        handed.clear()
-        steps = scheduler.draft_steps
-        chunks = asyncio.run(_collect(coord, SessionRequest(PROMPT * 2, params, 24)))
-        stats = chunks[-1].stats
-        assert stats["drafted"] >= stats["rounds"] > 1  # it drafted with the model every round
-        assert len(handed) <= 1  # the draft's prefill at most (from the session's thread); no draft step handed over
-        assert scheduler.draft_steps - steps >= stats["drafted"] - stats["rounds"]  # the draft steps ran, inline
-        local = SpeculativeDecoder(colocated["target"], colocated["draft"], gamma=3, draft_top_k=TOP_K_Q,
-                                   draft_lookup=False)
-        assert [t for c in chunks for t in c.tokens] == local.generate(PROMPT * 2, params, 24).token_ids
-
-
 @pytest.mark.parametrize("gamma", ["auto", "heuristic"])
 def test_colocated_adaptive_gamma_keeps_greedy_output_and_reports_rounds(colocated, gamma):
     coord = Coordinator(colocated["address"], VOCAB, [], draft="colocated", gamma=gamma)

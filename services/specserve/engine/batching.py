@@ -34,7 +34,6 @@ time on their own caches (`pool=None`): no batching, same results.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import threading
 import time
 import weakref
@@ -82,19 +81,6 @@ def torch_threads(n: int) -> None:
     4-token target forward went from 38 to 45-50 ms in a colocated worker (gdb: two gomp teams)."""
     torch.get_num_threads()  # the lazy init, now, so the count below is not overwritten later
     torch.set_num_threads(n)
-
-
-@contextlib.contextmanager
-def thread_count(n: int | None):
-    """The calling thread's torch thread count set to `n` (None: unchanged) for the block, restored after."""
-    before = torch.get_num_threads()
-    if n and n != before:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        if n and n != before:
-            torch.set_num_threads(before)
 
 
 def one_thread_torch() -> None:
@@ -170,20 +156,6 @@ class StepScheduler:
         """A draft step: append `tokens` to `seq` in the next draft forward; resolves to its head logits [keep, n]."""
         return self._submit(_Work(seq, pool, "feed", list(tokens), Future(), keep))
 
-    def on_compute_thread(self) -> bool:
-        return threading.current_thread() is self._thread
-
-    def feed_now(self, seq, pool: KVPool | None, tokens: list[int], keep: int = 1) -> torch.Tensor | None:
-        """A draft step of one session run at once, on the compute thread (a lone session drafting its whole
-        block there, `engine.colocated`): the forward a batched draft step of that session alone runs."""
-        if not self.on_compute_thread():
-            raise RuntimeError("feed_now runs on the compute thread only")
-        with thread_count(self._count):  # the forward's own count (a lone block samples with one thread)
-            rows = self._forward([(seq, pool, list(tokens), keep)])[0]
-        self.draft_steps += 1
-        self.sessions_per_draft_step[1] += 1
-        return rows
-
     def _submit(self, work: _Work) -> Future:
         with self._cond:
             if self._closed:
@@ -205,7 +177,6 @@ class StepScheduler:
     def _loop(self) -> None:
         if self.threads:
             torch_threads(self.threads)
-        self._count = torch.get_num_threads()  # the forwards' thread count
         while True:
             with self._cond:
                 while not (self._work or self._calls or self._closed):
@@ -377,16 +348,11 @@ class ScheduledSequence(TokenSequence):
         self.inner.rollback(length)
 
     def feed_subset(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
-        scheduler = self.scheduler
-        if scheduler.on_compute_thread():  # a lone session drafting its block there (`engine.colocated`)
-            run = scheduler.feed_now
-        else:
-            run = lambda *work: scheduler.feed(*work).result()  # noqa: E731
-        chunk = scheduler.prefill_chunk  # a long prompt goes in chunks, between other sessions' draft steps
+        chunk = self.scheduler.prefill_chunk  # a long prompt goes in chunks, between other sessions' draft steps
         while len(new_tokens) > max(chunk, keep_logits):
-            run(self.inner, self.pool, new_tokens[:chunk], 0)
+            self.scheduler.feed(self.inner, self.pool, new_tokens[:chunk], 0).result()
             new_tokens = new_tokens[chunk:]
-        return run(self.inner, self.pool, new_tokens, keep_logits)
+        return self.scheduler.feed(self.inner, self.pool, new_tokens, keep_logits).result()
 
     def feed(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
         from specserve.models.lean import widen

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from specserve.engine.batching import ScheduledSequence, ScheduledVerifier, StepScheduler, thread_count
+from specserve.engine.batching import ScheduledSequence, ScheduledVerifier, StepScheduler
 from specserve.engine.loop import speculate
 from specserve.engine.profile import draft_step_time, verify_profile
 from specserve.engine.proposers import LookupOrModelProposer, ModelProposer, Proposer, TargetVerifier
@@ -40,31 +40,8 @@ class ScheduledDraft:
 
     def proposer(self) -> ModelProposer:
         seq = self.pool.sequence() if self.pool is not None else CachedSequence(self.model)
-        return ScheduledProposer(self.scheduler, self.model, self.vocab, self.top_k_q, name=self.name,
-                                 sequence=ScheduledSequence(self.scheduler, seq, self.pool))
-
-
-class ScheduledProposer(ModelProposer):
-    """A model draft on a step scheduler. With other sessions open, its draft steps join theirs (one forward per
-    draft position, `ScheduledSequence`). A session alone on the worker drafts its whole block on the compute
-    thread instead: one hand-off between its thread and the compute thread per block, not two per draft token.
-    Each hand-off waited ~0.15 ms for a core on the 2-core CPU (`perf sched`), and chat, which drafts with the
-    model in most rounds, paid it most. The forwards are the ones a draft step of that session alone runs, and
-    the sampling between them runs with one torch thread, as on the session's own thread, so the block's tokens
-    and q are the same either way (position-keyed randomness: the same block, bit for bit)."""
-
-    def __init__(self, scheduler: StepScheduler, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.scheduler = scheduler
-
-    def propose(self, context, gamma, params, rng, keep_going=None):
-        if gamma <= 0 or self.scheduler.on_compute_thread() or self.scheduler.expected() > 1:
-            return super().propose(context, gamma, params, rng, keep_going)
-        return self.scheduler.call(self._propose_alone, context, gamma, params, rng, keep_going).result()
-
-    def _propose_alone(self, context, gamma, params, rng, keep_going):
-        with thread_count(1):  # the sampling as on the session's thread; the forwards take the scheduler's count
-            return super().propose(context, gamma, params, rng, keep_going)
+        return ModelProposer(self.model, self.vocab, self.top_k_q, name=self.name,
+                             sequence=ScheduledSequence(self.scheduler, seq, self.pool))
 
 
 class ColocatedSessions:
