@@ -236,6 +236,7 @@ def _report(args, gamma, workloads, prompts, before, after, during, served, repe
                "in_process_ray_up_tokens_per_s": sum(during[i][1] for i in idx) / sum(during[i][0] for i in idx),
                "in_process_per_round_ms": row_local_ms}
         for name, results in served.items():
+            ratios = (paired or {}).get(name, {}).get(workload, [])
             s = sum(results[i][0] for i in idx)
             tokens = sum(results[i][1] for i in idx)
             rounds = sum(results[i][3] for i in idx)
@@ -244,9 +245,10 @@ def _report(args, gamma, workloads, prompts, before, after, during, served, repe
                 # each repeat's figure over the workload's prompts (the bar is the best per prompt)
                 "repeat_tokens_per_s": [t / sec for t, sec in (repeats or {}).get(name, {}).get(workload, []) if sec],
                 "served_over_in_process": (tokens / s) / (local_tokens / local_s),
-                # each served request over the in-process run right after it (Ray frozen), median over the
-                # workload's requests (`_paired_in_process`)
-                "paired_ratios": (paired or {}).get(name, {}).get(workload, []),
+                # each served request over the in-process run right after it (Ray frozen), and their median
+                # (`_paired_in_process`)
+                "paired_ratios": ratios,
+                "served_over_in_process_paired": statistics.median(ratios) if ratios else None,
                 "rounds": rounds,
                 "overhead_ms_per_round": 1000 * (s - local_s * tokens / local_tokens) / rounds,
                 "same_text_as_in_process": all(results[i][2] == best_local[i][2] for i in idx),
@@ -260,8 +262,6 @@ def _report(args, gamma, workloads, prompts, before, after, during, served, repe
                     "draft": 1000 * sum(results[i][4]["draft_time_s"] for i in idx) / rounds,
                 },
             }
-            ratios = row[name]["paired_ratios"]
-            row[name]["served_over_in_process_paired"] = statistics.median(ratios) if ratios else None
         if "pipelined" in served:
             row["pipelined_over_sequential"] = row["pipelined"]["tokens_per_s"] / row["sequential"]["tokens_per_s"]
         report["workloads"][workload] = row

@@ -70,7 +70,8 @@ def _supported() -> bool:
 
 
 def _set_policy(pid: int, policy: int) -> bool:
-    """Every thread of process `pid` to `policy`; False where none could be changed (gone, not ours)."""
+    """Every thread of process `pid` to `policy`; whether any had another one (threads gone or not ours are
+    skipped)."""
     changed = False
     try:
         tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
@@ -80,7 +81,7 @@ def _set_policy(pid: int, policy: int) -> bool:
         try:
             if os.sched_getscheduler(tid) != policy:
                 os.sched_setscheduler(tid, policy, os.sched_param(0))
-            changed = True
+                changed = True
         except OSError:  # the thread ended, or the kernel says no
             continue
     return changed
@@ -122,7 +123,7 @@ def is_control_plane(cmdline: str) -> bool:
 
 def yield_control_plane(root: int | None = None, include_root: bool = True) -> list[int]:
     """SCHED_BATCH for the control-plane processes under `root` (default: this process, the driver that
-    started the local Ray) and, with include_root, `root` itself. Returns the pids changed."""
+    started the local Ray) and, with include_root, `root` itself. Returns the pids that were not at it yet."""
     if not _supported():
         return []
     root = os.getpid() if root is None else root
@@ -133,12 +134,6 @@ def yield_control_plane(root: int | None = None, include_root: bool = True) -> l
 
 
 def data_plane_priority() -> bool:
-    """Back to SCHED_OTHER for every thread of this process, if a SCHED_BATCH raylet started it."""
-    if not _supported():
-        return False
-    try:
-        if all(os.sched_getscheduler(int(t)) != os.SCHED_BATCH for t in os.listdir("/proc/self/task")):
-            return False
-    except OSError:
-        return False
-    return _set_policy(os.getpid(), os.SCHED_OTHER)
+    """Back to SCHED_OTHER for every thread of this process (if a SCHED_BATCH raylet started it); whether any
+    thread changed."""
+    return _supported() and _set_policy(os.getpid(), os.SCHED_OTHER)
