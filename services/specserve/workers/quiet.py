@@ -17,9 +17,10 @@ benches start (never a cluster joined with --address):
    per process) are refreshed every 15 s and task events every 5 s; a
    plain Ray task starts a fresh worker process (specserve runs actors).
    Idle, with the colocated application up, Ray's processes took ~94 ms/s
-   of CPU with the log monitor's threshold, a 0.5 s Serve loop and Ray's
-   report intervals, ~84 ms/s with the values here (three runs each); half
-   of what is left is the five Python workers' 10 ms signal checks.
+   of CPU with the log monitor's threshold and Ray's report intervals at
+   their defaults, ~84 ms/s with those and a 1 s Serve loop (three runs
+   each); half of what is left is the five Python workers' 10 ms signal
+   checks.
 2. `yield_control_plane` (after the application is up): the control plane's
    processes (GCS, raylet, agents, log monitor, Serve controller, idle
    workers, and the driver that started them) go to SCHED_BATCH. They keep
@@ -56,8 +57,9 @@ QUIET_ENV = {
     "LOG_NAME_UPDATE_INTERVAL_S": "5",
     "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
     # Serve: the controller's loop (0.1 s; each pass asks the GCS for every node, its resource usage and the
-    # draining nodes) and the replicas' and proxies' metric caches (0.1 s; Ray exports metrics every 10 s anyway)
-    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1",
+    # draining nodes; 1 s saved ~3 ms/s of CPU idle but `specserve serve` took ~6 s longer to come up) and the
+    # replicas' and proxies' metric caches (0.1 s; Ray exports metrics every 10 s anyway)
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
     # the dashboard agent's node report (psutil over every worker process; 5 s) and every worker's flush of
     # its task events to the GCS (1 s; they feed `ray list tasks` and the dashboard, which specserve does not use)
