@@ -60,11 +60,20 @@ def test_load_and_served_plots_show_their_configuration_and_values(drawn):
     row = lambda a: {"in_process_tokens_per_s": a, "in_process_before_ray_tokens_per_s": a - 1,  # noqa: E731
                      "in_process_after_ray_tokens_per_s": a, "in_process_ray_up_tokens_per_s": a - 4,
                      "colocated": {"tokens_per_s": a - 5, "repeat_tokens_per_s": [a - 6, a - 5],
-                                   "served_over_in_process": (a - 5) / a, "served_over_in_process_paired": 0.93}}
+                                   "served_over_in_process": (a - 5) / a, "served_over_in_process_paired": 0.93,
+                                   "paired_mean_ci95": [0.84, 0.97]}}
     report = {"config": {"target": "embedded", "draft": "default", "gamma": 3, "max_new_tokens": 48, "prompts": 1,
                          "repeats": 2}, "workloads": {"chat": row(30.0), "code": row(45.0)}}
     served._plot(report, out / "served.png")
     words = " ".join(texts(figures[-1]))
     for expected in ("γ=3", "best of 2 repeat(s)", "served: colocated", "40.0", "tokens/s (greedy, one stream)",
-                     "served / in-process 0.89", "(paired, median 0.93)"):
+                     "served / in-process 0.89", "(paired, median 0.93, mean's 95% CI 0.84-0.97)"):
         assert expected in words, expected
+
+
+def test_the_paired_ratios_confidence_interval_is_students():
+    low, high = served.mean_ci95([0.8, 0.9, 1.0])  # mean 0.9, sd 0.1, t(2 df) = 4.30
+    assert (low, high) == pytest.approx((0.9 - 4.30 * 0.1 / 3**0.5, 0.9 + 4.30 * 0.1 / 3**0.5))
+    assert served.mean_ci95([0.9]) is None
+    wide, narrow = served.mean_ci95([0.8, 1.0] * 2), served.mean_ci95([0.8, 1.0] * 20)
+    assert narrow[0] > wide[0] and narrow[1] < wide[1]  # more pairs, a tighter interval around the same mean

@@ -78,6 +78,21 @@ def _ray_frozen():
                 os.kill(pid, signal.SIGCONT)
 
 
+# Student's t, two-sided 95%, by degrees of freedom (1-30; beyond, the normal's 1.96 is within 4%)
+_T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13, 2.12, 2.11,
+        2.10, 2.09, 2.09, 2.08, 2.07, 2.07, 2.06, 2.06, 2.06, 2.05, 2.05, 2.05, 2.04)
+
+
+def mean_ci95(values: list[float]) -> list[float] | None:
+    """[low, high] of the 95% confidence interval of the mean (Student's t), None below two values: whether the
+    paired ratios clear a bar, or only their median does."""
+    if len(values) < 2:
+        return None
+    mean, n = statistics.fmean(values), len(values)
+    half = (_T95[n - 2] if n - 1 <= len(_T95) else 1.96) * statistics.stdev(values) / n**0.5
+    return [mean - half, mean + half]
+
+
 def _paired_in_process(decoder, ids, args, gamma) -> tuple[float, int]:
     """(seconds, tokens) of the in-process engine right after a served request, with Ray frozen: the engine as
     without Ray, in the same minute. This machine's speed drifts by 10-20% over minutes, more than the
@@ -217,6 +232,7 @@ def _report(args, gamma, workloads, prompts, before, after, during, served, repe
         "workloads": {},
     }
     print(f"\n{'workload':9s} {'in-proc':>8s} {'(ray up)':>8s} {'served':>8s} {'ratio':>6s} {'paired':>6s} "
+          f"{'(95% CI of mean)':>16s} "
           f"{'ms/round':>9s} {'same text':>9s}"
           + ("  pipelined/sequential" if "pipelined" in served else ""))
     for workload in workloads:
@@ -249,6 +265,7 @@ def _report(args, gamma, workloads, prompts, before, after, during, served, repe
                 # (`_paired_in_process`)
                 "paired_ratios": ratios,
                 "served_over_in_process_paired": statistics.median(ratios) if ratios else None,
+                "paired_mean_ci95": mean_ci95(ratios),
                 "rounds": rounds,
                 "overhead_ms_per_round": 1000 * (s - local_s * tokens / local_tokens) / rounds,
                 "same_text_as_in_process": all(results[i][2] == best_local[i][2] for i in idx),
@@ -269,6 +286,7 @@ def _report(args, gamma, workloads, prompts, before, after, during, served, repe
         print(f"{workload:9s} {row['in_process_tokens_per_s']:8.1f} {row['in_process_ray_up_tokens_per_s']:8.1f} "
               f"{p['tokens_per_s']:8.1f} "
               f"{p['served_over_in_process']:6.2f} {p['served_over_in_process_paired'] or float('nan'):6.2f} "
+              f"{'{:.2f}-{:.2f}'.format(*p['paired_mean_ci95']) if p['paired_mean_ci95'] else '':>16s} "
               f"{p['overhead_ms_per_round']:9.1f} {str(p['same_text_as_in_process']):>9s}"
               + (f"  {row['pipelined_over_sequential']:.2f}" if "pipelined" in served else ""))
     return report
@@ -310,7 +328,10 @@ def _plot(report: dict, path: pathlib.Path) -> None:
         ratio = rows[i][next(n for n in ("served", "colocated", "sequential", "pipelined") if n in rows[i])]
         text = f"served / in-process {ratio['served_over_in_process']:.2f}"
         if ratio.get("served_over_in_process_paired") is not None:
-            text += f"\n(paired, median {ratio['served_over_in_process_paired']:.2f})"
+            text += f"\n(paired, median {ratio['served_over_in_process_paired']:.2f}"
+            if ratio.get("paired_mean_ci95"):
+                text += ", mean's 95% CI {:.2f}-{:.2f}".format(*ratio["paired_mean_ci95"])
+            text += ")"
         ax.annotate(text, (i + 0.4 - width / 2, top * 1.12), ha="center", fontsize=7)
     ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(workloads))], workloads)
     ax.set_ylabel("tokens/s (greedy, one stream)")
