@@ -93,6 +93,10 @@ def mean_ci95(values: list[float]) -> list[float] | None:
     return [mean - half, mean + half]
 
 
+def _interval(ci: list[float] | None) -> str:
+    return "{:.2f}-{:.2f}".format(*ci) if ci else ""
+
+
 def _paired_in_process(decoder, ids, args, gamma) -> tuple[float, int]:
     """(seconds, tokens) of the in-process engine right after a served request, with Ray frozen: the engine as
     without Ray, in the same minute. This machine's speed drifts by 10-20% over minutes, more than the
@@ -286,7 +290,7 @@ def _report(args, gamma, workloads, prompts, before, after, during, served, repe
         print(f"{workload:9s} {row['in_process_tokens_per_s']:8.1f} {row['in_process_ray_up_tokens_per_s']:8.1f} "
               f"{p['tokens_per_s']:8.1f} "
               f"{p['served_over_in_process']:6.2f} {p['served_over_in_process_paired'] or float('nan'):6.2f} "
-              f"{'{:.2f}-{:.2f}'.format(*p['paired_mean_ci95']) if p['paired_mean_ci95'] else '':>16s} "
+              f"{_interval(p['paired_mean_ci95']):>16s} "
               f"{p['overhead_ms_per_round']:9.1f} {str(p['same_text_as_in_process']):>9s}"
               + (f"  {row['pipelined_over_sequential']:.2f}" if "pipelined" in served else ""))
     return report
@@ -330,7 +334,7 @@ def _plot(report: dict, path: pathlib.Path) -> None:
         if ratio.get("served_over_in_process_paired") is not None:
             text += f"\n(paired, median {ratio['served_over_in_process_paired']:.2f}"
             if ratio.get("paired_mean_ci95"):
-                text += ", mean's 95% CI {:.2f}-{:.2f}".format(*ratio["paired_mean_ci95"])
+                text += f", mean's 95% CI {_interval(ratio['paired_mean_ci95'])}"
             text += ")"
         ax.annotate(text, (i + 0.4 - width / 2, top * 1.12), ha="center", fontsize=7)
     ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(workloads))], workloads)
