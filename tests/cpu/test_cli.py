@@ -76,6 +76,10 @@ def test_bench_served_compares_the_served_path_with_in_process(model_dirs, tmp_p
         assert row[name]["same_text_as_in_process"]
         assert row[name]["tokens_per_s"] > 0 and row[name]["rounds"] > 0
         assert row[name]["per_round_ms"]["worker_verify"] > 0
+        # the paired gap and its two parts come from the same runs: served/frozen = served/beside x beside/frozen
+        path, idle = row[name]["paired_served_over_ray_up"], row[name]["paired_ray_up_over_in_process"]
+        assert len(row[name]["paired_ratios"]) == len(path["ratios"]) == len(idle["ratios"]) == 1
+        assert row[name]["paired_ratios"][0] == pytest.approx(path["ratios"][0] * idle["ratios"][0])
     assert row["pipelined_over_sequential"] > 0 and row["in_process_ray_up_tokens_per_s"] > 0
     metrics = json.loads((out / "served.json").read_text())["metrics"]
     for name in ("colocated", "sequential", "pipelined"):

@@ -61,13 +61,16 @@ def test_load_and_served_plots_show_their_configuration_and_values(drawn):
                      "in_process_after_ray_tokens_per_s": a, "in_process_ray_up_tokens_per_s": a - 4,
                      "colocated": {"tokens_per_s": a - 5, "repeat_tokens_per_s": [a - 6, a - 5],
                                    "served_over_in_process": (a - 5) / a, "served_over_in_process_paired": 0.93,
-                                   "paired_mean_ci95": [0.84, 0.97]}}
+                                   "paired_mean_ci95": [0.84, 0.97],
+                                   "paired_served_over_ray_up": served._pairs([0.95, 1.01, 0.98]),
+                                   "paired_ray_up_over_in_process": served._pairs([0.93, 0.95])}}
     report = {"config": {"target": "embedded", "draft": "default", "gamma": 3, "max_new_tokens": 48, "prompts": 1,
                          "repeats": 2}, "workloads": {"chat": row(30.0), "code": row(45.0)}}
     served._plot(report, out / "served.png")
     words = " ".join(texts(figures[-1]))
     for expected in ("γ=3", "best of 2 repeat(s)", "served: colocated", "40.0", "tokens/s (greedy, one stream)",
-                     "served / in-process 0.89", "(paired, median 0.93, mean's 95% CI 0.84-0.97)"):
+                     "served / in-process 0.89", "(paired, median 0.93, mean's 95% CI 0.84-0.97)",
+                     "served path 0.98 (0.91-1.05) x Ray idle 0.94 (0.81-1.07)"):
         assert expected in words, expected
 
 

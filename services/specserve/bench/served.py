@@ -97,17 +97,34 @@ def _interval(ci: list[float] | None) -> str:
     return "{:.2f}-{:.2f}".format(*ci) if ci else ""
 
 
-def _paired_in_process(decoder, ids, args, gamma) -> tuple[float, int]:
-    """(seconds, tokens) of the in-process engine right after a served request, with Ray frozen: the engine as
-    without Ray, in the same minute. This machine's speed drifts by 10-20% over minutes, more than the
-    difference measured; a ratio of neighbours cancels the drift, best-of over separate phases does not."""
+def _tokens_per_s(decoder, ids, args, gamma) -> float:
+    t0 = time.perf_counter()
+    result = decoder.generate(ids, GREEDY, args.max_new_tokens, gamma=gamma)
+    return len(result.token_ids) / (time.perf_counter() - t0)
+
+
+def _paired_in_process(decoder, ids, args, gamma) -> tuple[float, float]:
+    """(tok/s beside idle Ray + Serve, tok/s with Ray frozen) of the in-process engine right after a served
+    request: the engine in the served one's surroundings, and as without Ray, in the same minute. This machine's
+    speed drifts by 10-20% over minutes, more than the difference measured; a ratio of neighbours cancels the
+    drift, best-of over separate phases does not."""
+    beside = _tokens_per_s(decoder, ids, args, gamma)
     with _ray_frozen():
-        t0 = time.perf_counter()
-        result = decoder.generate(ids, GREEDY, args.max_new_tokens, gamma=gamma)
-        seconds = time.perf_counter() - t0
+        alone = _tokens_per_s(decoder, ids, args, gamma)
     # continued, Ray's processes run every periodic task they owe at once: let that pass before the next request
     time.sleep(RAY_SETTLE_S)
-    return seconds, len(result.token_ids)
+    return beside, alone
+
+
+def _pairs(ratios: list[float]) -> dict:
+    return {"ratios": ratios, "median": statistics.median(ratios) if ratios else None,
+            "mean": statistics.fmean(ratios) if ratios else None, "mean_ci95": mean_ci95(ratios)}
+
+
+def _mean_interval(pairs: dict) -> str:
+    if pairs["mean"] is None:
+        return ""
+    return f"{pairs['mean']:.2f} ({_interval(pairs['mean_ci95'])})" if pairs["mean_ci95"] else f"{pairs['mean']:.2f}"
 
 
 def run_served_bench(args) -> int:
@@ -157,7 +174,9 @@ def run_served_bench(args) -> int:
     port = _free_port()
     served: dict[str, dict[int, tuple[float, int, str, int]]] = {name: {} for name in names}
     repeats: dict[str, dict[str, list[list[float]]]] = {}  # application -> workload -> [tokens, seconds] per repeat
-    paired: dict[str, dict[str, list[float]]] = {}  # application -> workload -> served / in-process per repeat
+    # application -> workload -> per repeat: served / in-process (Ray frozen), served / in-process beside idle
+    # Ray + Serve, and that / in-process (Ray frozen)
+    paired: dict[str, dict[str, dict[str, list[float]]]] = {}
     during: dict[int, tuple[float, int, str]] = {}  # in-process while Ray + Serve are up and idle
     metrics_port = _free_port()
     metrics: dict[str, dict] = {}  # per application: what its requests added to the scraped series
@@ -193,9 +212,11 @@ def run_served_bench(args) -> int:
                 for repeat in range(args.repeats):
                     payload, seconds = _post(url, body)
                     tokens = payload["usage"]["completion_tokens"]
-                    local_s, local_tokens = _paired_in_process(decoder, ids, args, gamma)
-                    paired.setdefault(name, {}).setdefault(workload, []).append(
-                        (tokens / seconds) / (local_tokens / local_s))
+                    beside, alone = _paired_in_process(decoder, ids, args, gamma)
+                    pairs = paired.setdefault(name, {}).setdefault(workload, {"frozen": [], "path": [], "ray": []})
+                    pairs["frozen"].append(tokens / seconds / alone)
+                    pairs["path"].append(tokens / seconds / beside)
+                    pairs["ray"].append(beside / alone)
                     totals = repeats.setdefault(name, {}).setdefault(workload, [[0, 0.0] for _ in range(args.repeats)])
                     totals[repeat][0] += tokens
                     totals[repeat][1] += seconds
@@ -203,8 +224,8 @@ def run_served_bench(args) -> int:
                     if i not in served[name] or seconds < served[name][i][0]:
                         served[name][i] = (seconds, tokens, payload["choices"][0]["text"], rounds, payload["specserve"])
                     print(f"  {workload:8s} prompt {i} {name:10s} {tokens / seconds:6.1f} tok/s "
-                          f"(in-process {before[i][1] / before[i][0]:6.1f} before Ray, "
-                          f"{local_tokens / local_s:6.1f} right after, Ray frozen)", flush=True)
+                          f"(in-process {before[i][1] / before[i][0]:6.1f} before Ray; right after: "
+                          f"{beside:6.1f} beside idle Ray, {alone:6.1f} Ray frozen)", flush=True)
             if not during:
                 print("  in-process beside the idle application ...", flush=True)
                 during = _in_process(decoder, prompts, args, gamma)
@@ -235,8 +256,11 @@ def _report(args, gamma, workloads, prompts, before, after, during, served, repe
                    "prompts": args.prompts, "repeats": args.repeats, "sampling": "greedy"},
         "workloads": {},
     }
-    print(f"\n{'workload':9s} {'in-proc':>8s} {'(ray up)':>8s} {'served':>8s} {'ratio':>6s} {'paired':>6s} "
-          f"{'(95% CI of mean)':>16s} "
+    print("\npaired: each served request over the in-process engine right after it, Ray frozen (median, and the "
+          "mean with its 95% CI); that gap split in two,\nthe served path over the engine beside idle Ray + Serve "
+          "(path) and that engine over the one with Ray frozen (Ray idle); means and 95% CIs")
+    print(f"{'workload':9s} {'in-proc':>8s} {'(ray up)':>8s} {'served':>8s} {'ratio':>6s} {'paired':>6s} "
+          f"{'(95% CI of mean)':>16s} {'path':>17s} {'Ray idle':>17s} "
           f"{'ms/round':>9s} {'same text':>9s}"
           + ("  pipelined/sequential" if "pipelined" in served else ""))
     for workload in workloads:
@@ -256,7 +280,8 @@ def _report(args, gamma, workloads, prompts, before, after, during, served, repe
                "in_process_ray_up_tokens_per_s": sum(during[i][1] for i in idx) / sum(during[i][0] for i in idx),
                "in_process_per_round_ms": row_local_ms}
         for name, results in served.items():
-            ratios = (paired or {}).get(name, {}).get(workload, [])
+            pairs = (paired or {}).get(name, {}).get(workload, {})
+            ratios = pairs.get("frozen", [])
             s = sum(results[i][0] for i in idx)
             tokens = sum(results[i][1] for i in idx)
             rounds = sum(results[i][3] for i in idx)
@@ -270,6 +295,11 @@ def _report(args, gamma, workloads, prompts, before, after, during, served, repe
                 "paired_ratios": ratios,
                 "served_over_in_process_paired": statistics.median(ratios) if ratios else None,
                 "paired_mean_ci95": mean_ci95(ratios),
+                # the same gap in two parts, from the same pairs: the served path over the engine beside idle Ray +
+                # Serve (what serving adds), and that engine over the one with Ray frozen (what Ray's idle
+                # processes alone cost a CPU forward)
+                "paired_served_over_ray_up": _pairs(pairs.get("path", [])),
+                "paired_ray_up_over_in_process": _pairs(pairs.get("ray", [])),
                 "rounds": rounds,
                 "overhead_ms_per_round": 1000 * (s - local_s * tokens / local_tokens) / rounds,
                 "same_text_as_in_process": all(results[i][2] == best_local[i][2] for i in idx),
@@ -290,7 +320,8 @@ def _report(args, gamma, workloads, prompts, before, after, during, served, repe
         print(f"{workload:9s} {row['in_process_tokens_per_s']:8.1f} {row['in_process_ray_up_tokens_per_s']:8.1f} "
               f"{p['tokens_per_s']:8.1f} "
               f"{p['served_over_in_process']:6.2f} {p['served_over_in_process_paired'] or float('nan'):6.2f} "
-              f"{_interval(p['paired_mean_ci95']):>16s} "
+              f"{_interval(p['paired_mean_ci95']):>16s} {_mean_interval(p['paired_served_over_ray_up']):>17s} "
+              f"{_mean_interval(p['paired_ray_up_over_in_process']):>17s} "
               f"{p['overhead_ms_per_round']:9.1f} {str(p['same_text_as_in_process']):>9s}"
               + (f"  {row['pipelined_over_sequential']:.2f}" if "pipelined" in served else ""))
     return report
@@ -336,10 +367,13 @@ def _plot(report: dict, path: pathlib.Path) -> None:
             if ratio.get("paired_mean_ci95"):
                 text += f", mean's 95% CI {_interval(ratio['paired_mean_ci95'])}"
             text += ")"
+        serving, idle = ratio.get("paired_served_over_ray_up"), ratio.get("paired_ray_up_over_in_process")
+        if serving and idle and serving["mean"] is not None:
+            text += f"\nserved path {_mean_interval(serving)} x Ray idle {_mean_interval(idle)}"
         ax.annotate(text, (i + 0.4 - width / 2, top * 1.12), ha="center", fontsize=7)
     ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(workloads))], workloads)
     ax.set_ylabel("tokens/s (greedy, one stream)")
-    ax.set_ylim(0, top * 1.22)
+    ax.set_ylim(0, top * 1.3)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=len(series))
     c = report["config"]
     ax.set_title(f"served vs in-process: target {c['target']}, draft {c['draft']}, γ={c['gamma']}\n"
