@@ -80,6 +80,8 @@ def test_bench_served_compares_the_served_path_with_in_process(model_dirs, tmp_p
         path, idle = row[name]["paired_served_over_ray_up"], row[name]["paired_ray_up_over_in_process"]
         assert len(row[name]["paired_ratios"]) == len(path["ratios"]) == len(idle["ratios"]) == 1
         assert row[name]["paired_ratios"][0] == pytest.approx(path["ratios"][0] * idle["ratios"][0])
+        # one prompt: the paired served rate is the repeat's own
+        assert row[name]["paired_tokens_per_s"][0]["served"] == pytest.approx(row[name]["repeat_tokens_per_s"][0])
     assert row["pipelined_over_sequential"] > 0 and row["in_process_ray_up_tokens_per_s"] > 0
     metrics = json.loads((out / "served.json").read_text())["metrics"]
     for name in ("colocated", "sequential", "pipelined"):

@@ -174,9 +174,9 @@ def run_served_bench(args) -> int:
     port = _free_port()
     served: dict[str, dict[int, tuple[float, int, str, int]]] = {name: {} for name in names}
     repeats: dict[str, dict[str, list[list[float]]]] = {}  # application -> workload -> [tokens, seconds] per repeat
-    # application -> workload -> per repeat: served / in-process (Ray frozen), served / in-process beside idle
-    # Ray + Serve, and that / in-process (Ray frozen)
-    paired: dict[str, dict[str, dict[str, list[float]]]] = {}
+    # application -> workload -> per repeat: tok/s of the served request, then of the in-process engine right
+    # after it beside idle Ray + Serve and with Ray frozen (`_paired_in_process`)
+    paired: dict[str, dict[str, list[tuple[float, float, float]]]] = {}
     during: dict[int, tuple[float, int, str]] = {}  # in-process while Ray + Serve are up and idle
     metrics_port = _free_port()
     metrics: dict[str, dict] = {}  # per application: what its requests added to the scraped series
@@ -213,10 +213,7 @@ def run_served_bench(args) -> int:
                     payload, seconds = _post(url, body)
                     tokens = payload["usage"]["completion_tokens"]
                     beside, alone = _paired_in_process(decoder, ids, args, gamma)
-                    pairs = paired.setdefault(name, {}).setdefault(workload, {"frozen": [], "path": [], "ray": []})
-                    pairs["frozen"].append(tokens / seconds / alone)
-                    pairs["path"].append(tokens / seconds / beside)
-                    pairs["ray"].append(beside / alone)
+                    paired.setdefault(name, {}).setdefault(workload, []).append((tokens / seconds, beside, alone))
                     totals = repeats.setdefault(name, {}).setdefault(workload, [[0, 0.0] for _ in range(args.repeats)])
                     totals[repeat][0] += tokens
                     totals[repeat][1] += seconds
@@ -280,8 +277,8 @@ def _report(args, gamma, workloads, prompts, before, after, during, served, repe
                "in_process_ray_up_tokens_per_s": sum(during[i][1] for i in idx) / sum(during[i][0] for i in idx),
                "in_process_per_round_ms": row_local_ms}
         for name, results in served.items():
-            pairs = (paired or {}).get(name, {}).get(workload, {})
-            ratios = pairs.get("frozen", [])
+            rates = (paired or {}).get(name, {}).get(workload, [])
+            frozen = _pairs([served_rate / alone for served_rate, _, alone in rates])
             s = sum(results[i][0] for i in idx)
             tokens = sum(results[i][1] for i in idx)
             rounds = sum(results[i][3] for i in idx)
@@ -292,14 +289,15 @@ def _report(args, gamma, workloads, prompts, before, after, during, served, repe
                 "served_over_in_process": (tokens / s) / (local_tokens / local_s),
                 # each served request over the in-process run right after it (Ray frozen), and their median
                 # (`_paired_in_process`)
-                "paired_ratios": ratios,
-                "served_over_in_process_paired": statistics.median(ratios) if ratios else None,
-                "paired_mean_ci95": mean_ci95(ratios),
+                "paired_tokens_per_s": [{"served": a, "in_process_ray_up": b, "in_process": c} for a, b, c in rates],
+                "paired_ratios": frozen["ratios"],
+                "served_over_in_process_paired": frozen["median"],
+                "paired_mean_ci95": frozen["mean_ci95"],
                 # the same gap in two parts, from the same pairs: the served path over the engine beside idle Ray +
                 # Serve (what serving adds), and that engine over the one with Ray frozen (what Ray's idle
                 # processes alone cost a CPU forward)
-                "paired_served_over_ray_up": _pairs(pairs.get("path", [])),
-                "paired_ray_up_over_in_process": _pairs(pairs.get("ray", [])),
+                "paired_served_over_ray_up": _pairs([a / b for a, b, _ in rates]),
+                "paired_ray_up_over_in_process": _pairs([b / c for _, b, c in rates]),
                 "rounds": rounds,
                 "overhead_ms_per_round": 1000 * (s - local_s * tokens / local_tokens) / rounds,
                 "same_text_as_in_process": all(results[i][2] == best_local[i][2] for i in idx),
