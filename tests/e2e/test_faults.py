@@ -46,18 +46,23 @@ def server(tmp_path_factory):
             "model_name": "tiny", "target_resources": {"torch_threads": 1}, "draft_resources": {"torch_threads": 1},
             "draft_placement": "split", "pipelined": True, "session_idle_s": 8.0}
     serve.run(build_app(args), name="faults", route_prefix="/")
-    yield {"root": root, **addresses, "app": serve.get_app_handle("faults")}
+    # the colocated relay runs in the ingress replica; its target worker is killed alone (test below)
+    serve.run(build_app({**args, "draft_placement": "colocated", "pipelined": False}), name="colocated",
+              route_prefix="/colocated")
+    yield {"root": root, **addresses, "app": serve.get_app_handle("faults"),
+           "colocated": serve.get_app_handle("colocated")}
     stop_local_serve()
 
 
-def _request(server, kind: str, seed: int) -> list[int] | str:
-    """One seeded request; the token ids (gRPC) or the text (HTTP) the client received."""
+def _request(server, kind: str, seed: int, app: str = "faults") -> list[int] | str:
+    """One seeded request to application `app`; the token ids (gRPC) or the text (HTTP) the client received."""
     params = {"temperature": 1.0, "top_p": 0.95, "seed": seed}
     # top_k: the tiny random model spreads ~2e-5 over each of 49k tokens, so float rounding that differs between
     # a resumed prefill and the uninterrupted verify (or between batch compositions) could move a sample across
     # a token boundary (seen once: 29299 vs 29300, then a different text); 40 tokens leave each one ~1000x wider
     if kind.startswith("http"):
-        client = openai.OpenAI(base_url=server["http"] + "/v1", api_key="-", max_retries=0, timeout=180)
+        prefix = "" if app == "faults" else f"/{app}"
+        client = openai.OpenAI(base_url=f"{server['http']}{prefix}/v1", api_key="-", max_retries=0, timeout=180)
         if kind == "http-stream":
             stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, stream=True,
                                                extra_body={"ignore_eos": True, "top_k": TOP_K}, **params)
@@ -68,9 +73,28 @@ def _request(server, kind: str, seed: int) -> list[int] | str:
     stub = generator_pb2_grpc.GeneratorStub(grpc.insecure_channel(server["grpc"]))
     request = generator_pb2.GenerateRequest(prompt=PROMPT, max_tokens=MAX_TOKENS, sampling=generator_pb2.SamplingParams(
         ignore_eos=True, top_k=TOP_K, **params))
+    metadata = (("application", app),)
     if kind == "grpc-stream":
-        return [t for part in stub.GenerateStream(request, timeout=180) for t in part.token_ids]
-    return list(stub.Generate(request, timeout=180).token_ids)
+        return [t for part in stub.GenerateStream(request, timeout=180, metadata=metadata) for t in part.token_ids]
+    return list(stub.Generate(request, timeout=180, metadata=metadata).token_ids)
+
+
+def _reference(server) -> SpeculativeDecoder:
+    return SpeculativeDecoder(str(server["root"] / "target"), str(server["root"] / "draft"), gamma=3,
+                              dtype="float32", draft_top_k=64)
+
+
+def _mismatched(reference: SpeculativeDecoder, results) -> list[tuple[str, int]]:
+    """The (kind, seed) of every reply that differs from the uninterrupted in-process run."""
+    mismatched = []
+    for kind, seed, got in results:
+        expected = reference.generate(PROMPT, SamplingParams(temperature=1.0, top_p=0.95, top_k=TOP_K, seed=seed,
+                                                             ignore_eos=True), MAX_TOKENS)
+        want = expected.token_ids if kind.startswith("grpc") else expected.text
+        if got != want:
+            mismatched.append((kind, seed))
+            print(f"MISMATCH {kind} {seed}\n got  {got!r}\n want {want!r}", flush=True)
+    return mismatched
 
 
 def test_sessions_survive_repeated_worker_and_coordinator_kills(server):
@@ -119,18 +143,9 @@ def test_sessions_survive_repeated_worker_and_coordinator_kills(server):
             thread.join(timeout=300)
     assert sum(kills.values()) >= 20 and min(kills.values()) >= 6
 
-    reference = SpeculativeDecoder(str(server["root"] / "target"), str(server["root"] / "draft"), gamma=3,
-                                   dtype="float32", draft_top_k=64)
     assert not errors, errors
     assert len(results) >= len(KILL_PLAN) + len(kinds), len(results)
-    mismatched = []
-    for kind, seed, got in results:
-        expected = reference.generate(PROMPT, SamplingParams(temperature=1.0, top_p=0.95, top_k=TOP_K, seed=seed,
-                                                             ignore_eos=True), MAX_TOKENS)
-        want = expected.token_ids if kind.startswith("grpc") else expected.text
-        if got != want:
-            mismatched.append((kind, seed))
-            print(f"MISMATCH {kind} {seed}\n got  {got!r}\n want {want!r}", flush=True)
+    mismatched = _mismatched(_reference(server), results)
     assert not mismatched, f"{len(mismatched)} of {len(results)} replies differ from the uninterrupted run"
     assert degraded_seen >= len(KILL_PLAN) // 2  # /health told the truth while processes were down
     assert requests.get(server["http"] + "/health", timeout=30).json()["status"] == "ok"
@@ -143,3 +158,48 @@ def test_sessions_survive_repeated_worker_and_coordinator_kills(server):
     assert counts == {"target": 0, "draft": 0, "coordinator": 0}
     print(f"\nfault injection: {sum(kills.values())} kills {kills}, {len(results)} requests, "
           f"{len(mismatched)} mismatched, {len(errors)} errors, {time.time() - t0:.0f} s")
+
+
+def test_colocated_sessions_survive_target_worker_kills(server):
+    """A colocated application's coordinator is a relay inside the ingress replica: when its target worker (draft
+    included) is killed mid-stream, the relay waits for Ray's replacement and the session goes on there."""
+    app = server["colocated"]
+    results: list[tuple[str, int, object]] = []
+    errors: list[str] = []
+    stop = threading.Event()
+    seeds = itertools.count(5000)
+
+    def client_loop(kind: str) -> None:
+        while not stop.is_set():
+            seed = next(seeds)
+            try:
+                results.append((kind, seed, _request(server, kind, seed, "colocated")))
+            except Exception as exc:  # noqa: BLE001 - every error is a failure of the test, reported below
+                errors.append(f"{kind} seed {seed}: {type(exc).__name__}: {exc}")
+
+    pids = app.process_ids.remote().result(timeout_s=120)
+    assert set(pids) == {"target", "coordinator"}  # no draft worker; the coordinator is the replica
+    clients = [threading.Thread(target=client_loop, args=(kind,)) for kind in ("http-stream", "grpc-stream")]
+    for thread in clients:
+        thread.start()
+    try:
+        for _ in range(3):
+            done = len(results)
+            deadline = time.time() + 300
+            while len(results) < done + 1 and time.time() < deadline:
+                time.sleep(0.1)
+            target = app.process_ids.remote().result(timeout_s=120)["target"]
+            while app.worker_sessions.remote().result()["target"] == 0 and time.time() < deadline:
+                time.sleep(0.01)  # kill it with a session on it, mid-stream
+            os.kill(target, signal.SIGKILL)
+        new_pids = app.process_ids.remote().result(timeout_s=120)
+        time.sleep(2.0)
+    finally:
+        stop.set()
+        for thread in clients:
+            thread.join(timeout=300)
+    assert new_pids["coordinator"] == pids["coordinator"] and new_pids["target"] != pids["target"]
+    assert not errors, errors
+    assert len(results) >= 4, len(results)
+    mismatched = _mismatched(_reference(server), results)
+    assert not mismatched, f"{len(mismatched)} of {len(results)} replies differ from the uninterrupted run"

@@ -359,37 +359,3 @@ class _Cancel(threading.Event):
     """A session's cancel flag and why it was set (the finish reason its metrics record)."""
 
     reason = "cancelled"
-
-
-def start_coordinator(config, target_actor, draft_actor=None, *, gamma="auto", gamma_max: int = 8, pipelined=True,
-                      max_sessions: int = 64, draft_lookup: bool = True, worker_token: str | None = None):
-    """Create the coordinator actor for started workers, calibrating the γ cost model on them. It follows the
-    workers through restarts, and Ray restarts it too (`config.max_restarts`). worker_token: the workers'
-    shared secret (`start_workers`)."""
-    import ray
-
-    info = ray.get(target_actor.info.remote())
-    draft_mode, draft_address, free, step = "none", None, False, None
-    if info.get("colocated_draft"):
-        draft_mode = "colocated"
-    elif draft_actor is not None:
-        draft_mode = "remote"
-        draft_address, free, step = ray.get(
-            [draft_actor.address.remote(), draft_actor.is_free.remote(), draft_actor.step_time.remote()]
-        )
-    elif config.draft == "ngram":
-        draft_mode, free = "ngram", True
-    profile = None
-    if gamma == "auto" and draft_mode not in ("none", "colocated"):  # a colocated worker calibrates itself
-        profile = ray.get(target_actor.verify_profile.remote(gamma_max + 1))
-    actor = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=max(1000, 4 * max_sessions),
-                                            max_restarts=getattr(config, "max_restarts", 0))
-    return actor.remote(
-        ray.get(target_actor.address.remote()), info["vocab"], info["eos_ids"],
-        draft=draft_mode, draft_address=draft_address, draft_free=free, draft_lookup=draft_lookup, gamma=gamma,
-        gamma_max=gamma_max,
-        pipelined=pipelined, verify_profile=profile, draft_step_s=step, max_sessions=max_sessions,
-        model_name=getattr(config, "model_name", None) or info["name"], export_metrics=True,
-        target_actor=target_actor, draft_actor=draft_actor if draft_mode == "remote" else None,
-        restart_timeout_s=getattr(config, "restart_timeout_s", 120.0), worker_token=worker_token,
-    )

@@ -4,15 +4,19 @@
     import_path: specserve.serve:build_app         # Serve YAML / KubeRay serveConfigV2
 
 One ingress deployment validates and tokenizes requests (both front ends
-share `protocol.prepare`), then streams one session from the coordinator
-actor, which talks to the draft and target workers over gRPC. The ingress
-starts those actors when its replica starts, so they live and die with it.
+share `protocol.prepare`), then streams one session from the coordinator,
+which talks to the draft and target workers over gRPC: a Ray actor of its
+own, or, with a colocated draft (the worker runs whole sessions; the
+coordinator only relays its stream), an object in this replica
+(`coordinator.hosting`). The ingress starts them when its replica starts,
+so they live and die with it.
 A Serve handle is only used by Serve itself to reach this ingress; the
 per-round traffic never passes through Serve.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the real body types through Serve's ingress.
 import asyncio
+import contextlib
 import json
 import logging
 import pathlib
@@ -226,42 +230,42 @@ class SpecServe:
 
     async def _events(self, request: SessionRequest) -> AsyncIterator[Event]:
         """One Event per round; ends the coordinator session when the consumer stops early (disconnect, stop string).
-        If the coordinator's process dies, Ray restarts it and the request goes on there from the tokens already
-        delivered: the client sees no error (and, seed and position-keyed randomness fixed, the same tokens)."""
+        If a coordinator actor's process dies, Ray restarts it and the request goes on there from the tokens
+        already delivered: the client sees no error (and, seed and position-keyed randomness fixed, the same
+        tokens)."""
         text = self.codec.stream(request.params.stop)
         committed: list[int] = []
         part, ended, deadline = request, False, None  # ended: the coordinator's session finished on its own
         try:
             while True:
                 try:
-                    async for ref in self.coordinator.generate.options(num_returns="streaming").remote(part):
-                        try:
-                            chunk = await ref
-                        except ray.exceptions.RayTaskError as exc:
-                            cause = exc.cause if exc.cause is not None else exc
-                            raise _WorkerError.from_cause(cause, request.request_id) from None
-                        committed.extend(chunk.tokens)
-                        deadline = None  # the coordinator answers: a later loss gets a restart timeout of its own
-                        ended = chunk.finish_reason is not None
-                        delta = text.push(chunk.tokens, ended)
-                        reason = "stop" if text.stopped else chunk.finish_reason
-                        yield Event(delta, chunk.tokens, reason, len(committed), chunk.stats, chunk.logprobs,
-                                    chunk.rounds)
-                        if reason is not None:
-                            return
+                    async with contextlib.aclosing(self.coordinator.chunks(part)) as chunks:
+                        async for chunk in chunks:
+                            committed.extend(chunk.tokens)
+                            deadline = None  # the coordinator answers: a later loss gets a restart timeout of its own
+                            ended = chunk.finish_reason is not None
+                            delta = text.push(chunk.tokens, ended)
+                            reason = "stop" if text.stopped else chunk.finish_reason
+                            yield Event(delta, chunk.tokens, reason, len(committed), chunk.stats, chunk.logprobs,
+                                        chunk.rounds)
+                            if reason is not None:
+                                return
                     return
-                except ray.exceptions.RayActorError as exc:  # the coordinator died (or is restarting)
+                except ray.exceptions.RayActorError as exc:  # the coordinator actor died (or is restarting)
                     deadline = deadline or time.monotonic() + self.config.restart_timeout_s
-                    if self.config.max_restarts == 0 or time.monotonic() > deadline:
+                    if (not self.coordinator.restartable or self.config.max_restarts == 0
+                            or time.monotonic() > deadline):
                         raise _WorkerError.from_cause(exc, request.request_id) from None
                     log.warning("request %s: the coordinator was lost after %d tokens; resuming on its replacement",
                                 request.request_id, len(committed))
                     # a new id: should the old coordinator still be running it after all, the two cannot collide
                     part = replace(request.resumed(committed), request_id=uuid.uuid4().hex)
                     await asyncio.sleep(0.2)
+                except Exception as exc:  # noqa: BLE001 - a session's failure: a short message and a status
+                    raise _WorkerError.from_cause(exc, request.request_id) from None
         finally:
             if not ended:  # a disconnect, or a stop string: the session would otherwise run on to max_tokens
-                self.coordinator.cancel.remote(part.request_id, "stop" if text.stopped else "cancelled")
+                self.coordinator.cancel(part.request_id, "stop" if text.stopped else "cancelled")
 
     async def _started(self, request: SessionRequest) -> AsyncIterator[Event]:
         """The session's events, the first already here: a failure before the first token (overload, a full KV
@@ -328,7 +332,7 @@ class SpecServe:
     async def health(self):
         """200 when the coordinator and every worker answer; 503 "degraded" while one is down or restarting
         (Kubernetes probes and load balancers then route elsewhere)."""
-        refs = {"coordinator": self.coordinator.describe.remote(), "target": self.target.info.remote()}
+        refs = {"coordinator": self.coordinator.describe(), "target": self.target.info.remote()}
         if self.draft is not None:
             refs["draft"] = self.draft.is_free.remote()
         answers, down = {}, []
@@ -524,15 +528,17 @@ class SpecServe:
 
     # -- introspection (tests, bench) ----------------------------------------------
     async def process_ids(self, timeout_s: float = 120.0) -> dict[str, int]:
-        """The PIDs of this application's actors, by role, once all of them are up (fault-injection tests kill
-        them; a restarting actor refuses calls until its __init__ is done)."""
-        actors = {"coordinator": self.coordinator, "target": self.target, "draft": self.draft}
+        """The PIDs of this application's processes, by role, once all of them are up (fault-injection tests kill
+        them; a restarting actor refuses calls until its __init__ is done). A coordinator in this replica (a
+        colocated draft) reports the replica's own."""
+        calls = {"coordinator": self.coordinator.pid, "target": self.target.pid.remote,
+                 "draft": self.draft.pid.remote if self.draft is not None else None}
         deadline = time.monotonic() + timeout_s
         pids = {}
-        for role, actor in actors.items():
-            while actor is not None and role not in pids:
+        for role, call in calls.items():
+            while call is not None and role not in pids:
                 try:
-                    pids[role] = await actor.pid.remote()
+                    pids[role] = await call()
                 except ray.exceptions.RayActorError:
                     if time.monotonic() > deadline:
                         raise
@@ -541,7 +547,7 @@ class SpecServe:
 
     async def worker_sessions(self) -> dict[str, int]:
         counts = {"target": await self.target.active_sessions.remote(),
-                  "coordinator": await self.coordinator.active_sessions.remote()}
+                  "coordinator": await self.coordinator.active_sessions()}
         if self.draft is not None:
             counts["draft"] = await self.draft.active_sessions.remote()
         return counts
