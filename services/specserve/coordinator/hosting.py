@@ -7,10 +7,9 @@ it on its own when its process dies. With a colocated draft the target
 worker runs whole sessions and the coordinator only relays one gRPC stream
 per session (one message per round). That relay runs inside the ingress
 replica (`InReplicaCoordinator`): one process fewer on the request path and
-on the machine, and one Ray streaming hop fewer per round. Measured on the
-2-core dev box, each idle Python Ray worker wakes ~160 times a second and
-stopping the coordinator's process alone took the in-process engine beside
-idle Ray from 0.91 to 1.01 of its speed with Ray frozen (chat; README).
+on the machine (each idle Python Ray worker woke ~160 times a second on the
+2-core dev box), and one Ray streaming hop fewer per round. Served over
+in-process it measured within the runs' spread of the actor (README).
 """
 
 from __future__ import annotations
