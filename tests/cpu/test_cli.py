@@ -67,8 +67,10 @@ def test_bench_served_compares_the_served_path_with_in_process(model_dirs, tmp_p
     """Starts a local Ray + Serve and deploys three applications one after another (colocated; split sequential,
     pipelined): same text as in-process, and each one's metrics count its own requests only."""
     out = tmp_path / "served"
-    args = ["bench", "--served", "--quick", "--workloads", "code", "--target", str(model_dirs / "target"),
-            "--draft", str(model_dirs / "draft"), "--dtype", "float32", "--out", str(out)]
+    # two repeats: the second runs its pair of in-process runs before the served request (mirrored order)
+    args = ["bench", "--served", "--quick", "--repeats", "2", "--workloads", "code",
+            "--target", str(model_dirs / "target"), "--draft", str(model_dirs / "draft"), "--dtype", "float32",
+            "--out", str(out)]
     assert main(args) == 0
     row = json.loads((out / "served.json").read_text())["workloads"]["code"]
     assert (out / "served.png").stat().st_size > 5_000
@@ -78,13 +80,14 @@ def test_bench_served_compares_the_served_path_with_in_process(model_dirs, tmp_p
         assert row[name]["per_round_ms"]["worker_verify"] > 0
         # the paired gap and its two parts come from the same runs: served/frozen = served/beside x beside/frozen
         path, idle = row[name]["paired_served_over_ray_up"], row[name]["paired_ray_up_over_in_process"]
-        assert len(row[name]["paired_ratios"]) == len(path["ratios"]) == len(idle["ratios"]) == 1
-        assert row[name]["paired_ratios"][0] == pytest.approx(path["ratios"][0] * idle["ratios"][0])
-        # one prompt: the paired served rate is the repeat's own
-        assert row[name]["paired_tokens_per_s"][0]["served"] == pytest.approx(row[name]["repeat_tokens_per_s"][0])
+        assert len(row[name]["paired_ratios"]) == len(path["ratios"]) == len(idle["ratios"]) == 2
+        for k in range(2):
+            assert row[name]["paired_ratios"][k] == pytest.approx(path["ratios"][k] * idle["ratios"][k])
+            # one prompt: the paired served rate is the repeat's own
+            assert row[name]["paired_tokens_per_s"][k]["served"] == pytest.approx(row[name]["repeat_tokens_per_s"][k])
     assert row["pipelined_over_sequential"] > 0 and row["in_process_ray_up_tokens_per_s"] > 0
     metrics = json.loads((out / "served.json").read_text())["metrics"]
     for name in ("colocated", "sequential", "pipelined"):
-        # one prompt: a warm-up request and one measured (--repeats 1), not the other applications' too
-        assert metrics[name]["requests"] == metrics[name]["requests_sent"] == 2
+        # one prompt: a warm-up request and two measured (--repeats 2), not the other applications' too
+        assert metrics[name]["requests"] == metrics[name]["requests_sent"] == 3
         assert metrics[name]["rounds"] >= row[name]["rounds"]

@@ -103,17 +103,24 @@ def _tokens_per_s(decoder, ids, args, gamma) -> float:
     return len(result.token_ids) / (time.perf_counter() - t0)
 
 
-def _paired_in_process(decoder, ids, args, gamma) -> tuple[float, float]:
-    """(tok/s beside idle Ray + Serve, tok/s with Ray frozen) of the in-process engine right after a served
-    request: the engine in the served one's surroundings, and as without Ray, in the same minute. This machine's
-    speed drifts by 10-20% over minutes, more than the difference measured; a ratio of neighbours cancels the
-    drift, best-of over separate phases does not."""
+def _paired_in_process(decoder, ids, args, gamma, frozen_first: bool = False) -> tuple[float, float]:
+    """(tok/s beside idle Ray + Serve, tok/s with Ray frozen) of the in-process engine next to a served request:
+    the engine in the served one's surroundings, and as without Ray, in the same minute. This machine's speed
+    drifts by 10-20% over minutes, more than the difference measured; a ratio of neighbours cancels the drift,
+    best-of over separate phases does not. frozen_first: the frozen run first, then the one beside Ray (for a
+    served request that comes after them; see `served_bench`)."""
+    def frozen() -> float:
+        with _ray_frozen():
+            rate = _tokens_per_s(decoder, ids, args, gamma)
+        # continued, Ray's processes run every periodic task they owe at once: let that pass before what follows
+        time.sleep(RAY_SETTLE_S)
+        return rate
+
+    if frozen_first:
+        alone = frozen()
+        return _tokens_per_s(decoder, ids, args, gamma), alone
     beside = _tokens_per_s(decoder, ids, args, gamma)
-    with _ray_frozen():
-        alone = _tokens_per_s(decoder, ids, args, gamma)
-    # continued, Ray's processes run every periodic task they owe at once: let that pass before the next request
-    time.sleep(RAY_SETTLE_S)
-    return beside, alone
+    return beside, frozen()
 
 
 def _pairs(ratios: list[float]) -> dict:
@@ -210,9 +217,16 @@ def run_served_bench(args) -> int:
                 _post(url, {**body, "max_tokens": 8})  # warm
                 requests_sent += 1 + args.repeats
                 for repeat in range(args.repeats):
+                    # the three runs in mirrored order on alternate repeats (served, beside, frozen; then frozen,
+                    # beside, served): a fixed order lets whatever the machine does after one of them (Ray
+                    # catching up after being frozen, say) always land on the same one
+                    mirrored = repeat % 2 == 1
+                    if mirrored:
+                        beside, alone = _paired_in_process(decoder, ids, args, gamma, frozen_first=True)
                     payload, seconds = _post(url, body)
                     tokens = payload["usage"]["completion_tokens"]
-                    beside, alone = _paired_in_process(decoder, ids, args, gamma)
+                    if not mirrored:
+                        beside, alone = _paired_in_process(decoder, ids, args, gamma)
                     paired.setdefault(name, {}).setdefault(workload, []).append((tokens / seconds, beside, alone))
                     totals = repeats.setdefault(name, {}).setdefault(workload, [[0, 0.0] for _ in range(args.repeats)])
                     totals[repeat][0] += tokens
@@ -221,7 +235,7 @@ def run_served_bench(args) -> int:
                     if i not in served[name] or seconds < served[name][i][0]:
                         served[name][i] = (seconds, tokens, payload["choices"][0]["text"], rounds, payload["specserve"])
                     print(f"  {workload:8s} prompt {i} {name:10s} {tokens / seconds:6.1f} tok/s "
-                          f"(in-process {before[i][1] / before[i][0]:6.1f} before Ray; right after: "
+                          f"(in-process {before[i][1] / before[i][0]:6.1f} before Ray; next to it: "
                           f"{beside:6.1f} beside idle Ray, {alone:6.1f} Ray frozen)", flush=True)
             if not during:
                 print("  in-process beside the idle application ...", flush=True)
@@ -253,9 +267,9 @@ def _report(args, gamma, workloads, prompts, before, after, during, served, repe
                    "prompts": args.prompts, "repeats": args.repeats, "sampling": "greedy"},
         "workloads": {},
     }
-    print("\npaired: each served request over the in-process engine right after it, Ray frozen (median, and the "
-          "mean with its 95% CI); that gap split in two,\nthe served path over the engine beside idle Ray + Serve "
-          "(path) and that engine over the one with Ray frozen (Ray idle); means and 95% CIs")
+    print("\npaired: each served request over the in-process engine next to it (after it, then before it, in turn),"
+          " Ray frozen (median, and the mean with its 95% CI);\nthat gap split in two, the served path over the engine "
+          "beside idle Ray + Serve (path) and that engine over the one with Ray frozen (Ray idle); means and 95% CIs")
     print(f"{'workload':9s} {'in-proc':>8s} {'(ray up)':>8s} {'served':>8s} {'ratio':>6s} {'paired':>6s} "
           f"{'(95% CI of mean)':>16s} {'path':>17s} {'Ray idle':>17s} "
           f"{'ms/round':>9s} {'same text':>9s}"
@@ -287,7 +301,7 @@ def _report(args, gamma, workloads, prompts, before, after, during, served, repe
                 # each repeat's figure over the workload's prompts (the bar is the best per prompt)
                 "repeat_tokens_per_s": [t / sec for t, sec in (repeats or {}).get(name, {}).get(workload, []) if sec],
                 "served_over_in_process": (tokens / s) / (local_tokens / local_s),
-                # each served request over the in-process run right after it (Ray frozen), and their median
+                # each served request over the in-process run next to it (Ray frozen), and their median
                 # (`_paired_in_process`)
                 "paired_tokens_per_s": [{"served": a, "in_process_ray_up": b, "in_process": c} for a, b, c in rates],
                 "paired_ratios": frozen["ratios"],
