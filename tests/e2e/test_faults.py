@@ -97,37 +97,56 @@ def _mismatched(reference: SpeculativeDecoder, results) -> list[tuple[str, int]]
     return mismatched
 
 
+class _Clients:
+    """One thread per kind of client, each sending seeded requests to application `app` one after another until
+    stopped; `results` holds (kind, seed, reply), `errors` every failure a client saw."""
+
+    def __init__(self, server, kinds: list[str], first_seed: int, app: str = "faults"):
+        self.results: list[tuple[str, int, object]] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._seeds = itertools.count(first_seed)
+        self._t0 = time.time()
+        self._threads = [threading.Thread(target=self._loop, args=(server, kind, app)) for kind in kinds]
+        for thread in self._threads:
+            thread.start()
+
+    def _loop(self, server, kind: str, app: str) -> None:
+        while not self._stop.is_set():
+            seed = next(self._seeds)
+            started = time.time()
+            try:
+                self.results.append((kind, seed, _request(server, kind, seed, app)))
+                print(f"{app} {kind} seed {seed}: {started - self._t0:.1f} .. {time.time() - self._t0:.1f} s",
+                      flush=True)
+            except Exception as exc:  # noqa: BLE001 - every error is a failure of the test, reported below
+                self.errors.append(f"{kind} seed {seed}: {type(exc).__name__}: {exc}")
+
+    def wait_for_one_more(self, timeout_s: float) -> None:
+        """Until one more request has finished (on processes restarted since the last kill)."""
+        done, deadline = len(self.results), time.time() + timeout_s
+        while len(self.results) < done + 1 and time.time() < deadline:
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=300)
+
+
 def test_sessions_survive_repeated_worker_and_coordinator_kills(server):
     app = server["app"]
     kinds = ["http-stream", "grpc-stream", "http", "grpc"]
-    seeds = itertools.count(1000)
-    results: list[tuple[str, int, object]] = []
-    errors: list[str] = []
-    stop = threading.Event()
-
-    def client_loop(kind: str) -> None:
-        while not stop.is_set():
-            seed = next(seeds)
-            started = time.time()
-            try:
-                results.append((kind, seed, _request(server, kind, seed)))
-                print(f"{kind} seed {seed}: {started - t0:.1f} .. {time.time() - t0:.1f} s", flush=True)
-            except Exception as exc:  # noqa: BLE001 - every error is a failure of the test, reported below
-                errors.append(f"{kind} seed {seed}: {type(exc).__name__}: {exc}")
-
     t0 = time.time()
-    clients = [threading.Thread(target=client_loop, args=(kind,)) for kind in kinds]
-    for thread in clients:
-        thread.start()
+    clients = _Clients(server, kinds, first_seed=1000)
+    results, errors = clients.results, clients.errors
     kills: dict[str, int] = {"target": 0, "draft": 0, "coordinator": 0}
     degraded_seen = 0
     try:
         for roles in KILL_PLAN:
             pids = app.process_ids.remote().result(timeout_s=120)  # waits until every actor is up again
             assert set(pids) == {"target", "draft", "coordinator"}
-            done = len(results)  # let a request finish on the restarted processes; the others are mid-stream
-            while len(results) < done + 1 and time.time() - t0 < 600:
-                time.sleep(0.1)
+            clients.wait_for_one_more(600 - (time.time() - t0))  # on the restarted processes; others are mid-stream
             for role in roles:
                 os.kill(pids[role], signal.SIGKILL)
                 kills[role] += 1
@@ -138,9 +157,7 @@ def test_sessions_survive_repeated_worker_and_coordinator_kills(server):
         app.process_ids.remote().result(timeout_s=120)
         time.sleep(2.0)  # one more request per client on the healed processes
     finally:
-        stop.set()
-        for thread in clients:
-            thread.join(timeout=300)
+        clients.stop()
     assert sum(kills.values()) >= 20 and min(kills.values()) >= 6
 
     assert not errors, errors
@@ -164,40 +181,22 @@ def test_colocated_sessions_survive_target_worker_kills(server):
     """A colocated application's coordinator is a relay inside the ingress replica: when its target worker (draft
     included) is killed mid-stream, the relay waits for Ray's replacement and the session goes on there."""
     app = server["colocated"]
-    results: list[tuple[str, int, object]] = []
-    errors: list[str] = []
-    stop = threading.Event()
-    seeds = itertools.count(5000)
-
-    def client_loop(kind: str) -> None:
-        while not stop.is_set():
-            seed = next(seeds)
-            try:
-                results.append((kind, seed, _request(server, kind, seed, "colocated")))
-            except Exception as exc:  # noqa: BLE001 - every error is a failure of the test, reported below
-                errors.append(f"{kind} seed {seed}: {type(exc).__name__}: {exc}")
-
     pids = app.process_ids.remote().result(timeout_s=120)
     assert set(pids) == {"target", "coordinator"}  # no draft worker; the coordinator is the replica
-    clients = [threading.Thread(target=client_loop, args=(kind,)) for kind in ("http-stream", "grpc-stream")]
-    for thread in clients:
-        thread.start()
+    clients = _Clients(server, ["http-stream", "grpc-stream"], first_seed=5000, app="colocated")
     try:
         for _ in range(3):
-            done = len(results)
-            deadline = time.time() + 300
-            while len(results) < done + 1 and time.time() < deadline:
-                time.sleep(0.1)
+            clients.wait_for_one_more(300)
             target = app.process_ids.remote().result(timeout_s=120)["target"]
+            deadline = time.time() + 300
             while app.worker_sessions.remote().result()["target"] == 0 and time.time() < deadline:
                 time.sleep(0.01)  # kill it with a session on it, mid-stream
             os.kill(target, signal.SIGKILL)
         new_pids = app.process_ids.remote().result(timeout_s=120)
         time.sleep(2.0)
     finally:
-        stop.set()
-        for thread in clients:
-            thread.join(timeout=300)
+        clients.stop()
+    results, errors = clients.results, clients.errors
     assert new_pids["coordinator"] == pids["coordinator"] and new_pids["target"] != pids["target"]
     assert not errors, errors
     assert len(results) >= 4, len(results)

@@ -1,6 +1,7 @@
 """The coordinator: runs generation sessions against the workers over gRPC.
 
-One `Coordinator` (a Ray actor in serving) drives many sessions at once.
+One `Coordinator` (in serving a Ray actor, or with a colocated draft an object
+in the ingress replica: `hosting`) drives many sessions at once.
 Each session is the engine's own speculation loop (`engine.loop.speculate`)
 over remote proxies: Prefill on both workers, then rounds of Propose →
 Verify → commit, with the γ controller fed each round by the acceptance
