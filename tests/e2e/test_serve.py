@@ -21,6 +21,7 @@ from specserve import SamplingParams, SpeculativeDecoder
 from specserve.coordinator.metrics import METRICS, scrape, scrape_until, since, total
 from specserve.serve import build_app
 from specserve.v1 import generator_pb2, generator_pb2_grpc
+from specserve.workers.quiet import cmdline
 from tests.conftest import free_port, save_tokenized_pair, start_local_serve, stop_local_serve
 
 pytestmark = pytest.mark.slow
@@ -377,18 +378,14 @@ def test_load_bench_drives_concurrent_streams_and_writes_its_report(server, tmp_
     assert main(["bench", "--load", "--url", url, "--load-configs", "nope", "--out", str(tmp_path)]) == 2
 
 
-def process_name(pid: int) -> str:
-    return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
-
-
 def test_colocated_app_runs_sessions_in_the_target_worker_and_frees_them(server):
     health = requests.get(server["http"] + "/colocated/health").json()
     assert health["draft"] == "colocated" and health["target"]["colocated_draft"] and health["target"]["batching"]
     # the colocated relay runs in the ingress replica, the split placement's coordinator in an actor of its own
     if pathlib.Path("/proc/self/cmdline").exists():
         pids = {app: serve.get_app_handle(app).process_ids.remote().result() for app in ("colocated", "pipelined")}
-        assert process_name(pids["colocated"]["coordinator"]).startswith("ray::ServeReplica:colocated")
-        assert process_name(pids["pipelined"]["coordinator"]).startswith("ray::Coordinator")
+        assert cmdline(pids["colocated"]["coordinator"]).startswith("ray::ServeReplica:colocated")
+        assert cmdline(pids["pipelined"]["coordinator"]).startswith("ray::Coordinator")
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "temperature": 1.0, "ignore_eos": True,
             "stream": True}
     with requests.post(server["http"] + "/colocated/v1/completions", json=body, timeout=60, stream=True) as response:

@@ -103,24 +103,13 @@ def _tokens_per_s(decoder, ids, args, gamma) -> float:
     return len(result.token_ids) / (time.perf_counter() - t0)
 
 
-def _paired_in_process(decoder, ids, args, gamma, frozen_first: bool = False) -> tuple[float, float]:
-    """(tok/s beside idle Ray + Serve, tok/s with Ray frozen) of the in-process engine next to a served request:
-    the engine in the served one's surroundings, and as without Ray, in the same minute. This machine's speed
-    drifts by 10-20% over minutes, more than the difference measured; a ratio of neighbours cancels the drift,
-    best-of over separate phases does not. frozen_first: the frozen run first, then the one beside Ray (for a
-    served request that comes after them; see `served_bench`)."""
-    def frozen() -> float:
-        with _ray_frozen():
-            rate = _tokens_per_s(decoder, ids, args, gamma)
-        # continued, Ray's processes run every periodic task they owe at once: let that pass before what follows
-        time.sleep(RAY_SETTLE_S)
-        return rate
-
-    if frozen_first:
-        alone = frozen()
-        return _tokens_per_s(decoder, ids, args, gamma), alone
-    beside = _tokens_per_s(decoder, ids, args, gamma)
-    return beside, frozen()
+def _frozen_tokens_per_s(decoder, ids, args, gamma) -> float:
+    """tok/s of the in-process engine with Ray's processes stopped, as without Ray; then a pause for them to
+    catch up (continued, they run every periodic task they owe at once)."""
+    with _ray_frozen():
+        rate = _tokens_per_s(decoder, ids, args, gamma)
+    time.sleep(RAY_SETTLE_S)
+    return rate
 
 
 def _pairs(ratios: list[float]) -> dict:
@@ -182,7 +171,7 @@ def run_served_bench(args) -> int:
     served: dict[str, dict[int, tuple[float, int, str, int]]] = {name: {} for name in names}
     repeats: dict[str, dict[str, list[list[float]]]] = {}  # application -> workload -> [tokens, seconds] per repeat
     # application -> workload -> per repeat: tok/s of the served request, then of the in-process engine right
-    # after it beside idle Ray + Serve and with Ray frozen (`_paired_in_process`)
+    # next to it beside idle Ray + Serve and with Ray frozen (`_frozen_tokens_per_s`)
     paired: dict[str, dict[str, list[tuple[float, float, float]]]] = {}
     during: dict[int, tuple[float, int, str]] = {}  # in-process while Ray + Serve are up and idle
     metrics_port = _free_port()
@@ -217,16 +206,18 @@ def run_served_bench(args) -> int:
                 _post(url, {**body, "max_tokens": 8})  # warm
                 requests_sent += 1 + args.repeats
                 for repeat in range(args.repeats):
-                    # the three runs in mirrored order on alternate repeats (served, beside, frozen; then frozen,
-                    # beside, served): a fixed order lets whatever the machine does after one of them (Ray
-                    # catching up after being frozen, say) always land on the same one
-                    mirrored = repeat % 2 == 1
-                    if mirrored:
-                        beside, alone = _paired_in_process(decoder, ids, args, gamma, frozen_first=True)
-                    payload, seconds = _post(url, body)
+                    # the served request next to the in-process engine beside idle Ray + Serve and with Ray frozen,
+                    # in the same minute: this machine's speed drifts by 10-20% over minutes, more than the
+                    # difference measured, and a ratio of neighbours cancels that. Mirrored order on alternate
+                    # repeats (served, beside, frozen; then frozen, beside, served): a fixed order lets whatever
+                    # follows one run (Ray catching up after being frozen, say) always land on the same one
+                    runs = {"served": lambda: _post(url, body),
+                            "beside": lambda: _tokens_per_s(decoder, ids, args, gamma),
+                            "frozen": lambda: _frozen_tokens_per_s(decoder, ids, args, gamma)}
+                    order = list(runs) if repeat % 2 == 0 else list(reversed(runs))
+                    got = {run: runs[run]() for run in order}
+                    (payload, seconds), beside, alone = got["served"], got["beside"], got["frozen"]
                     tokens = payload["usage"]["completion_tokens"]
-                    if not mirrored:
-                        beside, alone = _paired_in_process(decoder, ids, args, gamma)
                     paired.setdefault(name, {}).setdefault(workload, []).append((tokens / seconds, beside, alone))
                     totals = repeats.setdefault(name, {}).setdefault(workload, [[0, 0.0] for _ in range(args.repeats)])
                     totals[repeat][0] += tokens
@@ -302,7 +293,7 @@ def _report(args, gamma, workloads, prompts, before, after, during, served, repe
                 "repeat_tokens_per_s": [t / sec for t, sec in (repeats or {}).get(name, {}).get(workload, []) if sec],
                 "served_over_in_process": (tokens / s) / (local_tokens / local_s),
                 # each served request over the in-process run next to it (Ray frozen), and their median
-                # (`_paired_in_process`)
+                # (`_frozen_tokens_per_s`)
                 "paired_tokens_per_s": [{"served": a, "in_process_ray_up": b, "in_process": c} for a, b, c in rates],
                 "paired_ratios": frozen["ratios"],
                 "served_over_in_process_paired": frozen["median"],

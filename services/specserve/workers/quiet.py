@@ -101,7 +101,8 @@ def _set_policy(pid: int, policy: int) -> bool:
     return changed
 
 
-def _cmdline(pid: int) -> str:
+def cmdline(pid: int) -> str:
+    """Process `pid`'s command line, its arguments joined by spaces ("" for a process gone or not readable)."""
     try:
         return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
@@ -141,7 +142,7 @@ def yield_control_plane(root: int | None = None, include_root: bool = True) -> l
     if not _supported():
         return []
     root = os.getpid() if root is None else root
-    pids = [pid for pid in descendants(root) if is_control_plane(_cmdline(pid))]
+    pids = [pid for pid in descendants(root) if is_control_plane(cmdline(pid))]
     if include_root:
         pids.append(root)
     return [pid for pid in pids if _set_policy(pid, os.SCHED_BATCH)]
