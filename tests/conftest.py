@@ -6,6 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specserve.serve.listen import free_port
+
 
 def tiny_llama(seed: int, vocab: int = 8, layers: int = 1, hidden: int = 16, scale: float = 25.0, dtype=torch.float64):
     """A random Llama whose next-token distributions are far from uniform (scale widens the logits).
@@ -67,14 +69,6 @@ def save_tokenized_pair(root, noise: float = 0.3):
         model.save_pretrained(str(root / name))
         tokenizer.save_pretrained(str(root / name))
     return root
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_local_serve(**ray_init) -> dict:

@@ -1,7 +1,7 @@
 """specserve: lossless speculative decoding, from a laptop to a Ray cluster."""
 
 from specserve.engine import GenerationResult, GenerationStats, SpeculativeDecoder
-from specserve.spec import SamplingParams
+from specserve.speculation import SamplingParams
 
 __version__ = "0.1.0"
 

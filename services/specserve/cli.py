@@ -10,10 +10,14 @@ import sys
 import yaml
 
 from specserve.bench.prompts import PER_WORKLOAD
+from specserve.speculation import parse_gamma
 
 
 def _gamma(value: str) -> int | str:
-    return int(value) if value.isdigit() else value
+    try:
+        return parse_gamma(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _temperatures(value: str) -> tuple[float, ...]:
@@ -75,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--placements", default=None,
                        help="--served with a model draft: which of colocated,sequential,pipelined to deploy (one "
                        "application at a time; default: all three)")
-    bench.add_argument("--served-gamma", default="3", help="γ for --served (fixed, so both paths emit the same tokens)")
+    bench.add_argument("--served-gamma", type=_gamma, default=3, help="γ for --served (fixed, so both paths emit the same tokens)")
     bench.add_argument("--load", action="store_true",
                        help="concurrent streams with the openai client: aggregate tok/s, TTFT, ITL per concurrency "
                        "(load.json/.png; starts a server unless --url)")

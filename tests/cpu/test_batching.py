@@ -25,7 +25,7 @@ from specserve.engine.proposers import ModelProposer, TargetVerifier
 from specserve.engine.stats import GenerationStats
 from specserve.models.pool import KVPool
 from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
-from specserve.spec import PositionRNG, make_controller, rejection
+from specserve.speculation import PositionRNG, make_controller, rejection
 from specserve.v1 import workers_pb2_grpc
 from tests.conftest import perturbed_copy, tiny_llama
 from tests.cpu.test_exactness import N, PROMPT, chi_square_pvalue, target_joint

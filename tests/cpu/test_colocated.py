@@ -19,7 +19,7 @@ from specserve.coordinator import Coordinator, SessionRequest
 from specserve.engine.stats import GenerationStats
 from specserve.rpc.convert import sampling_to_proto
 from specserve.rpc.servicers import TargetWorkerServicer
-from specserve.spec import PositionRNG, rejection
+from specserve.speculation import PositionRNG, rejection
 from specserve.v1 import workers_pb2, workers_pb2_grpc
 from tests.conftest import perturbed_copy, tiny_llama
 from tests.cpu.test_batching import CONCURRENT, requests

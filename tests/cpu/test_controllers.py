@@ -2,8 +2,8 @@
 
 import pytest
 
-from specserve.spec import AutoGamma, FixedGamma, HeuristicGamma, RoundObservation, expected_tokens_per_round
-from specserve.spec.controllers import make_controller, theorem8_speedup
+from specserve.speculation import AutoGamma, FixedGamma, HeuristicGamma, RoundObservation, expected_tokens_per_round
+from specserve.speculation.controllers import make_controller, theorem8_speedup
 from specserve.models import propose_ngram
 
 FLAT = {n: 0.040 for n in range(1, 10)}  # verify cost independent of γ
@@ -142,7 +142,7 @@ def test_fixed_gamma_ignores_the_draft_s_confidence():
 def test_auto_weighs_a_shared_step_for_everyone_and_stops_speculating_under_load():
     """Alone, an extra verify position costs 5% of a step, so speculating at α=0.25 pays. In a step shared by
     32 sessions the same position slows all of them: only a draft that is usually right is worth it."""
-    from specserve.spec import AutoGamma, RoundObservation
+    from specserve.speculation import AutoGamma, RoundObservation
 
     profile = {n: 0.040 + 0.002 * (n - 1) for n in range(1, 10)}
     for alpha, pays_under_load in ((0.25, False), (0.95, True)):
@@ -162,7 +162,7 @@ def test_auto_probes_less_often_per_shared_step_than_alone():
     """At γ=0 auto drafts one token now and then to keep its acceptance estimate alive. In a step shared by
     S sessions each probe (and the draft's catch-up before it) delays all of them: each session probes S²
     times less often, so the shared step sees S times fewer probes than a session alone."""
-    from specserve.spec import AutoGamma, RoundObservation
+    from specserve.speculation import AutoGamma, RoundObservation
 
     profile = {n: 0.040 + 0.002 * (n - 1) for n in range(1, 10)}
 
@@ -249,7 +249,7 @@ def test_under_load_open_ended_drafting_starts_on_the_average_first_token_not_th
 
 
 def test_warm_starts_hand_each_new_auto_what_the_last_learned():
-    from specserve.spec import WarmStarts
+    from specserve.speculation import WarmStarts
 
     starts = WarmStarts()
     first = starts(AutoGamma(8, FLAT, 0.001))
@@ -266,13 +266,16 @@ def test_a_served_gamma_is_no_deeper_than_gamma_max():
     slowed every session sharing the steps); auto, heuristic and γ up to gamma_max pass, and so does a server
     whose default is deeper only when its gamma_max allows it."""
     from specserve.serve.config import AppConfig
-    from specserve.spec import served_gamma
+    from specserve.speculation import parse_gamma
 
-    assert served_gamma(8, 8).choose() == 8 and served_gamma("auto", 8).name == "auto"
-    assert served_gamma("3", 8).choose() == 3
+    assert parse_gamma(8, 8) == 8 and parse_gamma("auto", 8) == "auto" and parse_gamma(" Heuristic ", 8) == "heuristic"
+    assert parse_gamma("3", 8) == 3 and parse_gamma("fixed:2", 8) == 2 and parse_gamma(5000) == 5000
     for bad in (9, "5000", "fixed:12"):
         with pytest.raises(ValueError, match=r"gamma_max \(8\)"):
-            served_gamma(bad, 8)
+            parse_gamma(bad, 8)
+    for bad in (-1, True, 2.0, "", "fast", "-3", None):
+        with pytest.raises(ValueError, match="must be an int >= 0, 'auto' or 'heuristic'"):
+            parse_gamma(bad)
     with pytest.raises(ValueError, match="gamma_max"):
         AppConfig(gamma=12)
-    assert AppConfig(gamma=12, gamma_max=16).gamma == 12
+    assert AppConfig(gamma=12, gamma_max=16).gamma == 12 and AppConfig(gamma="4").gamma == 4

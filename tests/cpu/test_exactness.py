@@ -19,7 +19,7 @@ import torch
 from scipy import stats
 
 from specserve import SamplingParams, SpeculativeDecoder
-from specserve.spec import AutoGamma, RoundObservation, rejection
+from specserve.speculation import AutoGamma, RoundObservation, rejection
 from tests.conftest import perturbed_copy
 from tests.reference import reference_probs
 

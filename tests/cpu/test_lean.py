@@ -8,8 +8,8 @@ import torch
 from specserve.engine.proposers import ModelProposer
 from specserve.models import CachedSequence, SubsetDraftConfig, SubsetDraftForCausalLM
 from specserve.models.lean import LeanSequence, draft_sequence, unsupported_reason
-from specserve.spec import PositionRNG, Purpose, SamplingParams, probs_from_logits
-from specserve.spec.sampling import sample_from_probs
+from specserve.speculation import PositionRNG, Purpose, SamplingParams, probs_from_logits
+from specserve.speculation.sampling import sample_from_probs
 from tests.conftest import tiny_llama
 
 VOCAB = 40

@@ -17,9 +17,9 @@ from specserve import SamplingParams, SpeculativeDecoder
 from specserve.engine.proposers import ModelProposer, NgramProposer
 from specserve.rpc import codegen
 from specserve.rpc.convert import sampling_to_proto
-from specserve.rpc.remote import remote_generate
+from tests.remote import remote_generate
 from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
-from specserve.spec import make_controller
+from specserve.speculation import make_controller
 from specserve.v1 import workers_pb2, workers_pb2_grpc
 from tests.conftest import perturbed_copy, tiny_llama
 
@@ -271,7 +271,7 @@ def test_idle_sessions_are_reaped_and_streaming_ones_kept(models):
         used = servicer.pool.describe()["kv_used_tokens"]
         time.sleep(0.3)
         servicer.sessions.get("busy")  # a call touches it
-        assert servicer._run(servicer.sessions.reap, 0.2) == 1
+        assert servicer.on_compute_thread(servicer.sessions.reap, 0.2) == 1
         assert sorted(servicer.sessions._sessions) == ["busy", "stream"]
         assert servicer.pool.describe()["kv_used_tokens"] < used  # the idle one's KV block went back to the pool
     finally:

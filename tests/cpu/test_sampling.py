@@ -1,4 +1,4 @@
-"""spec/ math against plain references: distributions, sampling, acceptance, randomness."""
+"""speculation/ maths against plain references: distributions, sampling, acceptance, randomness."""
 
 import numpy as np
 import pytest
@@ -6,7 +6,7 @@ import torch
 from scipy import stats
 
 from specserve.engine.proposers import Proposal, TargetVerifier, one_hot_on
-from specserve.spec import (
+from specserve.speculation import (
     PositionRNG,
     Purpose,
     SamplingParams,
@@ -15,7 +15,7 @@ from specserve.spec import (
     probs_from_logits,
     sample_from_probs,
 )
-from specserve.spec.sampling import sparse_to_dense, truncate_top_k
+from specserve.speculation.sampling import sparse_to_dense, truncate_top_k
 from tests.reference import reference_accept, reference_probs
 
 MODES = [
@@ -162,8 +162,8 @@ def test_sampling_params_errors_name_the_field():
 def test_a_tiny_temperature_samples_greedily(temperature):
     """logits / 1e-40 overflowed to inf and NaN (served: invalid tokens, HTTP 500). Below 1e-5 a temperature is
     greedy, as in vLLM: the same one-hot as temperature 0, and a valid token."""
-    from specserve.spec import SamplingParams as Params
-    from specserve.spec.sampling import probs_from_logits
+    from specserve.speculation import SamplingParams as Params
+    from specserve.speculation.sampling import probs_from_logits
 
     logits = torch.tensor([[0.5, 2.0, 1.999, -3.0]])
     params = Params(temperature=temperature)
@@ -176,7 +176,7 @@ def test_a_tiny_temperature_samples_greedily(temperature):
 def test_a_temperature_that_is_not_a_number_names_the_field(temperature):
     from pydantic import ValidationError
 
-    from specserve.spec import SamplingParams as Params
+    from specserve.speculation import SamplingParams as Params
 
     with pytest.raises(ValidationError, match="temperature"):
         Params(temperature=temperature)

@@ -19,7 +19,8 @@ import requests
 from ray import serve
 
 from specserve.serve import build_app
-from tests.conftest import free_port, save_tokenized_pair, start_local_serve, stop_local_serve
+from specserve.serve.listen import free_port
+from tests.conftest import save_tokenized_pair, start_local_serve, stop_local_serve
 
 pytestmark = pytest.mark.slow
 

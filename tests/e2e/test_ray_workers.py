@@ -8,8 +8,8 @@ import ray
 import torch
 
 from specserve import SamplingParams, SpeculativeDecoder
-from specserve.rpc.remote import remote_generate
-from specserve.spec import make_controller
+from tests.remote import remote_generate
+from specserve.speculation import make_controller
 from specserve.v1 import workers_pb2_grpc
 from specserve.workers import RoleResources, WorkersConfig
 from specserve.workers.actors import start_workers

@@ -20,9 +20,10 @@ from ray import serve
 from specserve import SamplingParams, SpeculativeDecoder
 from specserve.coordinator.metrics import METRICS, scrape, scrape_until, since, total
 from specserve.serve import build_app
+from specserve.serve.listen import free_port
 from specserve.v1 import generator_pb2, generator_pb2_grpc
 from specserve.workers.quiet import cmdline
-from tests.conftest import free_port, save_tokenized_pair, start_local_serve, stop_local_serve
+from tests.conftest import save_tokenized_pair, start_local_serve, stop_local_serve
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,9 @@ import requests
 import yaml
 
 from specserve.coordinator.metrics import scrape_until, total
+from specserve.serve.listen import free_port
 from specserve.v1 import generator_pb2, generator_pb2_grpc
-from tests.conftest import free_port, save_tokenized_pair
+from tests.conftest import save_tokenized_pair
 
 pytestmark = pytest.mark.slow
 

@@ -48,6 +48,8 @@ from typing import Any
 
 import torch
 
+from specserve.speculation import parse_gamma
+
 # Layer shapes of public models (random weights here). vocab is the bench's (--vocab) for every model, so any
 # draft shape pairs with any target.
 SHAPES: dict[str, dict[str, int]] = {
@@ -346,8 +348,6 @@ def _csv(kind):
 
 
 def parse_args(argv=None):
-    from specserve.cli import _gamma
-
     p = argparse.ArgumentParser(prog="python -m specserve.bench.dataplane", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--targets", type=_csv(str), default=["1b", "7b"], help=f"target shapes, of {sorted(SHAPES)}")
@@ -359,16 +359,22 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None, help="default: bf16 on a GPU (see specserve.models.loading)")
     p.add_argument("--parts", type=_csv(str), default=["rounds", "load"])
     p.add_argument("--alphas", type=_csv(float), default=[1.0, 0.0])
-    p.add_argument("--gamma", type=_gamma, default=4, help="fixed γ of the rounds part")
+    p.add_argument("--gamma", default="4", help="fixed γ of the rounds part")
     p.add_argument("--gamma-max", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-step-tokens", type=int, default=2048)
     p.add_argument("--concurrency", type=_csv(int), default=[1, 4, 16, 32, 64])
     p.add_argument("--load-alpha", type=float, default=0.7)
-    p.add_argument("--load-gammas", type=_csv(_gamma), default=[0, "auto"])
+    p.add_argument("--load-gammas", type=_csv(str), default=["0", "auto"])
     p.add_argument("--out", default="dataplane-out")
     args = p.parse_args(argv)
+    for flag, attr in (("--gamma", "gamma"), ("--load-gammas", "load_gammas")):
+        try:
+            value = getattr(args, attr)
+            setattr(args, attr, [parse_gamma(g) for g in value] if isinstance(value, list) else parse_gamma(value))
+        except ValueError as exc:
+            p.error(f"{flag}: {exc}")
     unknown = [s for s in args.targets if s not in SHAPES]
     if unknown:
         p.error(f"--targets: unknown shape(s) {unknown}; choose from {sorted(SHAPES)}")

@@ -132,11 +132,11 @@ def _start_servers(args, apps: set[str]) -> tuple[str, dict[str, str]]:
     from ray import serve
     from ray.serve.config import HTTPOptions
 
-    from specserve.bench.served import _free_port
+    from specserve.serve.listen import free_port
     from specserve.serve import build_app
     from specserve.workers.quiet import quiet_env, yield_control_plane
 
-    port = _free_port()
+    port = free_port()
     quiet_env()  # as `specserve serve` runs its local Ray (`workers.quiet`)
     ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=8)  # logical slots
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))

@@ -24,7 +24,7 @@ from specserve import SamplingParams, SpeculativeDecoder
 from specserve.bench.prompts import SUITE
 from specserve.engine.profile import verify_profile
 from specserve.models import load_model, resolve_draft
-from specserve.spec.controllers import theorem8_speedup
+from specserve.speculation.controllers import theorem8_speedup
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -18,7 +18,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import statistics
 import sys
 import time
@@ -28,16 +27,11 @@ from specserve import SamplingParams, SpeculativeDecoder
 from specserve.bench.prompts import SUITE
 from specserve.coordinator.metrics import metrics_summary, scrape_until, since
 from specserve.models import resolve_draft
+from specserve.serve.listen import free_port
 from specserve.workers.quiet import descendants, quiet_env, yield_control_plane
 
 GREEDY = SamplingParams(temperature=0.0)
 RAY_SETTLE_S = 2.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, body: dict) -> tuple[dict, float]:
@@ -137,7 +131,7 @@ def run_served_bench(args) -> int:
     if unknown:
         print(f"specserve bench: unknown workload(s) {sorted(unknown)}; choose from {sorted(SUITE)}", file=sys.stderr)
         return 2
-    gamma = int(args.served_gamma) if str(args.served_gamma).isdigit() else args.served_gamma
+    gamma = args.served_gamma
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     args.draft = resolve_draft(args.target, args.draft)
@@ -167,14 +161,14 @@ def run_served_bench(args) -> int:
                   f"pipelined, for a model draft (got {args.placements!r} with draft {args.draft})", file=sys.stderr)
             return 2
         names = wanted
-    port = _free_port()
+    port = free_port()
     served: dict[str, dict[int, tuple[float, int, str, int]]] = {name: {} for name in names}
     repeats: dict[str, dict[str, list[list[float]]]] = {}  # application -> workload -> [tokens, seconds] per repeat
     # application -> workload -> per repeat: tok/s of the served request, then of the in-process engine right
     # next to it beside idle Ray + Serve and with Ray frozen (`_frozen_tokens_per_s`)
     paired: dict[str, dict[str, list[tuple[float, float, float]]]] = {}
     during: dict[int, tuple[float, int, str]] = {}  # in-process while Ray + Serve are up and idle
-    metrics_port = _free_port()
+    metrics_port = free_port()
     metrics: dict[str, dict] = {}  # per application: what its requests added to the scraped series
     # Ray's default metrics export interval (10 s; the scrapes wait for it): a 1 s one made every Ray process
     # wake up ten times as often, 0.18 cores of idle load instead of 0.13, which the served forwards paid.

@@ -39,7 +39,7 @@ from specserve.engine.loop import speculate
 from specserve.engine.proposers import NgramProposer
 from specserve.engine.stats import GenerationStats
 from specserve.rpc.remote import RemoteProposer, RemoteSession, RemoteVerifier
-from specserve.spec import PositionRNG, SamplingParams, WarmStarts, make_controller
+from specserve.speculation import PositionRNG, SamplingParams, WarmStarts, make_controller, parse_gamma
 from specserve.v1 import workers_pb2_grpc
 from specserve.workers.quiet import data_plane_priority
 
@@ -96,7 +96,7 @@ class Chunk:
     tokens: list[int]
     finish_reason: str | None = None
     stats: dict[str, Any] | None = None
-    logprobs: list | None = None  # one entry per token, when the request asked (`spec.sampling.token_logprobs`)
+    logprobs: list | None = None  # one entry per token, when the request asked (`speculation.sampling.token_logprobs`)
     # per round, when the request asked (SessionRequest.detail): {"tokens", "drafted", "accepted", "gamma", "lookup"}
     rounds: list[dict[str, Any]] | None = None
 
@@ -150,14 +150,13 @@ class Coordinator:
             raise ValueError(f"draft must be 'ngram', 'remote', 'colocated' or 'none', got {draft!r}")
         if draft == "remote" and not draft_address:
             raise ValueError("draft='remote' needs draft_address")
-        make_controller(gamma, gamma_max)  # validate early
         self.vocab = vocab
         self.eos_ids = set(eos_ids)
         self.draft = draft
         self.draft_free = draft_free or draft == "ngram"
         self.draft_lookup = draft_lookup and draft == "remote" and not self.draft_free
         self.colocated_lookup = draft_lookup
-        self.gamma = gamma
+        self.gamma = parse_gamma(gamma)
         self.gamma_max = gamma_max
         self.pipelined = pipelined and draft == "remote" and not self.draft_free
         self.verify_profile = {int(n): t for n, t in (verify_profile or {}).items()}

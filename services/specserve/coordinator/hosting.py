@@ -7,9 +7,8 @@ it on its own when its process dies. With a colocated draft the target
 worker runs whole sessions and the coordinator only relays one gRPC stream
 per session (one message per round). That relay runs inside the ingress
 replica (`InReplicaCoordinator`): one process fewer on the request path and
-on the machine (each idle Python Ray worker woke ~160 times a second on the
-2-core dev box), and one Ray streaming hop fewer per round. Served over
-in-process it measured within the runs' spread of the actor (README).
+on the machine (every idle Python Ray worker wakes often), and one Ray
+streaming hop fewer per round (docs/benchmarks.md, served against in-process).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ future; one compute thread owns torch and runs steps:
    steps with running sessions instead of freezing them);
 3. ONE forward over all of it (`KVPool.forward`: matmuls over every new
    token, attention per session over its own cache), then acceptance per
-   session with the engine's own `TargetVerifier.judge` (the `spec/` rules).
+   session with the engine's own `TargetVerifier.judge` (the `speculation/` rules).
 
 A draft that runs in the same process (colocated: the target worker owns
 both models) submits its steps here too (`ScheduledSequence`): every
@@ -48,7 +48,7 @@ import torch
 from specserve.engine.proposers import Proposal, TargetVerifier
 from specserve.models.kv import TokenSequence
 from specserve.models.pool import KVCacheFull, KVPool
-from specserve.spec import PositionRNG, SamplingParams, Verdict
+from specserve.speculation import PositionRNG, SamplingParams, Verdict
 
 
 @dataclass
@@ -77,17 +77,16 @@ def torch_threads(n: int) -> None:
     torch.set_num_threads alone does not hold: a thread's first parallel op (or get_num_threads) runs torch's
     lazy per-thread init, which re-applies the count most recently set by ANY thread. A gRPC thread that set
     1 and then ran its first op after the compute thread had set 2 started a second OpenMP team in the
-    process; with more OpenMP threads than cores libgomp stops spinning at barriers, and the compute thread's
-    4-token target forward went from 38 to 45-50 ms in a colocated worker (gdb: two gomp teams)."""
+    process; with more OpenMP threads than cores libgomp stops spinning at barriers and the compute thread's
+    forwards slow down (docs/benchmarks.md, served against in-process)."""
     torch.get_num_threads()  # the lazy init, now, so the count below is not overwritten later
     torch.set_num_threads(n)
 
 
 def one_thread_torch() -> None:
     """Initializer for every thread of a worker or coordinator other than the compute thread: torch ops there
-    (converting q, building a one-hot) run inline instead of starting an OpenMP team of their own. Measured
-    on the 2-core CPU: once a second thread of a process had run a parallel torch op (loading the model on
-    the main thread, say), the compute thread's decoding dropped from 21-22 to 12-15 tok/s."""
+    (converting q, building a one-hot) run inline instead of starting an OpenMP team of their own: a second
+    team in the process slows the compute thread's forwards (docs/benchmarks.md)."""
     torch_threads(1)
 
 

@@ -23,7 +23,7 @@ from specserve.engine.stats import GenerationStats
 from specserve.models import CachedSequence
 from specserve.models.lean import draft_dtype, unsupported_reason
 from specserve.models.pool import KVPool
-from specserve.spec import PositionRNG, SamplingParams, WarmStarts, make_controller
+from specserve.speculation import PositionRNG, SamplingParams, WarmStarts, make_controller
 
 
 class ScheduledDraft:

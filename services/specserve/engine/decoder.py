@@ -27,7 +27,7 @@ from specserve.engine.stats import GenerationStats
 from specserve.models import CachedSequence, LoadedModel, load_model, resolve_draft
 from specserve.models.lean import unsupported_reason
 from specserve.models.pool import KVPool
-from specserve.spec import PositionRNG, SamplingParams, WarmStarts, make_controller
+from specserve.speculation import PositionRNG, SamplingParams, WarmStarts, make_controller
 
 @dataclass
 class GenerationResult:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 from specserve.engine.proposers import Proposal, Proposer, empty_proposal
 from specserve.engine.stats import GenerationStats
-from specserve.spec import GammaController, PositionRNG, RoundObservation, SamplingParams
+from specserve.speculation import GammaController, PositionRNG, RoundObservation, SamplingParams
 
 
 class Round(tuple):

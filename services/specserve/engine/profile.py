@@ -45,7 +45,7 @@ def verify_profile(
 
 def draft_step_time(proposer, vocab: int, context: int = 64, repeats: int = 3) -> float:
     """Seconds per drafted token for a proposer (γ=2 proposals on a random context)."""
-    from specserve.spec import PositionRNG, SamplingParams
+    from specserve.speculation import PositionRNG, SamplingParams
 
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, vocab, (context,), generator=gen).tolist()

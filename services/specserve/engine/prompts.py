@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specserve.spec.params import check_unicode
+from specserve.speculation.params import check_unicode
 
 Prompt = str | list[int] | list[dict[str, str]]
 

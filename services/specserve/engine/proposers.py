@@ -19,7 +19,7 @@ import torch
 
 from specserve.models import CachedSequence, match_ngram
 from specserve.models.lean import draft_sequence
-from specserve.spec import (
+from specserve.speculation import (
     PositionRNG,
     Purpose,
     SamplingParams,
@@ -28,7 +28,7 @@ from specserve.spec import (
     accept_prefix,
     probs_from_logits,
 )
-from specserve.spec.sampling import sample_from_probs, sparse_to_dense, token_logprobs, truncate_top_k
+from specserve.speculation.sampling import sample_from_probs, sparse_to_dense, token_logprobs, truncate_top_k
 
 
 @dataclass
@@ -36,8 +36,7 @@ class Proposal:
     tokens: list[int]  # [k] drafted tokens, k ≤ γ
     # [k, vocab] float32: the distribution each token was sampled from. A one-hot q (a greedy draft's argmax,
     # a lookup's copy) may be given as its vocabulary size instead and is built only where asked for (`q`):
-    # 8 one-hot rows over a 49k vocabulary cost ~0.5 ms, and a greedy verdict or a lookup trimmed to γ=0
-    # never needs them
+    # a greedy verdict or a lookup trimmed to γ=0 never needs the vocabulary-wide rows
     dist: torch.Tensor | int
     key: str | None = None  # quality class the γ controller keeps separate statistics for (e.g. "ngram-3")
     # a model draft's top probability at each token it drafted, tokens dropped by `truncate` included
@@ -99,9 +98,6 @@ class Proposer(ABC):
         """A free proposal from the context itself (only where `looks_up`)."""
         return self.lookup.propose(context, gamma, params, rng)
 
-    def commit(self, committed: list[int]) -> None:  # noqa: B027 - optional
-        """The verifier settled on `committed`: drop cached draft tokens that were rejected."""
-
     def prefetch(self, context: list[int], proposal: Proposal, gamma: int, params: SamplingParams, rng: PositionRNG) -> None:  # noqa: B027
         """Start drafting the next block on the all-accepted branch while the target verifies `proposal`.
 
@@ -151,9 +147,6 @@ class ModelProposer(Proposer):
             ids, probs = truncate_top_k(q, self.top_k_q)
             q = sparse_to_dense(ids, probs, q.shape[-1])
         return q
-
-    def commit(self, committed: list[int]) -> None:
-        self.seq.rollback(self.seq.common_prefix(committed))
 
     def propose(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG,
                 keep_going: Callable[[list[float]], bool] | None = None) -> Proposal:

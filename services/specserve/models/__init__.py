@@ -1,7 +1,7 @@
 """Loading targets and drafts, KV caches with rollback, the n-gram draft.
 
 This package knows about transformers models and tokenizers; it knows
-nothing about how tokens are accepted (that is `spec/`) or served.
+nothing about how tokens are accepted (that is `speculation/`) or served.
 """
 
 from specserve.models.draft import SubsetDraftConfig, SubsetDraftForCausalLM

@@ -25,7 +25,7 @@ DRAFT_DIR = "smollm2-135m-instruct-draft"
 
 
 def shipped_draft_dir() -> pathlib.Path:
-    """The distilled draft shipped with specserve for the embedded target (`specserve distill`, see README)."""
+    """The distilled draft shipped with specserve for the embedded target (`specserve distill`, docs/distill.md)."""
     return pathlib.Path(__file__).parent / "drafts" / DRAFT_DIR
 
 

@@ -2,8 +2,7 @@
 
 A 2-layer draft spends most of an HF forward outside its matmuls: mask
 building, rotary tables, cache bookkeeping and module dispatch cost more
-than the layers themselves (2.8 ms per token for the shipped draft on the
-2-core CPU, of which about 0.9 ms is matmul). `LeanSequence` runs the same
+than the layers themselves (docs/benchmarks.md). `LeanSequence` runs the same
 layers with fused weights (q|k|v, gate|up), a preallocated KV cache that a
 rollback only shortens, and rotary angles computed for the new positions
 only. On a CPU a bfloat16 draft computes in float32: for weights that fit
@@ -61,7 +60,7 @@ def draft_sequence(model) -> TokenSequence:
     return LeanSequence(model) if unsupported_reason(model) is None else CachedSequence(model)
 
 
-class _LeanWeights:
+class LeanWeights:
     """A model's weights fused for `LeanSequence`, made once per model and compute dtype."""
 
     def __init__(self, model, dtype: torch.dtype):
@@ -107,10 +106,10 @@ class _LeanWeights:
         self.device = head.device
 
 
-def _weights(model, dtype: torch.dtype) -> _LeanWeights:
+def lean_weights(model, dtype: torch.dtype) -> LeanWeights:
     cache = model.__dict__.setdefault("_specserve_lean", {})
     if dtype not in cache:
-        cache[dtype] = _LeanWeights(model, dtype)
+        cache[dtype] = LeanWeights(model, dtype)
     return cache[dtype]
 
 
@@ -119,11 +118,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-b, a), -1)
 
 
-def lean_forward(w: _LeanWeights, caches: list, new_tokens: list[list[int]], keeps: list[int],
+def lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], keeps: list[int],
                  arena: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None) -> torch.Tensor:
     """`_lean_forward`, on a GPU without cuDNN's attention: it builds an execution plan for each new shape,
-    and a served batch's shapes change every step (its lengths grow). On an H100 that stalled 4 streams of
-    a 1B target at about 100 ms per step the first time each shape came, against 27 ms once all were planned."""
+    and a served batch's shapes change every step (its lengths grow), so every step paid for a new plan
+    (docs/benchmarks.md, one H100)."""
     if w.device.type != "cuda":
         return _lean_forward(w, caches, new_tokens, keeps, arena)
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -132,7 +131,7 @@ def lean_forward(w: _LeanWeights, caches: list, new_tokens: list[list[int]], kee
         return _lean_forward(w, caches, new_tokens, keeps, arena)
 
 
-def _lean_forward(w: _LeanWeights, caches: list, new_tokens: list[list[int]], keeps: list[int],
+def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], keeps: list[int],
                   arena: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None) -> torch.Tensor:
     """ONE forward over the new tokens of several sequences, each against its own cache.
 
@@ -192,13 +191,13 @@ def _lean_forward(w: _LeanWeights, caches: list, new_tokens: list[list[int]], ke
     return F.linear(_rms(rows, w.norm, w.eps), w.head).float()
 
 
-def _attend(w: _LeanWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+def _attend(w: LeanWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
             ) -> torch.Tensor:
     """One sequence's attention: q [n, heads, d] against k, v [kv_heads, L, d]; mask [n, L] or None → [n, heads·d].
 
-    A long block (a prefill chunk) goes 4-d with enable_gqa, which takes the CPU's fused kernel (a 256-token
-    chunk against 8,000 cached tokens: 56 ms per layer against 205 ms as 3-d); a short one as kv_heads
-    batches of (group · n) queries, faster for a few tokens. Neither copies keys or values.
+    A long block (a prefill chunk) goes 4-d with enable_gqa, which takes the CPU's fused kernel (~4x faster
+    for long chunks); a short one as kv_heads batches of (group · n) queries, faster for a few tokens. Neither
+    copies keys or values.
     """
     n, h, d = q.shape
     kvh = w.kv_heads
@@ -216,8 +215,8 @@ def _attend(w: _LeanWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 class _PaddedAttention:
     """Attention of several pooled sequences in ONE call: their keys and values gathered from the arena into
     a padded batch [B, kv_heads, longest, head_dim], their queries padded to the longest new block, a mask for
-    causality and length. Per sequence, a loop costs ~10 small ops per layer (about 0.1 ms each on the 2-core
-    CPU, 3 ms per session per step for a 30-layer target); this is ~10 ops per layer for all of them, at the
+    causality and length. Per sequence, a loop costs ~10 small ops per layer and session; this is ~10 ops per
+    layer for all of them, at the
     price of copying their caches once per layer. Sequences with long new blocks (prefill chunks) stay in
     the loop: padding every query to theirs would cost more than it saves.
     """
@@ -225,11 +224,11 @@ class _PaddedAttention:
     MAX_NEW = 16  # sequences feeding at most this many tokens are padded together
 
     @classmethod
-    def plan(cls, w: _LeanWeights, arena, starts, sizes, offsets) -> _PaddedAttention | None:
+    def plan(cls, w: LeanWeights, arena, starts, sizes, offsets) -> _PaddedAttention | None:
         members = [j for j, n in enumerate(sizes) if n <= cls.MAX_NEW]
         return cls(w, arena, members, starts, sizes, offsets) if len(members) > 1 else None
 
-    def __init__(self, w: _LeanWeights, arena, members: list[int], starts, sizes, offsets):
+    def __init__(self, w: LeanWeights, arena, members: list[int], starts, sizes, offsets):
         self.k_arena, self.v_arena, blocks = arena
         self.w, self.members = w, members
         dev = w.device
@@ -293,7 +292,7 @@ class LeanSequence(TokenSequence):
     """One sequence's cache for a Llama-family model, with the `TokenSequence` contract of `CachedSequence`."""
 
     def __init__(self, model, dtype: torch.dtype | None = None, capacity: int = 256):
-        self.w = _weights(model, dtype or draft_dtype(model))
+        self.w = lean_weights(model, dtype or draft_dtype(model))
         self.token_subset = self.w.token_subset
         self.vocab = model.config.vocab_size
         self.tokens: list[int] = []

@@ -14,7 +14,7 @@ sequence's keys and values a plain view for attention, so a batched forward
 `PooledSequence` is one sequence's cache in the pool with the usual
 `TokenSequence` contract (rollback only shortens its length), so a single
 session runs on it exactly as on a private cache, and many run in one
-forward through `BatchedModel.forward`.
+forward through `KVPool.forward`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import threading
 import torch
 
 from specserve.models.kv import TokenSequence
-from specserve.models.lean import _weights, lean_forward, widen
+from specserve.models.lean import lean_weights, lean_forward, widen
 
 
 class KVCacheFull(RuntimeError):
@@ -102,7 +102,7 @@ class KVPool:
     def __init__(self, model, tokens: int, dtype: torch.dtype | None = None, max_length: int | None = None,
                  min_block: int = 32):
         param = next(model.parameters())
-        self.w = _weights(model, dtype or param.dtype)
+        self.w = lean_weights(model, dtype or param.dtype)
         self.vocab = model.config.vocab_size
         max_length = max_length or getattr(model.config, "max_position_embeddings", None) or 4096
         top = min(_next_pow2(max_length), 1 << (max(tokens, min_block).bit_length() - 1))

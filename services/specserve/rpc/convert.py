@@ -6,7 +6,7 @@ import torch
 from pydantic import ValidationError
 
 from specserve.engine.proposers import Proposal
-from specserve.spec import SamplingParams
+from specserve.speculation import SamplingParams
 from specserve.v1 import generator_pb2, workers_pb2
 
 

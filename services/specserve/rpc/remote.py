@@ -8,14 +8,12 @@ committed sequence its worker already has and sends only the new tokens.
 
 from __future__ import annotations
 
-import uuid
-
 from specserve.engine.batching import StepInfo
-from specserve.engine.loop import Round, speculate
+from specserve.engine.loop import Round
 from specserve.engine.proposers import Proposal, Proposer, prompt_lookup
 from specserve.engine.stats import GenerationStats
 from specserve.rpc.convert import logprobs_from_wire, proposal_from_wire, proposal_q_to_wire, sampling_to_proto
-from specserve.spec import GammaController, PositionRNG, SamplingParams, Verdict
+from specserve.speculation import PositionRNG, SamplingParams, Verdict
 from specserve.v1 import workers_pb2
 
 
@@ -142,37 +140,3 @@ class RemoteSession:
                             reply.looked_up, logprobs_from_wire(reply.logprobs))
         finally:
             call.cancel()  # a consumer that stops early ends the session on the worker
-
-
-def remote_generate(
-    draft_stub,
-    target_stub,
-    prompt_ids: list[int],
-    params: SamplingParams,
-    max_new_tokens: int,
-    controller: GammaController,
-    vocab: int,
-    eos_ids: set[int],
-    draft_is_free: bool = False,
-    stats: GenerationStats | None = None,
-    pipelined: bool = False,
-    draft_lookup: bool = True,
-) -> tuple[list[int], str, GenerationStats]:
-    """Run one session over gRPC workers; returns (new tokens, finish reason, stats). Both sessions are released."""
-    rng = PositionRNG(params.seed)  # fixes the seed both workers key their randomness on
-    session_id = uuid.uuid4().hex
-    proposer = (RemoteProposer(draft_stub, session_id, params, rng.seed, vocab, draft_is_free, draft_lookup)
-                if draft_stub else None)
-    verifier = RemoteVerifier(target_stub, session_id, params, rng.seed, vocab)
-    stats = stats if stats is not None else GenerationStats()
-    stats.controller = controller.name
-    tokens: list[int] = []
-    finish = "length"
-    for new, reason in speculate(
-        prompt_ids, proposer, verifier, controller, params, rng, max_new_tokens, vocab, eos_ids, stats,
-        pipelined=pipelined,
-    ):
-        tokens.extend(new)
-        finish = reason or finish
-    stats.new_tokens = len(tokens)
-    return tokens, finish, stats

@@ -10,8 +10,7 @@ Ray placement lives elsewhere (workers/); these run in any gRPC server.
 All model work of a servicer runs on ONE compute thread, whatever gRPC
 thread received the call. torch's OpenMP pool belongs to the thread that
 launches the work: forwards issued from a rotating pool of gRPC threads each
-built their own pool and oversubscribed the cores (a verify forward measured
-80-100 ms against 45 ms on the 2-core dev machine). That thread is the
+built their own pool and oversubscribed the cores. That thread is the
 target's step scheduler (`engine.batching`): Prefill and Verify calls of all
 sessions are queued and run as one batched forward per step over the KV
 pool (`models.pool`) where the model is Llama-family, one session at a time
@@ -36,7 +35,7 @@ from specserve.engine.stats import GenerationStats
 from specserve.models.lean import unsupported_reason
 from specserve.models.pool import KVCacheFull, KVPool
 from specserve.rpc.convert import logprobs_to_wire, proposal_from_wire, proposal_q_to_wire, sampling_from_proto
-from specserve.spec import PositionRNG, SamplingParams, served_gamma
+from specserve.speculation import PositionRNG, SamplingParams, parse_gamma
 from specserve.v1 import workers_pb2, workers_pb2_grpc
 
 
@@ -176,7 +175,7 @@ class _SessionService:
 
     direct = False  # the engines send their forwards to the scheduler themselves: run calls where they arrive
 
-    def _run(self, fn: Callable[..., Any], *args) -> Any:
+    def on_compute_thread(self, fn: Callable[..., Any], *args) -> Any:
         """Run fn on the compute thread (every torch op of the servicer goes through here)."""
         if self.direct:
             return fn(*args)
@@ -186,18 +185,18 @@ class _SessionService:
         raise NotImplementedError
 
     def _prefill(self, session: Session) -> None:
-        self._run(session.engine.prefill, session.tokens)
+        self.on_compute_thread(session.engine.prefill, session.tokens)
 
     @_rpc
     def Prefill(self, request, context):
         # on the compute thread: a re-prefill releases the session's old cache, which a step may be using
-        session = self._run(self.sessions.open, request, self.new_engine())
+        session = self.on_compute_thread(self.sessions.open, request, self.new_engine())
         self._prefill(session)
         return workers_pb2.PrefillReply(cached_tokens=len(session.tokens))
 
     @_rpc
     def Release(self, request, context):
-        released = self._run(self.sessions.close, request.session_id)
+        released = self.on_compute_thread(self.sessions.close, request.session_id)
         return workers_pb2.ReleaseReply(released=released, active_sessions=len(self.sessions))
 
 
@@ -226,13 +225,7 @@ class DraftWorkerServicer(_SessionService, workers_pb2_grpc.DraftWorkerServicer)
                 tokens=proposal.tokens, q=proposal_q_to_wire(proposal), key=proposal.key or "", draft_time_s=elapsed
             )
 
-        return self._run(propose)
-
-    @_rpc
-    def Commit(self, request, context):
-        session, tokens = self.sessions.apply(request.update)
-        self._run(session.engine.commit, tokens)
-        return workers_pb2.CommitReply(committed_length=len(tokens))
+        return self.on_compute_thread(propose)
 
 
 class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerServicer):
@@ -249,7 +242,7 @@ class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerService
         self._init_compute(threads, scheduler, max_step_tokens=max_step_tokens, prefill_chunk=prefill_chunk)
         self.pool = None
         if batching and new_sequence is None and model is not None and unsupported_reason(model) is None:
-            self.pool = self.scheduler.pool = self._run(KVPool, model, kv_cache_tokens)
+            self.pool = self.scheduler.pool = self.on_compute_thread(KVPool, model, kv_cache_tokens)
             self.new_sequence = self.pool.sequence
         self.kv_cache_tokens = kv_cache_tokens
         self.colocated: ColocatedSessions | None = None
@@ -282,14 +275,13 @@ class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerService
     def Generate(self, request, context):
         if self.colocated is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this target worker holds no draft (not colocated)")
-        gamma: int | str = int(request.gamma) if request.gamma.isdigit() else (request.gamma or "auto")
         try:
-            served_gamma(gamma, self.colocated.gamma_max)
+            gamma = parse_gamma(request.gamma or "auto", self.colocated.gamma_max)
         except ValueError as exc:
             raise ValueError(f"gamma: {exc}") from None
         if request.max_tokens < 1:
             raise ValueError("max_tokens: must be >= 1")
-        session = self._run(self.sessions.open, request, self.new_engine())
+        session = self.on_compute_thread(self.sessions.open, request, self.new_engine())
         session.streaming = True
         stats = GenerationStats()
         verifier, rounds = self.colocated.rounds(session.engine, session.tokens, session.params, session.rng,
@@ -316,6 +308,6 @@ class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerService
                     break
         finally:
             rounds.close()
-            self._run(self.sessions.close, request.session_id)
+            self.on_compute_thread(self.sessions.close, request.session_id)
         if last is not None:  # after the release: a client that has the last round has a clean worker
             yield last

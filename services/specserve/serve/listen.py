@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 from typing import Any
 
 GRPC_HOST_ENV = "SPECSERVE_GRPC_HOST"
@@ -64,3 +65,10 @@ def bind_grpc_proxy_to_host() -> None:
 
     add_grpc_address.specserve_host = host
     default_impl.add_grpc_address = add_grpc_address
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the OS picks it), for servers started next."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from specserve.coordinator import SessionRequest
 from specserve.engine.prompts import PromptCodec, PromptError
-from specserve.spec import SamplingParams, served_gamma
-from specserve.spec.params import MAX_TOP_LOGPROBS
+from specserve.speculation import SamplingParams, parse_gamma
+from specserve.speculation.params import MAX_TOP_LOGPROBS
 
 
 @dataclass
@@ -57,14 +57,12 @@ def prepare(inp: GenerationInput, codec: PromptCodec, served_model: str, limits:
         raise PromptError("max_tokens", f"must be >= 1, got {inp.max_tokens}")
     if inp.max_tokens is not None and inp.max_tokens > limits.max_tokens_limit:
         raise PromptError("max_tokens", f"must be <= {limits.max_tokens_limit} on this server, got {inp.max_tokens}")
-    gamma = inp.gamma
-    if gamma not in (None, ""):
+    gamma = None
+    if inp.gamma not in (None, ""):
         try:
-            served_gamma(gamma, limits.gamma_max)
+            gamma = parse_gamma(inp.gamma, limits.gamma_max)
         except ValueError as exc:
             raise PromptError("gamma", str(exc)) from None
-    else:
-        gamma = None
     params = sampling_params(inp.sampling, field_prefix)
     prompt_ids = codec.encode(inp.prompt, inp.prompt_field)
     if limits.max_prompt_tokens is not None and len(prompt_ids) > limits.max_prompt_tokens:
@@ -255,7 +253,7 @@ class ChatCompletionRequest(_OpenAIRequest):
 
 def openai_logprobs(entries: list, token_text, chat: bool, offset: int = 0) -> dict[str, Any]:
     """OpenAI's `logprobs` object for the tokens of `entries` ((token, log-probability, top alternatives), as
-    `spec.sampling.token_logprobs` makes them); token_text(id) -> its text. Chat: {"content": [...]};
+    `speculation.sampling.token_logprobs` makes them); token_text(id) -> its text. Chat: {"content": [...]};
     completions: tokens / token_logprobs / top_logprobs / text_offset (offsets from `offset` in the completion)."""
     if chat:
         def item(token: int, logprob: float) -> dict[str, Any]:

@@ -61,18 +61,6 @@ class ProposeReply(_message.Message):
     draft_time_s: float
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., key: _Optional[str] = ..., draft_time_s: _Optional[float] = ...) -> None: ...
 
-class CommitRequest(_message.Message):
-    __slots__ = ("update",)
-    UPDATE_FIELD_NUMBER: _ClassVar[int]
-    update: SessionUpdate
-    def __init__(self, update: _Optional[_Union[SessionUpdate, _Mapping]] = ...) -> None: ...
-
-class CommitReply(_message.Message):
-    __slots__ = ("committed_length",)
-    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
-    committed_length: int
-    def __init__(self, committed_length: _Optional[int] = ...) -> None: ...
-
 class VerifyRequest(_message.Message):
     __slots__ = ("update", "tokens", "q")
     UPDATE_FIELD_NUMBER: _ClassVar[int]

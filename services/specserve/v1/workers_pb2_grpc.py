@@ -44,11 +44,6 @@ class DraftWorkerStub:
                 request_serializer=specserve_dot_v1_dot_workers__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specserve_dot_v1_dot_workers__pb2.ProposeReply.FromString,
                 _registered_method=True)
-        self.Commit = channel.unary_unary(
-                '/specserve.v1.DraftWorker/Commit',
-                request_serializer=specserve_dot_v1_dot_workers__pb2.CommitRequest.SerializeToString,
-                response_deserializer=specserve_dot_v1_dot_workers__pb2.CommitReply.FromString,
-                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specserve.v1.DraftWorker/Release',
                 request_serializer=specserve_dot_v1_dot_workers__pb2.ReleaseRequest.SerializeToString,
@@ -66,12 +61,6 @@ class DraftWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Propose(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Commit(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -95,11 +84,6 @@ def add_DraftWorkerServicer_to_server(servicer, server):
                     servicer.Propose,
                     request_deserializer=specserve_dot_v1_dot_workers__pb2.ProposeRequest.FromString,
                     response_serializer=specserve_dot_v1_dot_workers__pb2.ProposeReply.SerializeToString,
-            ),
-            'Commit': grpc.unary_unary_rpc_method_handler(
-                    servicer.Commit,
-                    request_deserializer=specserve_dot_v1_dot_workers__pb2.CommitRequest.FromString,
-                    response_serializer=specserve_dot_v1_dot_workers__pb2.CommitReply.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -161,33 +145,6 @@ class DraftWorker:
             '/specserve.v1.DraftWorker/Propose',
             specserve_dot_v1_dot_workers__pb2.ProposeRequest.SerializeToString,
             specserve_dot_v1_dot_workers__pb2.ProposeReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Commit(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/specserve.v1.DraftWorker/Commit',
-            specserve_dot_v1_dot_workers__pb2.CommitRequest.SerializeToString,
-            specserve_dot_v1_dot_workers__pb2.CommitReply.FromString,
             options,
             channel_credentials,
             insecure,

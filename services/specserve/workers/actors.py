@@ -59,7 +59,7 @@ class _GrpcActor:
         """Release sessions a dead coordinator left behind (no call for idle_s), checking every idle_s / 4."""
         while not self._stopped.wait(min(30.0, idle_s / 4)):
             try:
-                dropped = self.servicer._run(self.servicer.sessions.reap, idle_s)
+                dropped = self.servicer.on_compute_thread(self.servicer.sessions.reap, idle_s)
             except Exception:  # noqa: BLE001 - the compute thread is closing
                 return
             if dropped:
@@ -108,7 +108,7 @@ class DraftWorkerActor(_GrpcActor):
         """Seconds per drafted token (0 for a free draft), as the worker drafts (its batched draft steps)."""
         if self.free:
             return 0.0
-        return self.servicer._run(draft_step_time, self.servicer.new_engine(), self.vocab)
+        return self.servicer.on_compute_thread(draft_step_time, self.servicer.new_engine(), self.vocab)
 
 
 class TargetWorkerActor(_GrpcActor):
@@ -169,7 +169,7 @@ class TargetWorkerActor(_GrpcActor):
         """Seconds per target forward over n = 1..max_positions new tokens (measured once, on the compute thread)."""
         if len(self._profile) < max_positions:
             sequence = self.servicer.new_sequence() if self.servicer.new_sequence is not None else None
-            self._profile = self.servicer._run(verify_profile, self.model, self.vocab, max_positions, 64, 3, sequence)
+            self._profile = self.servicer.on_compute_thread(verify_profile, self.model, self.vocab, max_positions, 64, 3, sequence)
         return {n: t for n, t in self._profile.items() if n <= max_positions}
 
 

@@ -28,7 +28,7 @@ class RoleResources(BaseModel):
 
     def actor_options(self) -> dict[str, Any]:
         # Ray starts actors with OMP_NUM_THREADS=1; set before torch loads, it decides the thread pool
-        # (torch.set_num_threads afterwards left a forward ~1.5x slower here).
+        # (torch.set_num_threads afterwards left forwards slower).
         options: dict[str, Any] = {
             "num_cpus": self.num_cpus,
             "num_gpus": self.num_gpus,
@@ -129,8 +129,8 @@ class WorkersConfig(BaseModel):
     @model_validator(mode="after")
     def _resolve_default_draft(self) -> WorkersConfig:
         """'default' serves the distilled draft where it runs colocated with the target or has a GPU of its own;
-        a split draft worker on the same CPU competes with the target's process for the cores (measured:
-        served/in-process 0.32-0.67 against 0.68-0.73 with the n-gram draft), so there it means n-gram."""
+        a split draft worker on the same CPU competes with the target's process for the cores (slower than the
+        n-gram draft there: docs/benchmarks.md), so there it means n-gram."""
         from specserve.models.loading import resolve_draft
 
         pays = self.draft_resources.num_gpus > 0 or self.draft_placement != "split" and not self.target_stages

@@ -2,11 +2,10 @@
 
 On a small CPU box the target's forward runs one OpenMP thread per core, and
 a forward stalls whenever one of its threads is preempted: each wake-up of
-another process costs the whole forward about as long as that process runs.
-Idle, Ray and Serve woke ~2,000 times a second over ten processes (0.13 of a
-core; measured on the 2-core dev box), and the engine beside them decoded
-8-13% slower than alone. For the local Ray that `specserve serve` and the
-benches start (never a cluster joined with --address):
+another process costs the whole forward about as long as that process runs,
+and an idle Ray + Serve wakes thousands of times a second over ten processes
+(docs/benchmarks.md, served against in-process). For the local Ray that
+`specserve serve` and the benches start (never a cluster joined with --address):
 
 1. `quiet_env` (before `ray.init`): Ray's and Serve's 0.1-0.25 s periodic
    work every second instead (`QUIET_ENV`), and no idle worker processes
@@ -16,11 +15,7 @@ benches start (never a cluster joined with --address):
    log lines reach the console up to 5 s late; node metrics (CPU, memory
    per process) are refreshed every 15 s and task events every 5 s; a
    plain Ray task starts a fresh worker process (specserve runs actors).
-   Idle, with the colocated application up, Ray's processes took ~94 ms/s
-   of CPU with the log monitor's threshold and Ray's report intervals at
-   their defaults, ~84 ms/s with those and a 1 s Serve loop (three runs
-   each); half of what is left is the five Python workers' 10 ms signal
-   checks.
+   What is left is mostly every Python worker's hard-coded 10 ms signal check.
 2. `yield_control_plane` (after the application is up): the control plane's
    processes (GCS, raylet, agents, log monitor, Serve controller, idle
    workers, and the driver that started them) go to SCHED_BATCH. They keep
@@ -53,11 +48,11 @@ QUIET_ENV = {
     "RAY_num_workers_soft_limit": "0",
     # the log monitor: its scan of the log directory for new files every 5 s. Below
     # RAY_LOG_MONITOR_MANY_FILES_THRESHOLD files (1,000) it ignores the interval and globs the directory on
-    # every 0.1 s pass: 9.6 ms/s of CPU idle, 4.2 with the threshold at 0 (it still reads known files every 0.1 s)
+    # every 0.1 s pass
     "LOG_NAME_UPDATE_INTERVAL_S": "5",
     "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
     # Serve: the controller's loop (0.1 s; each pass asks the GCS for every node, its resource usage and the
-    # draining nodes; 1 s saved ~3 ms/s of CPU idle but `specserve serve` took ~6 s longer to come up) and the
+    # draining nodes; at 1 s `specserve serve` came up seconds later) and the
     # replicas' and proxies' metric caches (0.1 s; Ray exports metrics every 10 s anyway)
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",

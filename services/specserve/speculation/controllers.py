@@ -208,7 +208,7 @@ class AutoGamma(GammaController):
     # Under load a round speculates only where its extra tokens come this much faster than the shared step's
     # own tokens per second. What the model leaves out costs every session of the step there: the draft's
     # catch-up over the tokens of rounds that did not draft, and a draft step holding the target step back.
-    # Without the margin, auto measured 0.87-0.93x of γ=0 at 4 streams on the 2-core CPU (model: break-even).
+    # Without the margin auto fell below γ=0 at 4 streams (docs/benchmarks.md, batched serving under load).
     LOADED_MARGIN = 0.1
 
     def __init__(
@@ -414,9 +414,8 @@ class AutoGamma(GammaController):
         if obs.verify_time_s > 0 and (obs.step_sessions <= 1 or not self.loaded):
             old = self.verify_s.get(positions)
             self.verify_s[positions] = obs.verify_time_s if old is None else old + w * (obs.verify_time_s - old)
-        # Prompt-lookup blocks in front of a model draft (near-zero draft time) count here too. Leaving them out,
-        # or not charging a lookup block the draft cost in `choose`, measured slower (code 1.63 -> 1.49x in an
-        # interleaved A/B): the lower step makes auto draft deeper with the model, which pays on this CPU.
+        # Prompt-lookup blocks in front of a model draft (near-zero draft time) count here too: the lower step
+        # makes auto draft deeper with the model, which measured faster on code (docs/benchmarks.md).
         steps = max(obs.drafted, len(obs.confidences))  # tokens drafted, verified or not
         if steps > 0 and obs.draft_time_s > 0:
             step = obs.draft_time_s / steps
@@ -446,6 +445,25 @@ class WarmStarts:
         return controller
 
 
+def parse_gamma(value: int | str, gamma_max: int | None = None) -> int | str:
+    """A γ spec as users write it (flag, config, request): an int >= 0 or its digits (fixed; "fixed:N" too),
+    "auto" or "heuristic", normalised to an int or the lower-case name. With `gamma_max` (a server's), a fixed
+    γ deeper than it is refused: a γ of thousands made verifies of hundreds of positions, slowing every session
+    sharing them. Raises ValueError with a message that a caller prefixes with the field's name."""
+    if isinstance(value, str):
+        spec = value.strip().lower()
+        if spec in ("auto", "heuristic"):
+            return spec
+        if not spec.removeprefix("fixed:").isdigit():
+            raise ValueError(f"must be an int >= 0, 'auto' or 'heuristic', got {value!r}")
+        value = int(spec.removeprefix("fixed:"))
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"must be an int >= 0, 'auto' or 'heuristic', got {value!r}")
+    if gamma_max is not None and value > gamma_max:
+        raise ValueError(f"must be <= gamma_max ({gamma_max}) of this server, got {value}")
+    return value
+
+
 def make_controller(
     gamma: int | str,
     gamma_max: int = 8,
@@ -453,29 +471,16 @@ def make_controller(
     draft_step_s: float | None = None,
     pipelined: bool = False,
 ) -> GammaController:
-    """Controller from a user-facing spec: an int (fixed), "auto" or "heuristic"."""
-    if isinstance(gamma, str):
-        spec = gamma.strip().lower()
-        if spec == "auto":
-            return AutoGamma(gamma_max, verify_profile, draft_step_s, pipelined=pipelined)
-        if spec == "heuristic":
-            return HeuristicGamma(gamma_max=max(gamma_max, 1))
-        if spec.removeprefix("fixed:").isdigit():
-            gamma = int(spec.removeprefix("fixed:"))
-        else:
-            raise ValueError(f"gamma must be an int >= 0, 'auto' or 'heuristic', got {gamma!r}")
-    if isinstance(gamma, bool) or not isinstance(gamma, int):
-        raise ValueError(f"gamma must be an int >= 0, 'auto' or 'heuristic', got {gamma!r}")
-    return FixedGamma(gamma)
-
-
-def served_gamma(gamma: int | str, gamma_max: int) -> GammaController:
-    """A request's γ as a server takes it: `make_controller`'s specs, and a fixed γ no deeper than the server's
-    gamma_max (a γ of thousands made verifies of hundreds of positions, slowing every session sharing them)."""
-    controller = make_controller(gamma, gamma_max)
-    if isinstance(controller, FixedGamma) and controller.gamma > gamma_max:
-        raise ValueError(f"must be <= gamma_max ({gamma_max}) of this server, got {controller.gamma}")
-    return controller
+    """Controller from a user-facing spec (see `parse_gamma`)."""
+    try:
+        spec = parse_gamma(gamma)
+    except ValueError as exc:
+        raise ValueError(f"gamma: {exc}") from None
+    if spec == "auto":
+        return AutoGamma(gamma_max, verify_profile, draft_step_s, pipelined=pipelined)
+    if spec == "heuristic":
+        return HeuristicGamma(gamma_max=max(gamma_max, 1))
+    return FixedGamma(spec)
 
 
 def theorem8_speedup(alpha: float, gamma: int, c: float, verify_cost: float = 1.0) -> float:
@@ -493,5 +498,6 @@ __all__ = [
     "RoundObservation",
     "expected_tokens_per_round",
     "make_controller",
+    "parse_gamma",
     "theorem8_speedup",
 ]

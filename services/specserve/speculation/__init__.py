@@ -5,7 +5,7 @@ tensors (and plain numbers) and return tensors, so every worker can share them
 and every statistical claim can be tested on small synthetic inputs.
 """
 
-from specserve.spec.controllers import (
+from specserve.speculation.controllers import (
     AutoGamma,
     FixedGamma,
     GammaController,
@@ -14,12 +14,12 @@ from specserve.spec.controllers import (
     WarmStarts,
     expected_tokens_per_round,
     make_controller,
-    served_gamma,
+    parse_gamma,
 )
-from specserve.spec.params import SamplingParams
-from specserve.spec.rejection import Verdict, accept_greedy, accept_prefix, residual_distribution
-from specserve.spec.rng import PositionRNG, Purpose
-from specserve.spec.sampling import probs_from_logits, sample_from_probs, sparse_to_dense
+from specserve.speculation.params import SamplingParams
+from specserve.speculation.rejection import Verdict, accept_greedy, accept_prefix, residual_distribution
+from specserve.speculation.rng import PositionRNG, Purpose
+from specserve.speculation.sampling import probs_from_logits, sample_from_probs, sparse_to_dense
 
 __all__ = [
     "AutoGamma",
@@ -36,7 +36,7 @@ __all__ = [
     "accept_prefix",
     "expected_tokens_per_round",
     "make_controller",
-    "served_gamma",
+    "parse_gamma",
     "probs_from_logits",
     "residual_distribution",
     "sample_from_probs",

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.spec.sampling import sample_from_probs
+from specserve.speculation.sampling import sample_from_probs
 
 
 @dataclass

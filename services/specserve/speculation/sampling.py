@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.spec.params import SamplingParams
+from specserve.speculation.params import SamplingParams
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
