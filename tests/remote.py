@@ -35,11 +35,10 @@ def remote_generate(
     stats.controller = controller.name
     tokens: list[int] = []
     finish = "length"
-    for new, reason in speculate(
-        prompt_ids, proposer, verifier, controller, params, rng, max_new_tokens, vocab, eos_ids, stats,
-        pipelined=pipelined,
-    ):
-        tokens.extend(new)
-        finish = reason or finish
+    for rnd in speculate(prompt_ids, proposer, verifier, controller, params, rng, max_new_tokens, vocab, eos_ids,
+                         pipelined=pipelined):
+        stats.record(rnd)
+        tokens.extend(rnd.tokens)
+        finish = rnd.finish_reason or finish
     stats.new_tokens = len(tokens)
     return tokens, finish, stats

@@ -22,7 +22,6 @@ from specserve.engine.batching import ScheduledVerifier, StepScheduler
 from specserve.engine.colocated import ScheduledDraft
 from specserve.engine.loop import speculate
 from specserve.engine.proposers import ModelProposer, TargetVerifier
-from specserve.engine.stats import GenerationStats
 from specserve.models.pool import KVPool
 from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
 from specserve.speculation import PositionRNG, make_controller, rejection
@@ -41,8 +40,8 @@ def batched_first_two(scheduler, pool, target, draft, mode: dict) -> np.ndarray:
         params = SamplingParams(**mode, seed=seed, ignore_eos=True)
         verifier = ScheduledVerifier(scheduler, TargetVerifier(target, vocab, pool.sequence()))
         rounds = speculate(PROMPT, ModelProposer(draft, vocab), verifier, make_controller(2), params,
-                           PositionRNG(seed), 3, vocab, set(), GenerationStats())
-        return [t for new, _ in rounds for t in new]
+                           PositionRNG(seed), 3, vocab, set())
+        return [t for rnd in rounds for t in rnd.tokens]
 
     counts = np.zeros((vocab, vocab))
     with futures.ThreadPoolExecutor(CONCURRENT) as pool_threads:

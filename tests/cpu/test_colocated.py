@@ -16,7 +16,6 @@ import pytest
 
 from specserve import SamplingParams, SpeculativeDecoder
 from specserve.coordinator import Coordinator, SessionRequest
-from specserve.engine.stats import GenerationStats
 from specserve.rpc.convert import sampling_to_proto
 from specserve.rpc.servicers import TargetWorkerServicer
 from specserve.speculation import PositionRNG, rejection
@@ -126,9 +125,8 @@ def colocated_first_two(servicer, mode: dict) -> np.ndarray:
     def run(seed: int) -> list[int]:
         params = SamplingParams(**mode, seed=seed, ignore_eos=True)
         engine = servicer.new_engine()
-        _, rounds = servicer.colocated.rounds(engine, PROMPT, params, PositionRNG(seed), 3, 2, False,
-                                              GenerationStats())
-        tokens = [t for new, _ in rounds for t in new]
+        rounds = servicer.colocated.rounds(engine, PROMPT, params, PositionRNG(seed), 3, 2, False)
+        tokens = [t for rnd in rounds for t in rnd.tokens]
         servicer.scheduler.call(engine.release).result()
         return tokens
 

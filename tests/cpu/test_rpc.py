@@ -276,3 +276,20 @@ def test_idle_sessions_are_reaped_and_streaming_ones_kept(models):
         assert servicer.pool.describe()["kv_used_tokens"] < used  # the idle one's KV block went back to the pool
     finally:
         servicer.close()
+
+
+def test_a_round_crosses_the_wire_whole():
+    """The worker sends a round as one RoundReply and the coordinator gets the same Round back: every field,
+    floats to float32 precision."""
+    from specserve.engine.loop import Round
+    from specserve.rpc.convert import round_from_wire, round_to_wire
+
+    rnd = Round([5, 6, 2], None, 3, [5, 6, 7], 2, True, 0.0125, 0.0375, 0.03, 0.5,
+                [(5, -0.25, [(5, -0.25), (9, -2.0)]), (6, -0.5, []), (2, -1.0, [])])
+    back = round_from_wire(round_to_wire(rnd))
+    for name in ("tokens", "finish_reason", "gamma", "drafted", "accepted", "looked_up", "logprobs"):
+        assert getattr(back, name) == getattr(rnd, name), name
+    for name in ("draft_time_s", "verify_time_s", "step_time_s", "prefill_time_s"):
+        assert getattr(back, name) == pytest.approx(getattr(rnd, name), rel=1e-6), name
+    done = round_from_wire(round_to_wire(Round([2], "stop", 0)))
+    assert done.finish_reason == "stop" and done.drafted == [] and done.logprobs is None

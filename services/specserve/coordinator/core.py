@@ -25,7 +25,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -35,7 +35,7 @@ import grpc
 from specserve.coordinator.links import WorkerLink, resumable
 from specserve.coordinator.metrics import ServingMetrics, SessionMetrics
 from specserve.engine.batching import one_thread_torch
-from specserve.engine.loop import speculate
+from specserve.engine.loop import Round, speculate
 from specserve.engine.proposers import NgramProposer
 from specserve.engine.stats import GenerationStats
 from specserve.rpc.remote import RemoteProposer, RemoteSession, RemoteVerifier
@@ -63,8 +63,6 @@ class SessionRequest:
     # False: one chunk at the end. Each streamed chunk costs the ingress work while the target computes the
     # next round, which on a small CPU slows that forward; a non-streaming request need not pay it.
     stream: bool = True
-    # True: each chunk lists its rounds (`Chunk.rounds`): the block drafted, how much of it was kept, γ, lookup
-    detail: bool = False
 
     def resumed(self, committed: list[int]) -> SessionRequest:
         """The rest of this request after `committed` tokens (a session going on on a restarted worker). Keyed by
@@ -90,23 +88,28 @@ class SessionRequest:
 
 @dataclass
 class Chunk:
-    """One round's new tokens; the last chunk has a finish reason and the session's statistics (earlier chunks
-    carry the statistics so far only for requests with stop strings, which the consumer may cut short)."""
+    """The rounds a session finished since its last chunk; the last chunk has a finish reason and the session's
+    statistics (earlier chunks carry the statistics so far only for requests with stop strings, which the
+    consumer may cut short)."""
 
-    tokens: list[int]
+    rounds: list[Round]
     finish_reason: str | None = None
     stats: dict[str, Any] | None = None
-    logprobs: list | None = None  # one entry per token, when the request asked (`speculation.sampling.token_logprobs`)
-    # per round, when the request asked (SessionRequest.detail): {"tokens", "drafted", "accepted", "gamma", "lookup"}
-    rounds: list[dict[str, Any]] | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return [token for rnd in self.rounds for token in rnd.tokens]
+
+    @property
+    def logprobs(self) -> list | None:
+        """One entry per token, when the request asked (None otherwise)."""
+        if not self.rounds or any(rnd.logprobs is None for rnd in self.rounds):
+            return None
+        return [entry for rnd in self.rounds for entry in rnd.logprobs]
 
     def then(self, after: Chunk) -> Chunk:
         """This chunk and the next as one (a consumer that fell behind gets them together)."""
-        def joined(a, b):
-            return a + b if a is not None and b is not None else None
-
-        return Chunk(self.tokens + after.tokens, after.finish_reason, after.stats,
-                     joined(self.logprobs, after.logprobs), joined(self.rounds, after.rounds))
+        return Chunk(self.rounds + after.rounds, after.finish_reason, after.stats)
 
 
 class Coordinator:
@@ -212,15 +215,15 @@ class Coordinator:
             make_controller(gamma, self.gamma_max, self.verify_profile or None, self.draft_step_s, self.pipelined))
 
     # -- sessions --------------------------------------------------------------
-    def _rounds(self, request: SessionRequest, stats: GenerationStats):
+    def _rounds(self, request: SessionRequest, stats: GenerationStats) -> Iterator[Round]:
+        """The session's rounds on the workers (`stats` gets the controller's name)."""
         params, rng = request.params, PositionRNG(request.params.seed)
         sid = request.request_id
         if self.draft == "colocated":
             gamma = self.gamma if request.gamma is None else request.gamma
-            session = RemoteSession(self._target.stub, sid, request.prompt_ids, params, rng.seed, request.max_tokens,
-                                    gamma, self.colocated_lookup)
             stats.controller = str(gamma)
-            return session, session.rounds(stats)
+            return RemoteSession(self._target.stub, sid, request.prompt_ids, params, rng.seed, request.max_tokens,
+                                 gamma, self.colocated_lookup).rounds()
         proposer = None
         if self.draft == "ngram":
             proposer = NgramProposer(self.vocab)
@@ -230,10 +233,8 @@ class Coordinator:
         verifier = RemoteVerifier(self._target.stub, sid, params, rng.seed, self.vocab)
         controller = self.controller(request.gamma)
         stats.controller = controller.name
-        return verifier, speculate(
-            request.prompt_ids, proposer, verifier, controller, params, rng, request.max_tokens, self.vocab,
-            self.eos_ids, stats, pipelined=self.pipelined,
-        )
+        return speculate(request.prompt_ids, proposer, verifier, controller, params, rng, request.max_tokens,
+                         self.vocab, self.eos_ids, pipelined=self.pipelined)
 
     async def generate(self, request: SessionRequest) -> AsyncIterator[Chunk]:
         """Yield one `Chunk` per round. Raises ValueError / grpc.RpcError from the workers unchanged."""
@@ -255,36 +256,25 @@ class Coordinator:
 
         t0 = time.perf_counter()
         committed: list[int] = []  # every token of the session's finished rounds
-        def fresh() -> Chunk:  # what is not handed over yet
-            return Chunk([], logprobs=[] if request.params.logprobs is not None else None,
-                         rounds=[] if request.detail else None)
+        held: list[Round] = []  # rounds not handed over yet
 
-        held = fresh()
-
-        def consume(rounds, verifier) -> str:
+        def consume(rounds) -> str:
             """Hand over one worker incarnation's rounds; the session's finish reason."""
-            nonlocal held
             for rnd in rounds:
-                new, reason = rnd
                 if cancel.is_set():  # the consumer is gone: this round is neither delivered nor counted
                     return cancel.reason
-                committed.extend(new)
-                held.tokens.extend(new)
-                if held.logprobs is not None:
-                    held.logprobs.extend(rnd.logprobs or ())
-                if held.rounds is not None:
-                    held.rounds.append({"tokens": list(new), "drafted": rnd.drafted, "accepted": rnd.accepted,
-                                        "gamma": stats.gamma_history[-1], "lookup": rnd.looked_up})
-                observed.round_done(stats, len(new))
-                if reason is not None:
+                committed.extend(rnd.tokens)
+                stats.record(rnd)
+                observed.round_done(rnd)
+                held.append(rnd)
+                if rnd.finish_reason is not None:
                     stats.total_time_s, stats.new_tokens = time.perf_counter() - t0, len(committed)
-                    stats.worker_verify_time_s += verifier.worker_time_s
-                    emit(replace(held, finish_reason=reason, stats=stats.to_dict()))
-                    return reason
+                    emit(Chunk(list(held), rnd.finish_reason, stats.to_dict()))
+                    return rnd.finish_reason
                 if request.stream:
                     # statistics so far only where the consumer may end the session early (stop strings)
-                    emit(replace(held, stats=stats.to_dict() if request.params.stop else None))
-                    held = fresh()
+                    emit(Chunk(list(held), None, stats.to_dict() if request.params.stop else None))
+                    held.clear()
                 if cancel.is_set():
                     return cancel.reason
             return cancel.reason  # speculate always ends with a reason; only a closed generator gets here
@@ -293,14 +283,13 @@ class Coordinator:
             finish, part = "error", request
             try:
                 while True:  # one pass per worker incarnation: a lost worker's session goes on on its replacement
-                    verifier, rounds = self._rounds(part, stats)
+                    rounds = self._rounds(part, stats)
                     try:
-                        finish = consume(rounds, verifier)
+                        finish = consume(rounds)
                         break
                     except Exception as exc:  # noqa: BLE001 - a lost worker is waited for, anything else re-raised
                         if not resumable(exc) or cancel.is_set():
                             raise
-                        stats.worker_verify_time_s += verifier.worker_time_s
                         self._recover(exc, request.request_id, cancel.is_set)
                         stats.resumes += 1
                         observed.resumed()

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from specserve.engine.stats import GenerationStats
+if TYPE_CHECKING:
+    from specserve.engine.loop import Round
 
 PREFIX = "specserve_"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -131,24 +133,26 @@ class SessionMetrics:
     def __init__(self, metrics: ServingMetrics | None, prompt_tokens: int):
         self.metrics = metrics
         self.start = self.last = time.perf_counter()
-        self._drafted, self._draft_s, self._verify_s = 0, 0.0, 0.0  # the stats' totals at the previous round
+        self.rounds = 0
         if metrics:
             metrics.inc("prompt_tokens", prompt_tokens)
 
-    def round_done(self, stats: GenerationStats, new_tokens: int) -> None:
-        """Call after each round the speculation loop yields (it records exactly one round per yield)."""
+    def round_done(self, rnd: Round) -> None:
+        """Record one round of the session as the coordinator hands it over."""
         m = self.metrics
         if m is None:
             return
         now = time.perf_counter()
         gap, self.last = now - self.last, now
-        if stats.rounds == 1:  # the first round's gap includes prefill
+        self.rounds += 1
+        new_tokens = len(rnd.tokens)
+        if self.rounds == 1:  # the first round's gap includes prefill
             m.observe("time_to_first_token_seconds", now - self.start)
-            gap -= stats.prefill_time_s
+            gap -= rnd.prefill_time_s
         else:
             for _ in range(new_tokens):
                 m.observe("inter_token_latency_seconds", gap / new_tokens)
-        drafted, accepted = stats.drafted - self._drafted, stats.accepted_history[-1]
+        drafted, accepted = len(rnd.drafted), rnd.accepted
         m.inc("generation_tokens", new_tokens)
         m.inc("spec_decode_rounds")
         m.inc("spec_decode_num_drafts", int(drafted > 0))
@@ -157,11 +161,10 @@ class SessionMetrics:
         for i in range(drafted):
             m.inc("spec_decode_num_draft_tokens_per_pos", position=str(i + 1))
             m.inc("spec_decode_num_accepted_tokens_per_pos", int(i < accepted), position=str(i + 1))
-        m.observe("gamma", stats.gamma_history[-1])
+        m.observe("gamma", rnd.gamma)
         m.observe("round_time_seconds", max(gap, 0.0))
-        m.observe("draft_call_seconds", stats.draft_time_s - self._draft_s)
-        m.observe("verify_call_seconds", stats.verify_time_s - self._verify_s)
-        self._drafted, self._draft_s, self._verify_s = stats.drafted, stats.draft_time_s, stats.verify_time_s
+        m.observe("draft_call_seconds", rnd.draft_time_s)
+        m.observe("verify_call_seconds", rnd.verify_time_s)
 
     def resumed(self) -> None:
         if self.metrics is not None:

@@ -16,10 +16,9 @@ import threading
 from collections.abc import Iterator
 
 from specserve.engine.batching import ScheduledSequence, ScheduledVerifier, StepScheduler
-from specserve.engine.loop import speculate
+from specserve.engine.loop import Round, speculate
 from specserve.engine.profile import draft_step_time, verify_profile
 from specserve.engine.proposers import LookupOrModelProposer, ModelProposer, Proposer, TargetVerifier
-from specserve.engine.stats import GenerationStats
 from specserve.models import CachedSequence
 from specserve.models.lean import draft_dtype, unsupported_reason
 from specserve.models.pool import KVPool
@@ -80,12 +79,9 @@ class ColocatedSessions:
         return controller
 
     def rounds(self, engine: TargetVerifier, prompt: list[int], params: SamplingParams, rng: PositionRNG,
-               max_tokens: int, gamma: int | str, lookup: bool, stats: GenerationStats, open_sessions: int = 1
-               ) -> tuple[ScheduledVerifier, Iterator]:
-        """(the session's verifier, speculate() for it: (new tokens, finish reason or None) per round).
-        open_sessions: sessions open on the worker, this one included (auto's first guess at the load)."""
+               max_tokens: int, gamma: int | str, lookup: bool, open_sessions: int = 1) -> Iterator[Round]:
+        """The session's rounds (`engine.loop.speculate` over the scheduler). open_sessions: sessions open on
+        the worker, this one included (auto's first guess at the load)."""
         controller = self.controller(gamma, open_sessions)
-        stats.controller = controller.name
-        verifier = ScheduledVerifier(self.scheduler, engine)
-        return verifier, speculate(prompt, self.proposer(lookup), verifier, controller, params, rng, max_tokens,
-                                   self.vocab, self.eos_ids, stats)
+        return speculate(prompt, self.proposer(lookup), ScheduledVerifier(self.scheduler, engine), controller,
+                         params, rng, max_tokens, self.vocab, self.eos_ids)

@@ -7,7 +7,7 @@ A generation is a loop of rounds: choose γ → draft proposes → target verifi
 in one forward → emit accepted tokens plus one → feed the γ controller with
 what the round showed. Caches live in the proposer and the verifier of the
 session and are cropped, never rebuilt. Randomness is keyed by position
-(`spec.rng`), so a seed and a fixed γ fix the output.
+(`speculation.rng`), so a seed and a fixed γ fix the output.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from specserve.engine.profile import draft_step_time, verify_profile
-from specserve.engine.loop import speculate
+from specserve.engine.loop import Round, speculate
 from specserve.engine.prompts import Prompt, PromptCodec, cut_at_stop
 from specserve.engine.proposers import LookupOrModelProposer, ModelProposer, NgramProposer, Proposer, TargetVerifier
 from specserve.engine.stats import GenerationStats
@@ -179,9 +179,9 @@ class SpeculativeDecoder:
         t_start = time.perf_counter()
         logprobs: list | None = [] if params.logprobs is not None else None
         for rnd in self.rounds(prompt_ids, params, max_new_tokens, gamma, stats, draft_lookup):
-            new, reason = rnd
-            tokens.extend(new)
-            finish = reason or finish
+            stats.record(rnd)
+            tokens.extend(rnd.tokens)
+            finish = rnd.finish_reason or finish
             if logprobs is not None:
                 logprobs.extend(rnd.logprobs)
         stats.total_time_s = time.perf_counter() - t_start
@@ -200,8 +200,9 @@ class SpeculativeDecoder:
         gamma: int | str | None = None,
         stats: GenerationStats | None = None,
         draft_lookup: bool | None = None,
-    ) -> Iterator[tuple[list[int], str | None]]:
-        """Yield (new tokens, finish reason or None) once per round (draft_lookup: None = the decoder's)."""
+    ) -> Iterator[Round]:
+        """Yield one `Round` per round (draft_lookup: None = the decoder's). `stats` gets the controller's name;
+        the rounds are the caller's to record (`GenerationStats.record`)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         room = self.codec.check_length(prompt_ids)
@@ -215,7 +216,7 @@ class SpeculativeDecoder:
         yield from speculate(
             prompt_ids, self.new_proposer(draft_lookup),
             TargetVerifier(self.target.model, vocab, self.target_sequence()), controller, params,
-            PositionRNG(params.seed), max_new_tokens, vocab, self.eos_ids, stats, hit_stop,
+            PositionRNG(params.seed), max_new_tokens, vocab, self.eos_ids, hit_stop,
         )
 
     def _hit_stop(self, generated: list[int], params: SamplingParams) -> bool:

@@ -11,28 +11,29 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 from specserve.engine.proposers import Proposal, Proposer, empty_proposal
-from specserve.engine.stats import GenerationStats
 from specserve.speculation import GammaController, PositionRNG, RoundObservation, SamplingParams
 
 
-class Round(tuple):
-    """What `speculate` yields each round: a (new tokens, finish reason or None) pair, which is how most callers
-    unpack it, with the round's detail as attributes: `drafted` (the block the target verified), `accepted`
-    (how many of it were kept), `looked_up` (prompt lookup drafted it) and `logprobs` (of the new tokens,
-    when the request asked for them; see `spec.sampling.token_logprobs`)."""
+@dataclass
+class Round:
+    """One speculation round, the one record of it from the step that produced it to the client: the worker
+    sends it as a `RoundReply` (`rpc.convert`), the coordinator hands it to the ingress in a `Chunk`, and
+    whoever consumes it records it once (`GenerationStats.record`)."""
 
-    drafted: list[int]
-    accepted: int
-    looked_up: bool
-    logprobs: list | None
-
-    def __new__(cls, tokens: list[int], reason: str | None, drafted=(), accepted: int = 0, looked_up: bool = False,
-                logprobs: list | None = None):
-        self = super().__new__(cls, (tokens, reason))
-        self.drafted, self.accepted, self.looked_up, self.logprobs = list(drafted), accepted, looked_up, logprobs
-        return self
+    tokens: list[int]  # emitted: the accepted draft tokens and the target's own, cut at eos or the budget
+    finish_reason: str | None  # "stop", "length", or None while the session goes on
+    gamma: int  # the depth asked for (a draft that stops early: the depth it went to)
+    drafted: list[int] = field(default_factory=list)  # the block the target verified
+    accepted: int = 0  # how many of `drafted` were kept
+    looked_up: bool = False  # prompt lookup drafted the block
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0  # as the session saw it (waiting for a shared step, or the wire, included)
+    step_time_s: float = 0.0  # compute time of the target step that verified it, where a worker reports it
+    prefill_time_s: float = 0.0  # the session's prefill, on the first round after it
+    logprobs: list | None = None  # per emitted token, when asked (`speculation.sampling.token_logprobs`)
 
 
 def draft_block(
@@ -86,18 +87,17 @@ def finish_reason(new: list[int], eos_ids: set[int], params: SamplingParams, roo
 def speculate(
     prompt_ids: list[int],
     proposer: Proposer | None,
-    verifier,  # TargetVerifier or a remote proxy: prefill(ids), verify(context, proposal, params, rng), release()
+    verifier,  # TargetVerifier or a proxy: prefill(ids), verify(context, proposal, params, rng), release(), last_step
     controller: GammaController,
     params: SamplingParams,
     rng: PositionRNG,
     max_new_tokens: int,
     vocab: int,
     eos_ids: set[int],
-    stats: GenerationStats,
     hit_stop: Callable[[list[int]], bool] | None = None,
     pipelined: bool = False,
-) -> Iterator[tuple[list[int], str | None]]:
-    """Yield (new tokens, finish reason or None) once per round; releases both sides at the end.
+) -> Iterator[Round]:
+    """Yield one `Round` per round until a finish reason; releases both sides at the end.
 
     pipelined: before each verify, ask the proposer to prefetch the next block
     on the all-accepted branch (γ chosen now, one round early). With
@@ -110,7 +110,7 @@ def speculate(
         verifier.prefill(context)
         if proposer is not None:
             proposer.prefill(context)
-        stats.prefill_time_s = time.perf_counter() - t0
+        prefill_s = time.perf_counter() - t0
         while produced < max_new_tokens:
             t_round = time.perf_counter()
             remaining = max_new_tokens - produced
@@ -122,13 +122,12 @@ def speculate(
             verdict = verifier.verify(context, proposal, params, rng)
             t_verified = time.perf_counter()
             draft_s, verify_s = t_drafted - t_round, t_verified - t_drafted
-            stats.record_round(g, len(proposal), verdict.n_accepted, draft_s, verify_s, looked_up)
-            step = getattr(verifier, "last_step", None)  # a batched target step reports itself
+            step = verifier.last_step  # the target step that verified this block (None: not reported)
+            shared = (step.tokens, step.sessions, step.seconds) if step is not None and step.sessions else ()
             controller.update(
                 RoundObservation(
                     g, len(proposal), verdict.n_accepted, verdict.betas,
-                    draft_s, verify_s, time.perf_counter() - t_round, proposal.key, proposal.confidences,
-                    *((step.tokens, step.sessions, step.seconds) if step is not None else ()),
+                    draft_s, verify_s, time.perf_counter() - t_round, proposal.key, proposal.confidences, *shared,
                 )
             )
             new = proposal.tokens[: verdict.n_accepted] + [verdict.next_token]
@@ -138,7 +137,9 @@ def speculate(
             if reason is None and hit_stop is not None and hit_stop(context[len(prompt_ids) :]):
                 reason = "stop"
             logprobs = verdict.logprobs[: len(new)] if verdict.logprobs is not None else None
-            yield Round(new, reason, proposal.tokens, verdict.n_accepted, looked_up, logprobs)
+            yield Round(new, reason, g, proposal.tokens, verdict.n_accepted, looked_up, draft_s, verify_s,
+                        step.seconds if step is not None else 0.0, prefill_s, logprobs)
+            prefill_s = 0.0
             if reason is not None:
                 return
     finally:

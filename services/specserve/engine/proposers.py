@@ -3,7 +3,7 @@
 These are the seams the distributed workers reuse: a proposer turns the
 committed tokens into a `Proposal` (tokens and the q they were sampled
 from); the verifier scores context + proposal in one target forward and
-applies `spec.accept_prefix` (`spec.accept_greedy` at T=0, the same verdict).
+applies `speculation.accept_prefix` (`speculation.accept_greedy` at T=0, the same verdict).
 Both are told the full committed token list every round and bring their
 caches to it themselves (crop + feed), so they need no separate
 commit/rollback message and can be rebuilt from scratch.
@@ -246,6 +246,8 @@ def one_hot_on(q: torch.Tensor, tokens: torch.Tensor) -> bool:
 
 class TargetVerifier:
     """Scores context + proposal with ONE target forward over k+1 new positions and accepts a prefix."""
+
+    last_step = None  # a verifier whose blocks join shared steps reports the latest one here (a `StepInfo`)
 
     def __init__(self, model, vocab: int, sequence=None):
         self.seq = sequence if sequence is not None else CachedSequence(model)  # or a pipeline's StagedSequence

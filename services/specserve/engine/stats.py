@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specserve.engine.loop import Round
 
 
 @dataclass
@@ -20,7 +24,7 @@ class GenerationStats:
     prefill_time_s: float = 0.0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
-    worker_verify_time_s: float = 0.0  # served: compute time the target worker reported (verify_time_s adds the wire)
+    worker_verify_time_s: float = 0.0  # compute time of the target steps, where a worker reports it
     total_time_s: float = 0.0
     new_tokens: int = 0
     controller: str = ""
@@ -40,17 +44,20 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
 
-    def record_round(self, gamma: int, drafted: int, accepted: int, draft_s: float, verify_s: float,
-                     looked_up: bool = False) -> None:
+    def record(self, rnd: Round) -> None:
+        """Count one `engine.loop.Round` (where the round is consumed, once)."""
+        drafted, accepted = len(rnd.drafted), rnd.accepted
         self.rounds += 1
-        self.lookup_rounds += looked_up
+        self.lookup_rounds += rnd.looked_up
         self.drafted += drafted
         self.accepted += accepted
         self.emitted += accepted + 1
-        self.gamma_history.append(gamma)
+        self.gamma_history.append(rnd.gamma)
         self.accepted_history.append(accepted)
-        self.draft_time_s += draft_s
-        self.verify_time_s += verify_s
+        self.prefill_time_s += rnd.prefill_time_s
+        self.draft_time_s += rnd.draft_time_s
+        self.verify_time_s += rnd.verify_time_s
+        self.worker_verify_time_s += rnd.step_time_s
         grow = drafted - len(self.drafted_per_position)
         if grow > 0:
             self.drafted_per_position.extend([0] * grow)

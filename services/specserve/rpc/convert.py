@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from pydantic import ValidationError
 
+from specserve.engine.loop import Round
 from specserve.engine.proposers import Proposal
 from specserve.speculation import SamplingParams
 from specserve.v1 import generator_pb2, workers_pb2
@@ -92,3 +93,18 @@ def logprobs_from_wire(messages) -> list | None:
     if not len(messages):
         return None
     return [(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top]) for m in messages]
+
+
+def round_to_wire(rnd: Round) -> workers_pb2.RoundReply:
+    return workers_pb2.RoundReply(
+        tokens=rnd.tokens, finish_reason=rnd.finish_reason or "", gamma=rnd.gamma, drafted_tokens=rnd.drafted,
+        accepted=rnd.accepted, looked_up=rnd.looked_up, draft_time_s=rnd.draft_time_s,
+        verify_time_s=rnd.verify_time_s, step_time_s=rnd.step_time_s, prefill_time_s=rnd.prefill_time_s,
+        logprobs=logprobs_to_wire(rnd.logprobs),
+    )
+
+
+def round_from_wire(reply: workers_pb2.RoundReply) -> Round:
+    return Round(list(reply.tokens), reply.finish_reason or None, reply.gamma, list(reply.drafted_tokens),
+                 reply.accepted, reply.looked_up, reply.draft_time_s, reply.verify_time_s, reply.step_time_s,
+                 reply.prefill_time_s, logprobs_from_wire(reply.logprobs))

@@ -8,11 +8,18 @@ committed sequence its worker already has and sends only the new tokens.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from specserve.engine.batching import StepInfo
 from specserve.engine.loop import Round
 from specserve.engine.proposers import Proposal, Proposer, prompt_lookup
-from specserve.engine.stats import GenerationStats
-from specserve.rpc.convert import logprobs_from_wire, proposal_from_wire, proposal_q_to_wire, sampling_to_proto
+from specserve.rpc.convert import (
+    logprobs_from_wire,
+    proposal_from_wire,
+    proposal_q_to_wire,
+    round_from_wire,
+    sampling_to_proto,
+)
 from specserve.speculation import PositionRNG, SamplingParams, Verdict
 from specserve.v1 import workers_pb2
 
@@ -99,26 +106,23 @@ class RemoteProposer(_SessionProxy, Proposer):
 
 
 class RemoteVerifier(_SessionProxy):
-    """A TargetWorker session; `worker_time_s` sums the compute time the worker reported, `last_step` is the
-    batched step that verified the latest block."""
+    """A TargetWorker session; `last_step` is the worker's step that verified the latest block (sessions 0: an
+    unbatched worker, its compute time only)."""
 
-    worker_time_s = 0.0
     last_step: StepInfo | None = None
 
     def verify(self, context: list[int], proposal: Proposal, params: SamplingParams, rng: PositionRNG) -> Verdict:
         reply = self.stub.Verify(
             workers_pb2.VerifyRequest(update=self._update(context), tokens=proposal.tokens, q=proposal_q_to_wire(proposal))
         )
-        self.worker_time_s += reply.verify_time_s
-        if reply.step_sessions:
-            self.last_step = StepInfo(reply.step_tokens, reply.step_sessions, reply.verify_time_s)
+        self.last_step = StepInfo(reply.step_tokens, reply.step_sessions, reply.verify_time_s)
         return Verdict(reply.n_accepted, reply.next_token, list(reply.accept_probs), list(reply.betas),
                        logprobs_from_wire(reply.logprobs))
 
 
 class RemoteSession:
     """A whole session on a TargetWorker that holds the draft (colocated): one stream, one message per round.
-    `rounds` yields what `engine.loop.speculate` yields and records each round in the stats."""
+    `rounds` yields what `engine.loop.speculate` yields."""
 
     def __init__(self, stub, session_id: str, prompt: list[int], params: SamplingParams, seed: int,
                  max_tokens: int, gamma: int | str, lookup: bool = True):
@@ -127,16 +131,11 @@ class RemoteSession:
             session_id=session_id, prompt_ids=prompt, sampling=sampling_to_proto(params, seed),
             max_tokens=max_tokens, gamma=str(gamma), no_lookup=not lookup,
         )
-        self.worker_time_s = 0.0  # the batched steps' compute time (as RemoteVerifier's)
 
-    def rounds(self, stats: GenerationStats):
+    def rounds(self) -> Iterator[Round]:
         call = self.stub.Generate(self.request)
         try:
             for reply in call:
-                stats.record_round(reply.gamma, reply.drafted, reply.accepted, reply.draft_time_s,
-                                   reply.verify_time_s, reply.looked_up)
-                self.worker_time_s += reply.step_time_s
-                yield Round(list(reply.tokens), reply.finish_reason or None, reply.drafted_tokens, reply.accepted,
-                            reply.looked_up, logprobs_from_wire(reply.logprobs))
+                yield round_from_wire(reply)
         finally:
             call.cancel()  # a consumer that stops early ends the session on the worker

@@ -31,10 +31,15 @@ import grpc
 from specserve.engine.batching import StepScheduler
 from specserve.engine.colocated import ColocatedSessions
 from specserve.engine.proposers import Proposer, TargetVerifier
-from specserve.engine.stats import GenerationStats
 from specserve.models.lean import unsupported_reason
 from specserve.models.pool import KVCacheFull, KVPool
-from specserve.rpc.convert import logprobs_to_wire, proposal_from_wire, proposal_q_to_wire, sampling_from_proto
+from specserve.rpc.convert import (
+    logprobs_to_wire,
+    proposal_from_wire,
+    proposal_q_to_wire,
+    round_to_wire,
+    sampling_from_proto,
+)
 from specserve.speculation import PositionRNG, SamplingParams, parse_gamma
 from specserve.v1 import workers_pb2, workers_pb2_grpc
 
@@ -283,24 +288,13 @@ class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerService
             raise ValueError("max_tokens: must be >= 1")
         session = self.on_compute_thread(self.sessions.open, request, self.new_engine())
         session.streaming = True
-        stats = GenerationStats()
-        verifier, rounds = self.colocated.rounds(session.engine, session.tokens, session.params, session.rng,
-                                                 request.max_tokens, gamma, not request.no_lookup, stats,
-                                                 len(self.sessions))
-        before, last = (0, 0.0, 0.0, 0), None
+        rounds = self.colocated.rounds(session.engine, session.tokens, session.params, session.rng,
+                                       request.max_tokens, gamma, not request.no_lookup, len(self.sessions))
+        last = None
         try:
             for rnd in rounds:
-                new, reason = rnd
-                now = (stats.drafted, stats.draft_time_s, stats.verify_time_s, stats.lookup_rounds)
-                reply = workers_pb2.RoundReply(
-                    tokens=new, finish_reason=reason or "", gamma=stats.gamma_history[-1],
-                    drafted=now[0] - before[0], accepted=stats.accepted_history[-1],
-                    draft_time_s=now[1] - before[1], verify_time_s=now[2] - before[2],
-                    looked_up=now[3] > before[3], step_time_s=verifier.last_step.seconds,
-                    logprobs=logprobs_to_wire(rnd.logprobs), drafted_tokens=rnd.drafted,
-                )
-                before = now
-                if reason is not None:
+                reply = round_to_wire(rnd)
+                if rnd.finish_reason is not None:
                     last = reply
                     break
                 yield reply

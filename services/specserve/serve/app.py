@@ -36,7 +36,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specserve.coordinator import Overloaded, SessionRequest, start_coordinator
+from specserve.coordinator import Chunk, Overloaded, SessionRequest, start_coordinator
 from specserve.coordinator.links import WorkerLost
 from specserve.engine.prompts import PromptCodec, PromptError
 from specserve.models import load_tokenizer
@@ -94,13 +94,24 @@ async def _validation_error(request: Request, exc: RequestValidationError):
 
 @dataclass
 class Event:
+    """A coordinator chunk as the front ends send it: with its text, and the finish reason the text decided."""
+
     text: str  # new text safe to show
-    token_ids: list[int]
-    finish_reason: str | None
-    completion_tokens: int
-    stats: dict[str, Any] | None
-    logprobs: list | None = None  # per token of token_ids, when the request asked
-    rounds: list | None = None  # the rounds behind them, when the request asked (SessionRequest.detail)
+    chunk: Chunk
+    finish_reason: str | None  # the chunk's, or "stop" where a stop string ended the text
+    completion_tokens: int  # the session's so far
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.chunk.tokens
+
+    @property
+    def logprobs(self) -> list | None:  # per token of token_ids, when the request asked
+        return self.chunk.logprobs
+
+    @property
+    def stats(self) -> dict[str, Any] | None:
+        return self.chunk.stats
 
 
 class _WorkerError(Exception):
@@ -246,8 +257,7 @@ class SpecServe:
                             ended = chunk.finish_reason is not None
                             delta = text.push(chunk.tokens, ended)
                             reason = "stop" if text.stopped else chunk.finish_reason
-                            yield Event(delta, chunk.tokens, reason, len(committed), chunk.stats, chunk.logprobs,
-                                        chunk.rounds)
+                            yield Event(delta, chunk, reason, len(committed))
                             if reason is not None:
                                 return
                     return
@@ -302,15 +312,13 @@ class SpecServe:
         return _merged(streams)
 
     async def _collect(self, request: SessionRequest) -> Event:
-        text, tokens, last = [], [], None
-        logprobs = [] if request.params.logprobs is not None else None
+        text, rounds, last = [], [], None
         async for event in self._events(request):
             text.append(event.text)
-            tokens.extend(event.token_ids)
-            if logprobs is not None:
-                logprobs.extend(event.logprobs or ())
+            rounds.extend(event.chunk.rounds)
             last = event
-        return Event("".join(text), tokens, last.finish_reason, last.completion_tokens, last.stats, logprobs)
+        return Event("".join(text), Chunk(rounds, last.chunk.finish_reason, last.stats), last.finish_reason,
+                     last.completion_tokens)
 
     def _token_text(self, token: int) -> str:
         return self.codec.tokenizer.decode([token]) if self.codec.tokenizer is not None else str(token)
@@ -372,7 +380,6 @@ class SpecServe:
         try:
             request = self._prepare(body.to_input())
             request.stream = body.stream or bool(request.params.stop)  # stop strings are checked as text arrives
-            request.detail = body.speculation_detail
             sessions = choices(request, body.n)  # n > 1: sessions of their own, seeds of their own
         except PromptError as exc:
             code = "model_not_found" if exc.field == "model" else None
@@ -381,7 +388,8 @@ class SpecServe:
         prompt_tokens = len(request.prompt_ids)
         try:
             if body.stream:
-                sse = self._sse(await self._started_all(sessions), rid, chat, prompt_tokens, body.include_usage)
+                sse = self._sse(await self._started_all(sessions), rid, chat, prompt_tokens, body.include_usage,
+                                body.speculation_detail)
                 return StreamingResponse(sse, media_type="text/event-stream")
             events = await _all_or_none([self._collect(session) for session in sessions])
         except _WorkerError as exc:
@@ -401,9 +409,10 @@ class SpecServe:
         }
 
     async def _sse(self, events: AsyncIterator[tuple[int, Event]], rid: str, chat: bool, prompt_tokens: int,
-                   include_usage: bool = False):
+                   include_usage: bool = False, detail: bool = False):
         """OpenAI's stream: a chunk per round and choice; with include_usage, `usage: null` on each and a last
-        chunk with empty choices and the usage (as OpenAI sends it)."""
+        chunk with empty choices and the usage (as OpenAI sends it); with detail (`speculation_detail`), each
+        chunk's rounds as `specserve_rounds`."""
         created, started = int(time.time()), set()
         completion_tokens: dict[int, int] = {}
         offsets: dict[int, int] = {}  # completions' text_offset: the text each choice streamed so far
@@ -426,8 +435,8 @@ class SpecServe:
                 payload = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
                 if include_usage:
                     payload["usage"] = None
-                if event.rounds is not None:  # extension, asked for with speculation_detail
-                    payload["specserve_rounds"] = [round_view(r, self._token_text) for r in event.rounds]
+                if detail:  # extension, asked for with speculation_detail
+                    payload["specserve_rounds"] = [round_view(r, self._token_text) for r in event.chunk.rounds]
                 if event.finish_reason is not None:
                     payload["specserve"] = stats_summary(event.stats)  # extension: this choice's statistics
                 yield f"data: {json.dumps(payload)}\n\n"

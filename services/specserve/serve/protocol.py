@@ -15,6 +15,7 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from specserve.coordinator import SessionRequest
+from specserve.engine.loop import Round
 from specserve.engine.prompts import PromptCodec, PromptError
 from specserve.speculation import SamplingParams, parse_gamma
 from specserve.speculation.params import MAX_TOP_LOGPROBS
@@ -272,15 +273,15 @@ def openai_logprobs(entries: list, token_text, chat: bool, offset: int = 0) -> d
             "text_offset": offsets}
 
 
-def round_view(detail: dict[str, Any], token_text) -> dict[str, Any]:
+def round_view(rnd: Round, token_text) -> dict[str, Any]:
     """One round as the `specserve_rounds` extension shows it, texts per token: `accepted` (draft tokens the
     target kept), `rejected` (the draft tokens after the first rejection, not emitted), `next` (the target's own
     token: `next_kind` "correction" after a rejection, "bonus" after a fully accepted block, "target" when
     nothing was drafted), `lookup` (prompt lookup drafted the block), `gamma` and the emitted `token_ids`.
     A round cut short (eos, max_tokens) shows only what it emitted."""
-    new, drafted, n = detail["tokens"], detail["drafted"], detail["accepted"]
+    new, drafted, n = rnd.tokens, rnd.drafted, rnd.accepted
     view = {"token_ids": new, "accepted": [token_text(t) for t in new[:n]],
-            "rejected": [token_text(t) for t in drafted[n:]], "gamma": detail["gamma"], "lookup": detail["lookup"]}
+            "rejected": [token_text(t) for t in drafted[n:]], "gamma": rnd.gamma, "lookup": rnd.looked_up}
     if len(new) > n:
         view["next"] = token_text(new[n])
         view["next_kind"] = "correction" if n < len(drafted) else "bonus" if drafted else "target"

@@ -108,11 +108,10 @@ class SessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generator_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., gamma: _Optional[str] = ..., no_lookup: _Optional[bool] = ...) -> None: ...
 
 class RoundReply(_message.Message):
-    __slots__ = ("tokens", "finish_reason", "gamma", "drafted", "accepted", "draft_time_s", "verify_time_s", "looked_up", "step_time_s", "logprobs", "drafted_tokens")
+    __slots__ = ("tokens", "finish_reason", "gamma", "accepted", "draft_time_s", "verify_time_s", "looked_up", "step_time_s", "logprobs", "drafted_tokens", "prefill_time_s")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
-    DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TIME_S_FIELD_NUMBER: _ClassVar[int]
     VERIFY_TIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -120,10 +119,10 @@ class RoundReply(_message.Message):
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TIME_S_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     gamma: int
-    drafted: int
     accepted: int
     draft_time_s: float
     verify_time_s: float
@@ -131,7 +130,8 @@ class RoundReply(_message.Message):
     step_time_s: float
     logprobs: _containers.RepeatedCompositeFieldContainer[_generator_pb2.TokenLogprob]
     drafted_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., gamma: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., looked_up: _Optional[bool] = ..., step_time_s: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_generator_pb2.TokenLogprob, _Mapping]]] = ..., drafted_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    prefill_time_s: float
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., gamma: _Optional[int] = ..., accepted: _Optional[int] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., looked_up: _Optional[bool] = ..., step_time_s: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_generator_pb2.TokenLogprob, _Mapping]]] = ..., drafted_tokens: _Optional[_Iterable[int]] = ..., prefill_time_s: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
