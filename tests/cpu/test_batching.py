@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from specserve import SamplingParams, SpeculativeDecoder
-from specserve.coordinator import Coordinator, SessionRequest
-from specserve.engine.batching import ScheduledVerifier, StepScheduler
-from specserve.engine.colocated import ScheduledDraft
+from specserve.coordinator import Coordinator, SessionRequest, SplitDriver
 from specserve.engine.loop import speculate
 from specserve.engine.proposers import ModelProposer, TargetVerifier
 from specserve.models.pool import KVPool
 from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
+from specserve.scheduler.colocated import ScheduledDraft
+from specserve.scheduler.steps import ScheduledVerifier, StepScheduler
 from specserve.speculation import PositionRNG, make_controller, rejection
 from specserve.v1 import workers_pb2_grpc
 from tests.conftest import perturbed_copy, tiny_llama
@@ -121,7 +121,7 @@ def requests() -> list[SessionRequest]:
 
 def test_a_session_served_beside_others_gets_exactly_its_tokens_alone(served):
     target_address, draft_address = served["addresses"]
-    coord = Coordinator(target_address, VOCAB, [], draft="remote", draft_address=draft_address, gamma=3)
+    coord = Coordinator(SplitDriver(target_address, VOCAB, [], draft="remote", draft_address=draft_address, gamma=3))
     scheduler = served["servicer"].scheduler
 
     async def tokens_of(request: SessionRequest) -> list[int]:
@@ -195,7 +195,7 @@ def test_a_full_kv_pool_is_resource_exhausted_and_spares_the_other_sessions():
 
 ONE_TEAM = """
 import os, threading, torch
-from specserve.engine.batching import StepScheduler, one_thread_torch
+from specserve.scheduler.steps import StepScheduler, one_thread_torch
 x = torch.randn(1000, 1000)
 ready, go, seen = threading.Event(), threading.Event(), {}
 def session_thread():  # a gRPC thread: set up first, its first torch op only after the compute thread started

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from specserve import SamplingParams, SpeculativeDecoder
-from specserve.coordinator import Coordinator, SessionRequest
+from specserve.coordinator import ColocatedRelay, Coordinator, SessionRequest
 from specserve.rpc.convert import sampling_to_proto
 from specserve.rpc.servicers import TargetWorkerServicer
 from specserve.speculation import PositionRNG, rejection
@@ -51,7 +51,7 @@ def colocated():
 
 def test_colocated_sessions_equal_alone_and_in_process(colocated):
     servicer = colocated["servicer"]
-    coord = Coordinator(colocated["address"], VOCAB, [], draft="colocated", gamma=3)
+    coord = Coordinator(ColocatedRelay(colocated["address"], gamma=3))
     scheduler = servicer.scheduler
 
     async def tokens_of(request: SessionRequest) -> list[int]:
@@ -73,7 +73,7 @@ def test_colocated_sessions_equal_alone_and_in_process(colocated):
 
 @pytest.mark.parametrize("gamma", ["auto", "heuristic"])
 def test_colocated_adaptive_gamma_keeps_greedy_output_and_reports_rounds(colocated, gamma):
-    coord = Coordinator(colocated["address"], VOCAB, [], draft="colocated", gamma=gamma)
+    coord = Coordinator(ColocatedRelay(colocated["address"], gamma=gamma))
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
     # this draft is a copy of the target, as slow as it: whether `auto` speculates at all turns on a few µs of
     # measured cost. A draft step a tenth of a target forward, as a real draft's, makes it a clear yes.

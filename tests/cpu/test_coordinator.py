@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from specserve import SamplingParams, SpeculativeDecoder
-from specserve.coordinator import Coordinator, Overloaded, SessionRequest
+from specserve.coordinator import Coordinator, Overloaded, SessionRequest, SplitDriver
 from specserve.engine.proposers import ModelProposer
 from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
 from specserve.v1 import workers_pb2_grpc
@@ -44,9 +44,10 @@ def setup():
         servicer.close()
 
 
-def coordinator(setup, **kwargs) -> Coordinator:
+def coordinator(setup, max_sessions: int = 64, **kwargs) -> Coordinator:
     a = setup["addresses"]
-    return Coordinator(a["target"], VOCAB, [], draft="remote", draft_address=a["draft"], gamma=3, **kwargs)
+    driver = SplitDriver(a["target"], VOCAB, [], draft="remote", draft_address=a["draft"], gamma=3, **kwargs)
+    return Coordinator(driver, max_sessions=max_sessions)
 
 
 async def collect(coord, request):

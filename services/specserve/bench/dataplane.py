@@ -237,15 +237,18 @@ def run_served(coordinator, batch: list[list[int]], gamma, max_tokens: int, voca
 
 def coordinator_for(target: Worker, draft: Worker | None, *, colocated: bool, gamma, gamma_max: int,
                     pipelined: bool, vocab: int, max_sessions: int = 128):
-    from specserve.coordinator import Coordinator
+    from specserve.coordinator import ColocatedRelay, Coordinator, SplitDriver
 
-    mode = "colocated" if colocated else "remote" if draft is not None else "none"
-    return Coordinator(
-        target.reply["address"], vocab, [], draft=mode, draft_address=draft.reply["address"] if draft else None,
-        draft_lookup=False, gamma=gamma, gamma_max=gamma_max, pipelined=pipelined,
-        verify_profile=target.reply["profile"], draft_step_s=draft.reply["step_s"] if draft else None,
-        max_sessions=max_sessions,
-    )
+    if colocated:
+        driver = ColocatedRelay(target.reply["address"], gamma=gamma, gamma_max=gamma_max, lookup=False)
+    else:
+        driver = SplitDriver(
+            target.reply["address"], vocab, [], draft="remote" if draft is not None else "none",
+            draft_address=draft.reply["address"] if draft else None, draft_lookup=False, gamma=gamma,
+            gamma_max=gamma_max, pipelined=pipelined, verify_profile=target.reply["profile"],
+            draft_step_s=draft.reply["step_s"] if draft else None,
+        )
+    return Coordinator(driver, max_sessions=max_sessions)
 
 
 def _free_cuda() -> None:

@@ -1,7 +1,9 @@
-"""Per-request sessions over the draft and target workers (see `core`), and where they run (`hosting`)."""
+"""Per-request sessions over the draft and target workers (see `core`), what they run by placement
+(`drivers`), and where the coordinator runs (`hosting`)."""
 
 from specserve.coordinator.core import Chunk, Coordinator, Overloaded, SessionRequest
+from specserve.coordinator.drivers import ColocatedRelay, SplitDriver
 from specserve.coordinator.hosting import ActorCoordinator, InReplicaCoordinator, start_coordinator
 
-__all__ = ["ActorCoordinator", "Chunk", "Coordinator", "InReplicaCoordinator", "Overloaded", "SessionRequest",
-           "start_coordinator"]
+__all__ = ["ActorCoordinator", "Chunk", "ColocatedRelay", "Coordinator", "InReplicaCoordinator", "Overloaded",
+           "SessionRequest", "SplitDriver", "start_coordinator"]

@@ -1,19 +1,12 @@
-"""The coordinator: runs generation sessions against the workers over gRPC.
+"""The coordinator: runs many generation sessions at once against the workers.
 
-One `Coordinator` (in serving a Ray actor, or with a colocated draft an object
-in the ingress replica: `hosting`) drives many sessions at once.
-Each session is the engine's own speculation loop (`engine.loop.speculate`)
-over remote proxies: Prefill on both workers, then rounds of Propose →
-Verify → commit, with the γ controller fed each round by the acceptance
-and the wall time of the draft and verify calls as seen from here (so gRPC
-and queueing are part of the cost it optimises). With `pipelined`, the
-draft worker drafts block k+1 on the all-accepted branch while the target
-verifies block k; the controller's cost model then takes max(draft, verify).
-
-Sessions run on threads (the gRPC calls release the GIL) and hand their
-tokens to asyncio, so the actor's event loop stays free for new requests
-and cancellations. Cancelling a session, or the consumer going away, ends
-it after the current round and releases both workers' KV caches.
+One `Coordinator` (in serving a Ray actor, or with a colocated draft an object in the ingress replica:
+`hosting`) admits sessions (up to `max_sessions`), runs each on a thread of its own (the gRPC calls release
+the GIL) and hands its rounds to asyncio as `Chunk`s, so the event loop stays free for new requests and
+cancellations. What a session runs is its driver's (`drivers`): the speculation loop over remote proxies
+(split placement) or a relay of the target worker's own session (colocated draft). When a worker is lost the
+session waits for Ray's replacement and goes on from its committed tokens. Cancelling a session, or the
+consumer going away, ends it after the current round and releases its worker caches.
 """
 
 from __future__ import annotations
@@ -25,22 +18,20 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
 
-from specserve.coordinator.links import WorkerLink, resumable
+from specserve.coordinator.drivers import ColocatedRelay, SplitDriver
+from specserve.coordinator.links import resumable
 from specserve.coordinator.metrics import ServingMetrics, SessionMetrics
-from specserve.engine.batching import one_thread_torch
-from specserve.engine.loop import Round, speculate
-from specserve.engine.proposers import NgramProposer
+from specserve.engine.loop import Round
 from specserve.engine.stats import GenerationStats
-from specserve.rpc.remote import RemoteProposer, RemoteSession, RemoteVerifier
-from specserve.speculation import PositionRNG, SamplingParams, WarmStarts, make_controller, parse_gamma
-from specserve.v1 import workers_pb2_grpc
+from specserve.scheduler.steps import one_thread_torch
+from specserve.speculation import SamplingParams
 from specserve.workers.quiet import data_plane_priority
 
 
@@ -113,70 +104,19 @@ class Chunk:
 
 
 class Coordinator:
-    """Sessions over a TargetWorker and a draft.
+    """Sessions over a driver's workers (`SplitDriver` or `ColocatedRelay`)."""
 
-    draft: "ngram" (prompt lookup run here: it needs only the committed
-    tokens, so a worker hop would only add latency), "remote" (a DraftWorker
-    at `draft_address`; `draft_free` when that worker is an n-gram draft),
-    "colocated" (the target worker holds the draft and runs whole sessions,
-    controller included: one stream per session, one message per round) or
-    "none" (plain target decoding through the same path). draft_lookup: a model
-    draft first looks the context up here (prompt lookup) and is called only
-    where that finds nothing worth verifying, as the in-process decoder does.
-    """
-
-    def __init__(
-        self,
-        target_address: str,
-        vocab: int,
-        eos_ids: list[int],
-        *,
-        draft: str = "ngram",
-        draft_address: str | None = None,
-        draft_free: bool = False,
-        draft_lookup: bool = True,
-        gamma: int | str = "auto",
-        gamma_max: int = 8,
-        pipelined: bool = True,
-        verify_profile: dict[int, float] | None = None,
-        draft_step_s: float | None = None,
-        max_sessions: int = 64,
-        model_name: str = "",
-        export_metrics: bool = False,
-        target_actor: Any = None,
-        draft_actor: Any = None,
-        restart_timeout_s: float = 120.0,
-        worker_token: str | None = None,
-    ):
+    def __init__(self, driver: SplitDriver | ColocatedRelay, *, max_sessions: int = 64, model_name: str = "",
+                 export_metrics: bool = False, restart_timeout_s: float = 120.0):
         data_plane_priority()  # on the request path (`workers.quiet`)
-        if draft not in ("ngram", "remote", "colocated", "none"):
-            raise ValueError(f"draft must be 'ngram', 'remote', 'colocated' or 'none', got {draft!r}")
-        if draft == "remote" and not draft_address:
-            raise ValueError("draft='remote' needs draft_address")
-        self.vocab = vocab
-        self.eos_ids = set(eos_ids)
-        self.draft = draft
-        self.draft_free = draft_free or draft == "ngram"
-        self.draft_lookup = draft_lookup and draft == "remote" and not self.draft_free
-        self.colocated_lookup = draft_lookup
-        self.gamma = parse_gamma(gamma)
-        self.gamma_max = gamma_max
-        self.pipelined = pipelined and draft == "remote" and not self.draft_free
-        self.verify_profile = {int(n): t for n, t in (verify_profile or {}).items()}
-        self.draft_step_s = 0.0 if self.draft_free else draft_step_s
-        # the workers' stubs, following their actors (when given) through restarts
-        self._target = WorkerLink("target", workers_pb2_grpc.TargetWorkerStub, target_address, target_actor,
-                                  worker_token)
-        self._draft = (WorkerLink("draft", workers_pb2_grpc.DraftWorkerStub, draft_address, draft_actor, worker_token)
-                       if draft == "remote" else None)
+        self.driver = driver
         self.restart_timeout_s = restart_timeout_s
         self._pool = ThreadPoolExecutor(max_sessions, thread_name_prefix="specserve-session",
                                         initializer=one_thread_torch)
         self._sessions: dict[str, threading.Event] = {}
-        self._warm_starts = WarmStarts()  # each request's auto starts from what the last one learned
         self.max_sessions = max_sessions
         # Prometheus metrics (coordinator/metrics.py) need a Ray worker; in-process tests run without them.
-        self._metrics = ServingMetrics(model_name, gamma_max) if export_metrics else None
+        self._metrics = ServingMetrics(model_name, driver.gamma_max) if export_metrics else None
 
     # -- control -------------------------------------------------------------
     def active_sessions(self) -> int:
@@ -195,139 +135,33 @@ class Coordinator:
         event.set()
         return True
 
-    def links(self) -> list[WorkerLink]:
-        return [link for link in (self._target, self._draft) if link is not None]
-
     def describe(self) -> dict[str, Any]:
         return {
-            "draft": self.draft, "draft_lookup": self.draft_lookup, "gamma": self.gamma, "gamma_max": self.gamma_max,
-            "pipelined": self.pipelined,
-            "active_sessions": self.active_sessions(), "max_sessions": self.max_sessions,
+            **self.driver.describe(), "active_sessions": self.active_sessions(), "max_sessions": self.max_sessions,
             # a worker some session found gone, not back yet (Ray is restarting it)
-            "workers_down": [link.role for link in self.links() if link.recovering],
+            "workers_down": [link.role for link in self.driver.links() if link.recovering],
         }
 
-    def controller(self, gamma: int | str | None):
-        gamma = self.gamma if gamma is None else gamma
-        if self.draft == "none":
-            gamma = 0
-        return self._warm_starts(
-            make_controller(gamma, self.gamma_max, self.verify_profile or None, self.draft_step_s, self.pipelined))
-
     # -- sessions --------------------------------------------------------------
-    def _rounds(self, request: SessionRequest, stats: GenerationStats) -> Iterator[Round]:
-        """The session's rounds on the workers (`stats` gets the controller's name)."""
-        params, rng = request.params, PositionRNG(request.params.seed)
-        sid = request.request_id
-        if self.draft == "colocated":
-            gamma = self.gamma if request.gamma is None else request.gamma
-            stats.controller = str(gamma)
-            return RemoteSession(self._target.stub, sid, request.prompt_ids, params, rng.seed, request.max_tokens,
-                                 gamma, self.colocated_lookup).rounds()
-        proposer = None
-        if self.draft == "ngram":
-            proposer = NgramProposer(self.vocab)
-        elif self.draft == "remote":
-            proposer = RemoteProposer(self._draft.stub, sid, params, rng.seed, self.vocab, self.draft_free,
-                                      self.draft_lookup)
-        verifier = RemoteVerifier(self._target.stub, sid, params, rng.seed, self.vocab)
-        controller = self.controller(request.gamma)
-        stats.controller = controller.name
-        return speculate(request.prompt_ids, proposer, verifier, controller, params, rng, request.max_tokens,
-                         self.vocab, self.eos_ids, pipelined=self.pipelined)
-
     async def generate(self, request: SessionRequest) -> AsyncIterator[Chunk]:
-        """Yield one `Chunk` per round. Raises ValueError / grpc.RpcError from the workers unchanged."""
+        """Yield the session's rounds in `Chunk`s (one per round while the consumer keeps up). Raises ValueError /
+        grpc.RpcError from the workers unchanged."""
         if request.request_id in self._sessions:
             raise ValueError(f"request_id: {request.request_id!r} is already running")
         if len(self._sessions) >= self.max_sessions:
             raise Overloaded(f"too many concurrent sessions (max_sessions={self.max_sessions}); retry later")
-        request = request.seeded()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        cancel = _Cancel()
-        self._sessions[request.request_id] = cancel
-        stats = GenerationStats()
-        observed = SessionMetrics(self._metrics, len(request.prompt_ids))
+        session = _Session(request.seeded(), self.driver, SessionMetrics(self._metrics, len(request.prompt_ids)),
+                           lambda item: loop.call_soon_threadsafe(queue.put_nowait, item), self._recover)
+        self._sessions[request.request_id] = session.cancel
         self._gauge_sessions()
-
-        def emit(item) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-        t0 = time.perf_counter()
-        committed: list[int] = []  # every token of the session's finished rounds
-        held: list[Round] = []  # rounds not handed over yet
-
-        def consume(rounds) -> str:
-            """Hand over one worker incarnation's rounds; the session's finish reason."""
-            for rnd in rounds:
-                if cancel.is_set():  # the consumer is gone: this round is neither delivered nor counted
-                    return cancel.reason
-                committed.extend(rnd.tokens)
-                stats.record(rnd)
-                observed.round_done(rnd)
-                held.append(rnd)
-                if rnd.finish_reason is not None:
-                    stats.total_time_s, stats.new_tokens = time.perf_counter() - t0, len(committed)
-                    emit(Chunk(list(held), rnd.finish_reason, stats.to_dict()))
-                    return rnd.finish_reason
-                if request.stream:
-                    # statistics so far only where the consumer may end the session early (stop strings)
-                    emit(Chunk(list(held), None, stats.to_dict() if request.params.stop else None))
-                    held.clear()
-                if cancel.is_set():
-                    return cancel.reason
-            return cancel.reason  # speculate always ends with a reason; only a closed generator gets here
-
-        def drive() -> None:  # one thread per session; the generators never leave it
-            finish, part = "error", request
-            try:
-                while True:  # one pass per worker incarnation: a lost worker's session goes on on its replacement
-                    rounds = self._rounds(part, stats)
-                    try:
-                        finish = consume(rounds)
-                        break
-                    except Exception as exc:  # noqa: BLE001 - a lost worker is waited for, anything else re-raised
-                        if not resumable(exc) or cancel.is_set():
-                            raise
-                        self._recover(exc, request.request_id, cancel.is_set)
-                        stats.resumes += 1
-                        observed.resumed()
-                        # a worker session id of its own: a call of the lost incarnation still running on a surviving
-                        # worker (a pipelined prefetch) must not land in the new session
-                        part = replace(request.resumed(committed), request_id=f"{request.request_id}.{stats.resumes}")
-                    finally:
-                        try:
-                            rounds.close()  # runs speculate's finally: Release on both workers
-                        except Exception:  # noqa: BLE001 - that incarnation of the session is over either way
-                            pass
-            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-                finish = "error"
-                emit(exc)
-            finally:
-                observed.finished(finish)
-                emit(None)
-
-        self._pool.submit(drive)
+        self._pool.submit(session.drive)
         try:
-            pending = None
-            while True:
-                item, pending = (pending, None) if pending is not None else (await queue.get(), None)
-                while isinstance(item, Chunk) and item.finish_reason is None and not queue.empty():
-                    after = queue.get_nowait()  # the consumer fell behind: hand over what is there in one chunk
-                    if not isinstance(after, Chunk):
-                        pending = after  # an error or the end: delivered after this chunk
-                        break
-                    item = item.then(after)
-                if item is None:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finish_reason is not None:
-                    return
+            async for chunk in _handed_over(queue):
+                yield chunk
         finally:
-            cancel.set()
+            session.cancel.set()
             self._sessions.pop(request.request_id, None)
             self._gauge_sessions()
 
@@ -336,7 +170,7 @@ class Coordinator:
         one at its new address). Raises WorkerLost when one does not within restart_timeout_s."""
         log.warning("session %s lost a worker (%s); resuming from its committed tokens", request_id, exc.code().name)
         deadline = time.monotonic() + self.restart_timeout_s
-        for link in self.links():
+        for link in self.driver.links():
             link.reconnect(deadline, cancelled)
 
     def _gauge_sessions(self) -> None:
@@ -348,3 +182,90 @@ class _Cancel(threading.Event):
     """A session's cancel flag and why it was set (the finish reason its metrics record)."""
 
     reason = "cancelled"
+
+
+class _Session:
+    """One session's thread side: runs its driver's rounds, again on a restarted worker after a loss, records
+    each round once and emits `Chunk`s; then None, or the exception that ended it."""
+
+    def __init__(self, request: SessionRequest, driver, observed: SessionMetrics, emit, recover):
+        self.request, self.driver, self.observed, self.emit, self.recover = request, driver, observed, emit, recover
+        self.cancel = _Cancel()
+        self.stats = GenerationStats()
+        self.committed: list[int] = []  # every token of the session's finished rounds
+        self.held: list[Round] = []  # rounds not handed over yet
+        self.t0 = time.perf_counter()
+
+    def drive(self) -> None:
+        """On the session's own thread; the round generators never leave it."""
+        finish, part = "error", self.request
+        try:
+            while True:  # one pass per worker incarnation: a lost worker's session goes on on its replacement
+                rounds = self.driver.rounds(part, self.stats)
+                try:
+                    finish = self._consume(rounds)
+                    break
+                except Exception as exc:  # noqa: BLE001 - a lost worker is waited for, anything else re-raised
+                    if not resumable(exc) or self.cancel.is_set():
+                        raise
+                    self.recover(exc, self.request.request_id, self.cancel.is_set)
+                    self.stats.resumes += 1
+                    self.observed.resumed()
+                    # a worker session id of its own: a call of the lost incarnation still running on a surviving
+                    # worker (a pipelined prefetch) must not land in the new session
+                    part = replace(self.request.resumed(self.committed),
+                                   request_id=f"{self.request.request_id}.{self.stats.resumes}")
+                finally:
+                    try:
+                        rounds.close()  # runs the loop's finally: Release on the workers
+                    except Exception:  # noqa: BLE001 - that incarnation of the session is over either way
+                        pass
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            finish = "error"
+            self.emit(exc)
+        finally:
+            self.observed.finished(finish)
+            self.emit(None)
+
+    def _consume(self, rounds) -> str:
+        """Hand over one worker incarnation's rounds; the session's finish reason."""
+        for rnd in rounds:
+            if self.cancel.is_set():  # the consumer is gone: this round is neither delivered nor counted
+                return self.cancel.reason
+            self.committed.extend(rnd.tokens)
+            self.stats.record(rnd)
+            self.observed.round_done(rnd)
+            self.held.append(rnd)
+            if rnd.finish_reason is not None:
+                self.stats.total_time_s = time.perf_counter() - self.t0
+                self.stats.new_tokens = len(self.committed)
+                self.emit(Chunk(list(self.held), rnd.finish_reason, self.stats.to_dict()))
+                return rnd.finish_reason
+            if self.request.stream:
+                # statistics so far only where the consumer may end the session early (stop strings)
+                self.emit(Chunk(list(self.held), None, self.stats.to_dict() if self.request.params.stop else None))
+                self.held.clear()
+            if self.cancel.is_set():
+                return self.cancel.reason
+        return self.cancel.reason  # the loop always ends with a reason; only a closed generator gets here
+
+
+async def _handed_over(queue: asyncio.Queue) -> AsyncIterator[Chunk]:
+    """A session's chunks as its thread emits them, until the last; one that fell behind gets what is there
+    as one chunk. An exception the thread emitted is raised here."""
+    pending = None
+    while True:
+        item, pending = (pending, None) if pending is not None else (await queue.get(), None)
+        while isinstance(item, Chunk) and item.finish_reason is None and not queue.empty():
+            after = queue.get_nowait()
+            if not isinstance(after, Chunk):
+                pending = after  # an error or the end: delivered after this chunk
+                break
+            item = item.then(after)
+        if item is None:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+        if item.finish_reason is not None:
+            return

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from specserve.coordinator.core import Chunk, Coordinator, SessionRequest
+from specserve.coordinator.drivers import ColocatedRelay, SplitDriver
 
 
 class ActorCoordinator:
@@ -78,6 +79,14 @@ class InReplicaCoordinator:
         return os.getpid()
 
 
+class CoordinatorActor(Coordinator):
+    """A `Coordinator` as a Ray actor, its driver built in the actor's own process (gRPC channels do not
+    travel): `driver_args` and `driver_kwargs` are `SplitDriver`'s."""
+
+    def __init__(self, driver_args: tuple, driver_kwargs: dict[str, Any], **options):
+        super().__init__(SplitDriver(*driver_args, **driver_kwargs), **options)
+
+
 def start_coordinator(config, target_actor, draft_actor=None, *, gamma="auto", gamma_max: int = 8, pipelined=True,
                       max_sessions: int = 64, draft_lookup: bool = True, worker_token: str | None = None):
     """The coordinator for started workers, calibrating the γ cost model on them: an `InReplicaCoordinator` in
@@ -87,10 +96,15 @@ def start_coordinator(config, target_actor, draft_actor=None, *, gamma="auto", g
     import ray
 
     info = ray.get(target_actor.info.remote())
+    target_address = ray.get(target_actor.address.remote())
+    options = dict(max_sessions=max_sessions, model_name=getattr(config, "model_name", None) or info["name"],
+                   export_metrics=True, restart_timeout_s=getattr(config, "restart_timeout_s", 120.0))
+    if info.get("colocated_draft"):  # the worker runs whole sessions and calibrates itself
+        relay = ColocatedRelay(target_address, gamma=gamma, gamma_max=gamma_max, lookup=draft_lookup,
+                               target_actor=target_actor, worker_token=worker_token)
+        return InReplicaCoordinator(Coordinator(relay, **options))
     draft_mode, draft_address, free, step = "none", None, False, None
-    if info.get("colocated_draft"):
-        draft_mode = "colocated"
-    elif draft_actor is not None:
+    if draft_actor is not None:
         draft_mode = "remote"
         draft_address, free, step = ray.get(
             [draft_actor.address.remote(), draft_actor.is_free.remote(), draft_actor.step_time.remote()]
@@ -98,19 +112,14 @@ def start_coordinator(config, target_actor, draft_actor=None, *, gamma="auto", g
     elif config.draft == "ngram":
         draft_mode, free = "ngram", True
     profile = None
-    if gamma == "auto" and draft_mode not in ("none", "colocated"):  # a colocated worker calibrates itself
+    if gamma == "auto" and draft_mode != "none":
         profile = ray.get(target_actor.verify_profile.remote(gamma_max + 1))
-    args = (ray.get(target_actor.address.remote()), info["vocab"], info["eos_ids"])
-    kwargs = dict(
+    driver_kwargs = dict(
         draft=draft_mode, draft_address=draft_address, draft_free=free, draft_lookup=draft_lookup, gamma=gamma,
-        gamma_max=gamma_max,
-        pipelined=pipelined, verify_profile=profile, draft_step_s=step, max_sessions=max_sessions,
-        model_name=getattr(config, "model_name", None) or info["name"], export_metrics=True,
+        gamma_max=gamma_max, pipelined=pipelined, verify_profile=profile, draft_step_s=step,
         target_actor=target_actor, draft_actor=draft_actor if draft_mode == "remote" else None,
-        restart_timeout_s=getattr(config, "restart_timeout_s", 120.0), worker_token=worker_token,
+        worker_token=worker_token,
     )
-    if draft_mode == "colocated":
-        return InReplicaCoordinator(Coordinator(*args, **kwargs))
-    actor = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=max(1000, 4 * max_sessions),
-                                            max_restarts=getattr(config, "max_restarts", 0))
-    return ActorCoordinator(actor.remote(*args, **kwargs))
+    actor = ray.remote(CoordinatorActor).options(num_cpus=0, max_concurrency=max(1000, 4 * max_sessions),
+                                                 max_restarts=getattr(config, "max_restarts", 0))
+    return ActorCoordinator(actor.remote((target_address, info["vocab"], info["eos_ids"]), driver_kwargs, **options))

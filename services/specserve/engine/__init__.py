@@ -1,4 +1,5 @@
-"""Single-process engine: the library API, its CLI and the benchmark harness."""
+"""The speculation engine: the loop, proposers and verifier, session assembly, and the single-process library
+decoder built on them (`SpeculativeDecoder`). What runs only inside a worker is `scheduler`."""
 
 from specserve.engine.decoder import GenerationResult, SpeculativeDecoder
 from specserve.engine.proposers import ModelProposer, NgramProposer, Proposal, Proposer, TargetVerifier

@@ -20,14 +20,15 @@ from typing import Any
 import torch
 
 from specserve.engine.profile import draft_step_time, verify_profile
-from specserve.engine.loop import Round, speculate
+from specserve.engine.loop import Round
 from specserve.engine.prompts import Prompt, PromptCodec, cut_at_stop
 from specserve.engine.proposers import LookupOrModelProposer, ModelProposer, NgramProposer, Proposer, TargetVerifier
+from specserve.engine.session import SessionFactory, gamma_spec
 from specserve.engine.stats import GenerationStats
 from specserve.models import CachedSequence, LoadedModel, load_model, resolve_draft
 from specserve.models.lean import unsupported_reason
 from specserve.models.pool import KVPool
-from specserve.speculation import PositionRNG, SamplingParams, WarmStarts, make_controller
+from specserve.speculation import GammaController, PositionRNG, SamplingParams
 
 @dataclass
 class GenerationResult:
@@ -89,8 +90,7 @@ class SpeculativeDecoder:
         device: str | None = None,
         kv_cache_tokens: int | None = None,
     ):
-        make_controller(gamma, gamma_max)  # validate early
-        self.gamma = gamma
+        gamma = gamma_spec(gamma)  # before any model loads
         self.gamma_max = gamma_max
         self.draft_top_k = draft_top_k
         self.draft_stop_below = draft_stop_below
@@ -109,16 +109,16 @@ class SpeculativeDecoder:
                 )
             if self.tokenizer is None:
                 self.tokenizer = self.draft.tokenizer
-        self.eos_ids = self.target.eos_ids
+        eos_ids = set(self.target.eos_ids)
         if self.target.tokenizer is None and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_ids.add(self.tokenizer.eos_token_id)
+            eos_ids.add(self.tokenizer.eos_token_id)
         self.codec = PromptCodec(self.tokenizer, self.target.vocab_size, self.target.max_positions)
         self.kv_pool: KVPool | None = None
         if unsupported_reason(self.target.model) is None:
             tokens = kv_cache_tokens or 2 * (self.target.max_positions or 4096)
             self.kv_pool = KVPool(self.target.model, tokens)
-        self._profile: tuple[dict[int, float], float] | None = None
-        self._warm_starts = WarmStarts()  # each request's auto starts from what the last one learned
+        self.sessions = SessionFactory(self.target.vocab_size, eos_ids, gamma=gamma, gamma_max=gamma_max,
+                                       has_draft=self.draft_kind != "none", cost_profile=self._measure_costs)
 
     def new_proposer(self, lookup: bool | None = None) -> Proposer | None:
         vocab = self.target.vocab_size
@@ -134,24 +134,32 @@ class SpeculativeDecoder:
         """A fresh cache of the target for one generation."""
         return self.kv_pool.sequence() if self.kv_pool is not None else CachedSequence(self.target.model)
 
+    @property
+    def gamma(self) -> int | str:
+        return self.sessions.gamma
+
+    @property
+    def eos_ids(self) -> set[int]:
+        """Tokens that end a generation (kept in the output); assignable."""
+        return self.sessions.eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids) -> None:
+        self.sessions.eos_ids = set(ids)
+
     def cost_profile(self) -> tuple[dict[int, float], float]:
         """(seconds per target forward over n positions, seconds per draft token); measured once."""
-        if self._profile is None:
-            vocab = self.target.vocab_size
-            verify = verify_profile(self.target.model, vocab, self.gamma_max + 1, sequence=self.target_sequence())
-            proposer = self.new_proposer()
-            step = draft_step_time(proposer, vocab) if proposer is not None else 0.0
-            self._profile = (verify, step)
-        return self._profile
+        return self.sessions.cost_profile()
 
-    def controller(self, gamma: int | str | None = None):
-        gamma = self.gamma if gamma is None else gamma
-        if self.draft_kind == "none":
-            gamma = 0
-        if gamma == "auto":
-            verify, step = self.cost_profile()
-            return self._warm_starts(make_controller("auto", self.gamma_max, verify, step))
-        return make_controller(gamma, self.gamma_max)
+    def controller(self, gamma: int | str | None = None) -> GammaController:
+        """A generation's γ controller (`auto`: calibrated once, warm-started from the previous generation)."""
+        return self.sessions.controller(gamma)
+
+    def _measure_costs(self) -> tuple[dict[int, float], float]:
+        vocab = self.target.vocab_size
+        verify = verify_profile(self.target.model, vocab, self.gamma_max + 1, sequence=self.target_sequence())
+        proposer = self.new_proposer()
+        return verify, draft_step_time(proposer, vocab) if proposer is not None else 0.0
 
     # -- prompts -------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -174,11 +182,10 @@ class SpeculativeDecoder:
         tokens: list[int] = []
         finish = "length"
         prompt_ids = self.encode(prompt)
-        if (self.gamma if gamma is None else gamma) == "auto" and self.draft_kind != "none":
-            self.cost_profile()  # one-time calibration, kept out of the timed generation
+        controller = self.controller(gamma)  # auto calibrates once, here: out of the timed generation
         t_start = time.perf_counter()
         logprobs: list | None = [] if params.logprobs is not None else None
-        for rnd in self.rounds(prompt_ids, params, max_new_tokens, gamma, stats, draft_lookup):
+        for rnd in self.rounds(prompt_ids, params, max_new_tokens, controller, stats, draft_lookup):
             stats.record(rnd)
             tokens.extend(rnd.tokens)
             finish = rnd.finish_reason or finish
@@ -197,7 +204,7 @@ class SpeculativeDecoder:
         prompt_ids: list[int],
         params: SamplingParams,
         max_new_tokens: int,
-        gamma: int | str | None = None,
+        gamma: int | str | GammaController | None = None,
         stats: GenerationStats | None = None,
         draft_lookup: bool | None = None,
     ) -> Iterator[Round]:
@@ -208,16 +215,13 @@ class SpeculativeDecoder:
         room = self.codec.check_length(prompt_ids)
         if room is not None:
             max_new_tokens = min(max_new_tokens, room)
-        stats = stats if stats is not None else GenerationStats()
-        controller = self.controller(gamma)
-        stats.controller = controller.name
-        vocab = self.target.vocab_size
+        controller = gamma if isinstance(gamma, GammaController) else self.controller(gamma)
+        if stats is not None:
+            stats.controller = controller.name
         hit_stop = (lambda generated: self._hit_stop(generated, params)) if params.stop else None
-        yield from speculate(
-            prompt_ids, self.new_proposer(draft_lookup),
-            TargetVerifier(self.target.model, vocab, self.target_sequence()), controller, params,
-            PositionRNG(params.seed), max_new_tokens, vocab, self.eos_ids, hit_stop,
-        )
+        verifier = TargetVerifier(self.target.model, self.target.vocab_size, self.target_sequence())
+        return self.sessions.rounds(prompt_ids, self.new_proposer(draft_lookup), verifier, controller, params,
+                                    PositionRNG(params.seed), max_new_tokens, hit_stop)
 
     def _hit_stop(self, generated: list[int], params: SamplingParams) -> bool:
         text = self.decode(generated)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from specserve.engine.batching import StepInfo
 from specserve.engine.loop import Round
 from specserve.engine.proposers import Proposal, Proposer, prompt_lookup
 from specserve.rpc.convert import (
@@ -20,6 +19,7 @@ from specserve.rpc.convert import (
     round_from_wire,
     sampling_to_proto,
 )
+from specserve.scheduler.steps import StepInfo
 from specserve.speculation import PositionRNG, SamplingParams, Verdict
 from specserve.v1 import workers_pb2
 

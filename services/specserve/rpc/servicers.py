@@ -11,7 +11,7 @@ All model work of a servicer runs on ONE compute thread, whatever gRPC
 thread received the call. torch's OpenMP pool belongs to the thread that
 launches the work: forwards issued from a rotating pool of gRPC threads each
 built their own pool and oversubscribed the cores. That thread is the
-target's step scheduler (`engine.batching`): Prefill and Verify calls of all
+target's step scheduler (`scheduler.steps`): Prefill and Verify calls of all
 sessions are queued and run as one batched forward per step over the KV
 pool (`models.pool`) where the model is Llama-family, one session at a time
 otherwise. A full KV pool is RESOURCE_EXHAUSTED.
@@ -28,8 +28,6 @@ from typing import Any
 
 import grpc
 
-from specserve.engine.batching import StepScheduler
-from specserve.engine.colocated import ColocatedSessions
 from specserve.engine.proposers import Proposer, TargetVerifier
 from specserve.models.lean import unsupported_reason
 from specserve.models.pool import KVCacheFull, KVPool
@@ -40,6 +38,8 @@ from specserve.rpc.convert import (
     round_to_wire,
     sampling_from_proto,
 )
+from specserve.scheduler.colocated import ColocatedSessions
+from specserve.scheduler.steps import StepScheduler
 from specserve.speculation import PositionRNG, SamplingParams, parse_gamma
 from specserve.v1 import workers_pb2, workers_pb2_grpc
 

@@ -18,14 +18,14 @@ from typing import Any
 
 import grpc
 
-from specserve.engine.batching import StepScheduler, one_thread_torch
-from specserve.engine.colocated import ScheduledDraft
 from specserve.engine.profile import draft_step_time, verify_profile
 from specserve.engine.proposers import NgramProposer
 from specserve.models import load_model
 from specserve.models.loading import resolve_model_path
 from specserve.rpc.auth import server_interceptors
 from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
+from specserve.scheduler.colocated import ScheduledDraft
+from specserve.scheduler.steps import StepScheduler, one_thread_torch
 from specserve.v1 import workers_pb2_grpc
 from specserve.workers.config import RoleResources, WorkersConfig
 from specserve.workers.quiet import data_plane_priority

@@ -19,10 +19,10 @@ import ray
 import torch
 from transformers import DynamicCache
 
-from specserve.engine.batching import torch_threads
 from specserve.models import load_model
 from specserve.models.kv import TokenSequence
 from specserve.models.stages import PipelineStage
+from specserve.scheduler.steps import torch_threads
 from specserve.workers.quiet import data_plane_priority
 
 

@@ -12,17 +12,17 @@ session's tokens are the same in either placement.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 
-from specserve.engine.batching import ScheduledSequence, ScheduledVerifier, StepScheduler
-from specserve.engine.loop import Round, speculate
+from specserve.engine.loop import Round
 from specserve.engine.profile import draft_step_time, verify_profile
 from specserve.engine.proposers import LookupOrModelProposer, ModelProposer, Proposer, TargetVerifier
+from specserve.engine.session import SessionFactory
 from specserve.models import CachedSequence
 from specserve.models.lean import draft_dtype, unsupported_reason
 from specserve.models.pool import KVPool
-from specserve.speculation import PositionRNG, SamplingParams, WarmStarts, make_controller
+from specserve.scheduler.steps import ScheduledSequence, ScheduledVerifier, StepScheduler
+from specserve.speculation import PositionRNG, SamplingParams
 
 
 class ScheduledDraft:
@@ -48,12 +48,9 @@ class ColocatedSessions:
 
     def __init__(self, scheduler: StepScheduler, target, draft, vocab: int, eos_ids: set[int], *,
                  gamma_max: int = 8, kv_cache_tokens: int = 65536, name: str = "draft", top_k_q: int = 0):
-        self.scheduler, self.target = scheduler, target
-        self.vocab, self.eos_ids, self.gamma_max = vocab, set(eos_ids), gamma_max
+        self.scheduler, self.target, self.vocab, self.gamma_max = scheduler, target, vocab, gamma_max
         self.draft = ScheduledDraft(scheduler, draft, vocab, top_k_q, name, kv_cache_tokens)
-        self._profile: tuple[dict[int, float], float] | None = None
-        self._warm_starts = WarmStarts()  # each session's auto starts from what the last one learned
-        self._lock = threading.Lock()
+        self.sessions = SessionFactory(vocab, eos_ids, gamma_max=gamma_max, cost_profile=self._measure_costs)
 
     def proposer(self, lookup: bool = True) -> Proposer:
         model = self.draft.proposer()
@@ -61,27 +58,19 @@ class ColocatedSessions:
 
     def cost_profile(self) -> tuple[dict[int, float], float]:
         """(seconds per target step over n positions, per draft token), measured once, alone on the worker."""
-        with self._lock:
-            if self._profile is None:
-                pool = self.scheduler.pool
-                sequence = pool.sequence() if pool is not None else CachedSequence(self.target)
-                verify = self.scheduler.call(verify_profile, self.target, self.vocab, self.gamma_max + 1, 64, 3,
-                                             sequence).result()
-                self._profile = (verify, draft_step_time(self.proposer(lookup=False), self.vocab))
-            return self._profile
+        return self.sessions.cost_profile()
 
-    def controller(self, gamma: int | str, open_sessions: int = 1):
-        if gamma != "auto":
-            return make_controller(gamma, self.gamma_max)
-        verify, step = self.cost_profile()
-        controller = self._warm_starts(make_controller("auto", self.gamma_max, verify, step))
-        controller.expect_load(open_sessions)
-        return controller
+    def _measure_costs(self) -> tuple[dict[int, float], float]:
+        pool = self.scheduler.pool
+        sequence = pool.sequence() if pool is not None else CachedSequence(self.target)
+        verify = self.scheduler.call(verify_profile, self.target, self.vocab, self.gamma_max + 1, 64, 3,
+                                     sequence).result()
+        return verify, draft_step_time(self.proposer(lookup=False), self.vocab)
 
     def rounds(self, engine: TargetVerifier, prompt: list[int], params: SamplingParams, rng: PositionRNG,
                max_tokens: int, gamma: int | str, lookup: bool, open_sessions: int = 1) -> Iterator[Round]:
-        """The session's rounds (`engine.loop.speculate` over the scheduler). open_sessions: sessions open on
-        the worker, this one included (auto's first guess at the load)."""
-        controller = self.controller(gamma, open_sessions)
-        return speculate(prompt, self.proposer(lookup), ScheduledVerifier(self.scheduler, engine), controller,
-                         params, rng, max_tokens, self.vocab, self.eos_ids)
+        """The session's rounds over the scheduler. open_sessions: sessions open on the worker, this one
+        included (auto's first guess at the load)."""
+        controller = self.sessions.controller(gamma, open_sessions)
+        return self.sessions.rounds(prompt, self.proposer(lookup), ScheduledVerifier(self.scheduler, engine),
+                                    controller, params, rng, max_tokens)
