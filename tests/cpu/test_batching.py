@@ -20,6 +20,7 @@ from specserve import SamplingParams, SpeculativeDecoder
 from specserve.coordinator import Coordinator, SessionRequest, SplitDriver
 from specserve.engine.loop import speculate
 from specserve.engine.proposers import ModelProposer, TargetVerifier
+from specserve.models import pool as pool_module
 from specserve.models.pool import KVPool
 from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
 from specserve.scheduler.colocated import ScheduledDraft
@@ -51,15 +52,17 @@ def batched_first_two(scheduler, pool, target, draft, mode: dict) -> np.ndarray:
 
 
 @pytest.mark.parametrize("mode", [dict(temperature=1.0), dict(temperature=1.3, top_p=0.85)], ids=["T=1", "top-p"])
-def test_first_two_tokens_follow_target_through_batched_steps(tiny_pair, mode, monkeypatch):
+@pytest.mark.parametrize("runner", [False, True], ids=["eager steps", "step runner"])
+def test_first_two_tokens_follow_target_through_batched_steps(tiny_pair, mode, runner, monkeypatch):
     target, draft = tiny_pair
-    pool = KVPool(target, tokens=CONCURRENT * 64, min_block=8)
+    pool = KVPool(target, tokens=CONCURRENT * 64, min_block=8, runner=runner)
     scheduler = StepScheduler(pool, expected=lambda: CONCURRENT, gather=0.5)
     try:
         expected = target_joint(target, mode)
         assert chi_square_pvalue(batched_first_two(scheduler, pool, target, draft, mode), expected) > 1e-3
         assert max(scheduler.sessions_per_step) >= CONCURRENT // 2  # sessions really shared steps
         assert pool.used_tokens == 0  # every session's block came back
+        assert bool(pool.runner and pool.runner.buckets) == runner  # the steps went through the runner
         monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: p)
         broken = batched_first_two(scheduler, pool, target, draft, mode)
         assert chi_square_pvalue(broken, expected) < 1e-3, "the test cannot tell a missing residual step"
@@ -73,10 +76,12 @@ TOP_K_Q = 4
 
 # the last runs both workers' models on CUDA where there is a GPU (a device session: `pytest tests -k cuda`)
 @pytest.fixture(scope="module", params=[
-    "draft worker", "batched draft worker",
+    "draft worker", "batched draft worker", "batched draft worker, step runner",
     pytest.param("batched on cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
 ])
 def served(request):
+    default_runner = pool_module.STEP_RUNNER
+    pool_module.STEP_RUNNER = True if request.param.endswith("step runner") else default_runner
     target = tiny_llama(0, vocab=VOCAB, layers=2, hidden=32, scale=8)
     draft = perturbed_copy(target, 0.3)
     if request.param == "batched on cuda":
@@ -103,11 +108,12 @@ def served(request):
         server.start()
         servers.append(server)
     yield {"target": target, "draft": draft, "servicer": target_servicer, "addresses": addresses,
-           "draft_servicer": draft_servicer}
+           "draft_servicer": draft_servicer, "step_runner": request.param.endswith("step runner")}
     for server in servers:
         server.stop(0).wait()
     for servicer, _ in servicers:
         servicer.close()
+    pool_module.STEP_RUNNER = default_runner
 
 
 def requests() -> list[SessionRequest]:
@@ -160,6 +166,8 @@ def test_a_session_served_beside_others_gets_exactly_its_tokens_alone(served):
     draft_steps = served["draft_servicer"].scheduler.sessions_per_draft_step
     assert (max(draft_steps, default=0) >= 2) == served["draft_servicer"].direct  # draft tokens shared forwards
     assert len(served["draft_servicer"].sessions) == 0
+    if served["step_runner"]:  # the decode and verify steps went through the static-shape runner
+        assert served["servicer"].pool.runner.buckets
 
 
 def test_a_full_kv_pool_is_resource_exhausted_and_spares_the_other_sessions():

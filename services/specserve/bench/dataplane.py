@@ -21,7 +21,11 @@ alpha, independently: alpha=1 is a draft that copies the target, alpha=0
 one that never matches. Timings are of these random weights, not of a
 real pair's acceptance: take alpha from real pairs (`specserve bench`).
 
-Parts (`--parts`):
+Parts (`--parts`; `steps` and `hf` are in `bench.steps`):
+  steps   one target step at each --concurrency × 1 and γ+1 tokens, eager and
+          through the step runner, against its bandwidth floor (targets and
+          the draft's shape).
+  hf      the pair through Hugging Face `generate`, target-only and assisted.
   rounds  one stream per configuration, fixed γ, alpha ∈ --alphas: in-process,
           colocated (one worker holds both models), split sequential and split
           pipelined (a draft worker of its own on each --draft-devices), plus
@@ -48,6 +52,7 @@ from typing import Any
 
 import torch
 
+from specserve.bench.steps import bench_hf, bench_steps
 from specserve.speculation import parse_gamma
 
 # Layer shapes of public models (random weights here). vocab is the bench's (--vocab) for every model, so any
@@ -360,7 +365,8 @@ def parse_args(argv=None):
     p.add_argument("--draft-devices", type=_csv(str), default=None,
                    help="devices of the split draft worker (default: the target's, and cpu beside a GPU)")
     p.add_argument("--dtype", default=None, help="default: bf16 on a GPU (see specserve.models.loading)")
-    p.add_argument("--parts", type=_csv(str), default=["rounds", "load"])
+    p.add_argument("--parts", type=_csv(str), default=["steps", "hf", "rounds", "load"])
+    p.add_argument("--step-repeats", type=int, default=20, help="timed steps per steps-part level (median)")
     p.add_argument("--alphas", type=_csv(float), default=[1.0, 0.0])
     p.add_argument("--gamma", default="4", help="fixed γ of the rounds part")
     p.add_argument("--gamma-max", type=int, default=8)
@@ -396,8 +402,18 @@ def main(argv=None) -> int:
         print(f"[{time.perf_counter() - started:7.1f} s] {line}", flush=True)
 
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu x{os.cpu_count()}"
-    report = {"device": device_name, "torch": torch.__version__, "args": vars(args), "rounds": [], "load": []}
+    report = {"device": device_name, "torch": torch.__version__, "args": vars(args), "steps": [], "hf": [],
+              "rounds": [], "load": []}
+    if "steps" in args.parts:
+        for shape in dict.fromkeys(args.targets + [args.draft_shape]):
+            log(f"{shape}: one pooled step, eager and through the step runner, against the bandwidth floor")
+            report["steps"] += bench_steps(args, shape, log)
+            _free_cuda()
     for shape in args.targets:
+        if "hf" in args.parts:
+            log(f"{shape} target, {args.draft_shape} draft: Hugging Face generate")
+            report["hf"] += bench_hf(args, shape, log)
+            _free_cuda()
         if "rounds" in args.parts:
             log(f"{shape} target, {args.draft_shape} draft: one stream per configuration, γ={args.gamma}")
             report["rounds"] += bench_rounds(args, shape, log)
@@ -406,7 +422,7 @@ def main(argv=None) -> int:
             report["load"] += bench_load(args, shape, log)
         (out / "dataplane.json").write_text(json.dumps(report, indent=1))
     log(f"wrote {out / 'dataplane.json'}")
-    wrong = sum(r["wrong_tokens"] for part in ("rounds", "load") for r in report[part])
+    wrong = sum(r["wrong_tokens"] for part in ("hf", "rounds", "load") for r in report[part])
     if wrong:
         print(f"ERROR: {wrong} token(s) differ from the target's greedy output", file=sys.stderr)
         return 1

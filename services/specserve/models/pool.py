@@ -14,7 +14,10 @@ sequence's keys and values a plain view for attention, so a batched forward
 `PooledSequence` is one sequence's cache in the pool with the usual
 `TokenSequence` contract (rollback only shortens its length), so a single
 session runs on it exactly as on a private cache, and many run in one
-forward through `KVPool.forward`.
+forward through `KVPool.forward`. Steps where every sequence feeds the same
+number of tokens (decode, verify) go through a static-shape `StepRunner`
+(`models/runner.py`; CUDA graphs on GPUs) where the pool has one: by default
+on CUDA devices (`STEP_RUNNER`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,11 @@ import torch
 
 from specserve.models.kv import TokenSequence
 from specserve.models.lean import lean_weights, lean_forward, widen
+from specserve.models.runner import StepRunner
+
+# Give pools a static-shape step runner: None = on CUDA devices only (on a CPU the eager forward is not
+# launch-bound; the runner gives the same results there and tests run through it by setting this True).
+STEP_RUNNER: bool | None = None
 
 
 class KVCacheFull(RuntimeError):
@@ -100,7 +108,7 @@ class KVPool:
     """
 
     def __init__(self, model, tokens: int, dtype: torch.dtype | None = None, max_length: int | None = None,
-                 min_block: int = 32):
+                 min_block: int = 32, runner: bool | None = None, max_width: int = 9):
         param = next(model.parameters())
         self.w = lean_weights(model, dtype or param.dtype)
         self.vocab = model.config.vocab_size
@@ -108,9 +116,15 @@ class KVPool:
         top = min(_next_pow2(max_length), 1 << (max(tokens, min_block).bit_length() - 1))
         self.allocator = BuddyAllocator(tokens, top, min(min_block, top))
         self.max_length = min(max_length, top)
-        shape = (len(self.w.layers), self.w.kv_heads, self.allocator.capacity, self.w.head_dim)
+        # one row past the blocks: where the step runner's padding rows write (never read by a session)
+        shape = (len(self.w.layers), self.w.kv_heads, self.allocator.capacity + 1, self.w.head_dim)
         self.k = torch.empty(shape, dtype=self.w.dtype, device=self.w.device)
         self.v = torch.empty_like(self.k)
+        runner = STEP_RUNNER if runner is None else runner
+        if runner is None:
+            runner = self.w.device.type == "cuda"
+        # max_width: the widest step it takes (a verify of gamma_max + 1 tokens)
+        self.runner = StepRunner(self.w, (self.k, self.v), self.max_length, max_width=max_width) if runner else None
         self._lock = threading.Lock()  # allocations may come from any thread; forwards from one
 
     @property
@@ -159,6 +173,20 @@ class KVPool:
                 self.allocator.release(old, old_size)
             seq.block = block
 
+    def _static_step(self, seqs: list[PooledSequence], new_tokens: list[list[int]], keeps: list[int]
+                     ) -> torch.Tensor | None:
+        """The step through the runner when it fits a bucket (every sequence feeding the same number of
+        tokens); None otherwise. Its rows are copied out of the runner's static output."""
+        width = len(new_tokens[0])
+        if self.runner is None or any(len(t) != width for t in new_tokens):
+            return None
+        key = self.runner.bucket_for(len(seqs), width, max(len(s.tokens) for s in seqs) + width)
+        if key is None:
+            return None
+        out = self.runner.forward(key, [s.block[0] for s in seqs], [len(s.tokens) for s in seqs], new_tokens)
+        rows = [j * width + r for j, keep in enumerate(keeps) for r in range(width - keep, width)]
+        return out[torch.tensor(rows, dtype=torch.long, device=out.device)]
+
     def free(self, seq: PooledSequence) -> None:
         with self._lock:
             if seq.block is not None:
@@ -175,7 +203,9 @@ class KVPool:
             if not tokens:
                 raise ValueError("feed needs at least one token")
             self.reserve(seq, len(seq.tokens) + len(tokens))
-        logits = lean_forward(self.w, seqs, new_tokens, keeps, (self.k, self.v, [seq.block[0] for seq in seqs]))
+        logits = self._static_step(seqs, new_tokens, keeps)
+        if logits is None:
+            logits = lean_forward(self.w, seqs, new_tokens, keeps, (self.k, self.v, [seq.block[0] for seq in seqs]))
         for seq, tokens in zip(seqs, new_tokens):
             seq.tokens.extend(tokens)
             seq.forward_calls += 1

@@ -1,0 +1,118 @@
+"""Parts `steps` and `hf` of the data-plane bench (`python -m specserve.bench.dataplane`).
+
+steps  one pooled target step (`KVPool.forward`) at each --concurrency level × 1 and γ+1 new tokens per
+       sequence, eager and through the static-shape step runner (`models.runner`; CUDA graphs on a GPU),
+       against its bandwidth floor: the bytes a step must read (the weights once, and every sequence's
+       keys and values) over the device's measured copy bandwidth. Run for each target shape and the
+       draft's shape.
+hf     the same synthetic pair through Hugging Face transformers, the user's alternative: `generate`
+       target-only and assisted generation with the same draft (alpha = --load-alpha), one stream, greedy.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+WARMUP_STEPS = 3
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str, megabytes: int = 1024) -> float:
+    """Bytes per second a device copy moves, reads and writes counted (the floor's denominator)."""
+    n = megabytes * 2**20 // 4
+    src = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(5):
+        synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * src.element_size() / min(times)
+
+
+def weight_bytes(w) -> int:
+    """Bytes of the weights one step reads: every layer's matrices and norms, the final norm and the head."""
+    tensors = [t for layer in w.layers for t in layer if t is not None] + [w.norm, w.head]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def bench_steps(args, shape: str, log) -> list[dict[str, Any]]:
+    from specserve.bench.dataplane import prompts, synthetic_llama
+    from specserve.models.pool import KVPool
+
+    model = synthetic_llama(shape, args.vocab, None, args.device, args.dtype)
+    bandwidth = copy_bandwidth(args.device)
+    widths = sorted({1, args.gamma + 1})
+    per_sequence = max(32, 1 << (args.prompt_len + max(widths)).bit_length())  # its buddy block
+    rows = []
+    for runner in (False, True):
+        pool = KVPool(model, tokens=2 * max(args.concurrency) * per_sequence, runner=runner,
+                      max_width=args.gamma_max + 1)
+        weights = weight_bytes(pool.w)
+        for batch in args.concurrency:
+            seqs = [pool.sequence() for _ in range(batch)]
+            pool.forward(seqs, prompts(batch, args.prompt_len, args.vocab), [1] * batch)
+            for width in widths:
+                chunks = [[(7 * j + i) % args.vocab for i in range(width)] for j in range(batch)]
+                times = []
+                for step in range(WARMUP_STEPS + args.step_repeats):
+                    synchronize(args.device)
+                    t0 = time.perf_counter()
+                    pool.forward(seqs, chunks, [width] * batch)
+                    synchronize(args.device)
+                    if step >= WARMUP_STEPS:
+                        times.append(time.perf_counter() - t0)
+                    for seq in seqs:
+                        seq.rollback(args.prompt_len)  # the same context every step
+                step_s = statistics.median(times)
+                floor_s = (weights + batch * (args.prompt_len + width) * pool.bytes_per_token) / bandwidth
+                row = {"shape": shape, "runner": runner, "sequences": batch, "width": width,
+                       "step_ms": 1000 * step_s, "floor_ms": 1000 * floor_s, "of_floor": step_s / floor_s,
+                       "weight_bytes": weights, "bandwidth_gb_s": bandwidth / 1e9}
+                rows.append(row)
+                log(f"  {shape:>5} {'runner' if runner else 'eager':>6} {batch:>3} seq × {width} tok  "
+                    f"{row['step_ms']:8.3f} ms  floor {row['floor_ms']:7.3f} ms  ({row['of_floor']:.2f}x floor)")
+            for seq in seqs:
+                seq.release()
+        del pool
+    return rows
+
+
+def bench_hf(args, shape: str, log) -> list[dict[str, Any]]:
+    from specserve.bench.dataplane import prompts, synthetic_llama, wrong_tokens
+
+    target = synthetic_llama(shape, args.vocab, None, args.device, args.dtype)
+    draft = synthetic_llama(args.draft_shape, args.vocab, args.load_alpha, args.device, args.dtype)
+    prompt = prompts(1, args.prompt_len, args.vocab)[0]
+    ids = torch.tensor([prompt], device=args.device)
+    rows = []
+    for config, extra in (("hf target-only", {}), ("hf assisted", {"assistant_model": draft})):
+        def generate(n: int) -> list[int]:
+            with torch.inference_mode():
+                out = target.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                      pad_token_id=0, attention_mask=torch.ones_like(ids), **extra)
+            return out[0, len(prompt):].tolist()
+
+        generate(8)  # warm-up
+        synchronize(args.device)
+        t0 = time.perf_counter()
+        tokens = generate(args.max_tokens)
+        synchronize(args.device)
+        wall = time.perf_counter() - t0
+        row = {"target": shape, "draft": args.draft_shape, "config": config, "alpha": args.load_alpha,
+               "tokens": len(tokens), "tok_s": len(tokens) / wall,
+               "wrong_tokens": wrong_tokens(prompt, tokens, args.vocab)}
+        rows.append(row)
+        log(f"  {config:<16} alpha={args.load_alpha}  {row['tok_s']:8.1f} tok/s"
+            + (f"  WRONG {row['wrong_tokens']}" if row["wrong_tokens"] else ""))
+    return rows

@@ -1,0 +1,165 @@
+"""A step runner with static shapes over a `KVPool`: decode and verify steps without per-step shape changes.
+
+A decode step feeds every sequence 1 new token, a verify step γ+1; each sequence attends over its own block
+of the pool's arena. `StepRunner` runs such a step (every sequence feeding the same number of new tokens)
+through buffers preallocated per bucket (batch size, width, context length), so nothing about a step's
+shapes changes between steps of a bucket:
+
+- token ids, positions and the arena rows the new keys and values go to are copied into static device
+  tensors; so are the arena rows each sequence attends over (its block, up to the bucket's context length)
+  and the mask that says which of them it sees (its length and causality);
+- padding rows (a batch of 3 in the bucket of 4, say) write their keys and values to a scratch row past the
+  arena's blocks and see only that row, so they never touch a real session;
+- attention is one padded call for the whole batch, as `lean._PaddedAttention` does for short blocks.
+
+On CUDA each bucket is captured once as a CUDA graph (its first use) and replayed on every later step: an
+eager forward there is bound by kernel launches, not by the GPU. On a CPU the same code runs eagerly, and its
+results are those of `lean.lean_forward` (tested). Prefill chunks, mixed widths and shapes outside the
+buckets run eagerly through `lean.lean_forward`, as before.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specserve.models.lean import LeanWeights, _rms, _rotate_half
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+MIN_CONTEXT = 64  # the shortest context bucket; others double up to the pool's longest sequence
+
+
+class _Bucket:
+    """The static inputs, output and (on CUDA) graph of one (batch, width, context) shape."""
+
+    def __init__(self, w: LeanWeights, batch: int, width: int, context: int):
+        dev, group = w.device, w.heads // w.kv_heads
+        self.batch, self.width, self.context = batch, width, context
+        self.ids = torch.zeros(batch * width, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(batch * width, dtype=torch.float32, device=dev)
+        self.slots = torch.zeros(batch * width, dtype=torch.long, device=dev)  # arena rows of the new K/V
+        self.key_rows = torch.zeros(batch * context, dtype=torch.long, device=dev)  # arena rows each attends over
+        self.mask = torch.zeros(batch, 1, group * width, context, dtype=torch.bool, device=dev)
+        self.logits: torch.Tensor | None = None  # [batch · width, head rows], written by each run
+        self.graph = None
+
+
+class StepRunner:
+    """Static-shape steps over `arena` (k, v: [layers, kv_heads, positions + 1, head_dim]; the last position is
+    the scratch row). capture: record each bucket as a CUDA graph (default: on CUDA devices)."""
+
+    def __init__(self, w: LeanWeights, arena: tuple[torch.Tensor, torch.Tensor], max_length: int, *,
+                 max_width: int = 9, batch_buckets: Sequence[int] = BATCH_BUCKETS, capture: bool | None = None):
+        self.w = w
+        self.k, self.v = arena
+        self.scratch = self.k.shape[2] - 1
+        self.max_width = max_width
+        self.batch_buckets = tuple(sorted(batch_buckets))
+        self.contexts = []
+        context = MIN_CONTEXT
+        while context < max_length:
+            self.contexts.append(context)
+            context *= 2
+        self.contexts.append(context)
+        self.capture = w.device.type == "cuda" if capture is None else capture
+        self.buckets: dict[tuple[int, int, int], _Bucket] = {}
+        self.replays = 0  # steps served from a captured graph
+        self._pool = None  # the CUDA graphs' shared memory pool
+
+    def bucket_for(self, batch: int, width: int, longest: int) -> tuple[int, int, int] | None:
+        """(batch, width, context) of the bucket a step fits, or None (run it eagerly). longest: the longest
+        sequence after the step."""
+        if width > self.max_width or batch > self.batch_buckets[-1] or longest > self.contexts[-1]:
+            return None
+        return (self.batch_buckets[bisect.bisect_left(self.batch_buckets, batch)], width,
+                self.contexts[bisect.bisect_left(self.contexts, longest)])
+
+    @torch.inference_mode()
+    def forward(self, key: tuple[int, int, int], blocks: list[int], starts: list[int],
+                new_tokens: list[list[int]]) -> torch.Tensor:
+        """One step in bucket `key`: sequence j's new tokens go to arena rows blocks[j] + starts[j] + i. Returns
+        the head's float32 logits of every new token, in order: [len(blocks) · width, head rows]."""
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            bucket = self.buckets[key] = _Bucket(self.w, *key)
+        self._fill(bucket, blocks, starts, new_tokens)
+        if not self.capture:
+            return self._run(bucket)[: len(blocks) * bucket.width]
+        if bucket.graph is None:
+            self._record(bucket)
+        else:
+            bucket.graph.replay()
+            self.replays += 1
+        return bucket.logits[: len(blocks) * bucket.width]
+
+    def _fill(self, b: _Bucket, blocks: list[int], starts: list[int], new_tokens: list[list[int]]) -> None:
+        n, width, context, group = len(blocks), b.width, b.context, self.w.heads // self.w.kv_heads
+        start = torch.tensor(starts, dtype=torch.long)
+        base = torch.tensor(blocks, dtype=torch.long)
+        offsets = torch.arange(width)
+        ids = torch.zeros(b.batch, width, dtype=torch.long)
+        ids[:n] = torch.tensor(new_tokens, dtype=torch.long)
+        positions = torch.zeros(b.batch, width)
+        positions[:n] = (start[:, None] + offsets).float()
+        slots = torch.full((b.batch, width), self.scratch, dtype=torch.long)
+        slots[:n] = base[:, None] + start[:, None] + offsets
+        keys = torch.arange(context)
+        key_rows = torch.full((b.batch, context), self.scratch, dtype=torch.long)
+        key_rows[:n] = (base[:, None] + keys).minimum(base[:, None] + start[:, None] + width - 1)
+        seen = torch.zeros(b.batch, width, context, dtype=torch.bool)
+        seen[:n] = keys <= (start[:, None] + offsets)[..., None]  # key t seen by query i iff t <= start + i
+        seen[n:, :, 0] = True  # padding rows see their scratch row only
+        for dst, src in ((b.ids, ids), (b.positions, positions), (b.slots, slots), (b.key_rows, key_rows),
+                         (b.mask, seen.repeat(1, group, 1)[:, None])):
+            dst.copy_(src.reshape(dst.shape), non_blocking=True)
+
+    def _run(self, b: _Bucket) -> torch.Tensor:
+        """The step on the bucket's static tensors (no host values read: capturable)."""
+        w = self.w
+        h, kvh, d = w.heads, w.kv_heads, w.head_dim
+        rows, batch, width, context = b.batch * b.width, b.batch, b.width, b.context
+        x = w.embed[b.ids].to(w.dtype)  # [rows, hidden]
+        angles = b.positions[:, None] * w.inv_freq
+        angles = torch.cat((angles, angles), -1)
+        cos, sin = angles.cos().to(w.dtype)[:, None], angles.sin().to(w.dtype)[:, None]
+        for i, (norm_in, w_qkv, b_qkv, w_o, b_o, norm_post, w_gate_up, w_down) in enumerate(w.layers):
+            qkv = F.linear(_rms(x, norm_in, w.eps), w_qkv, b_qkv)
+            q = qkv[:, : h * d].view(rows, h, d)
+            k = qkv[:, h * d : (h + kvh) * d].view(rows, kvh, d)
+            v = qkv[:, (h + kvh) * d :].view(rows, kvh, d)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            k_layer, v_layer = self.k[i], self.v[i]  # [kvh, positions + 1, d]
+            k_layer.index_copy_(1, b.slots, k.transpose(0, 1))
+            v_layer.index_copy_(1, b.slots, v.transpose(0, 1))
+            keys = k_layer[:, b.key_rows].view(kvh, batch, context, d).transpose(0, 1)  # [B, kvh, L, d]
+            values = v_layer[:, b.key_rows].view(kvh, batch, context, d).transpose(0, 1)
+            queries = q.view(batch, width, h, d).permute(0, 2, 1, 3).reshape(batch, kvh, h // kvh * width, d)
+            att = F.scaled_dot_product_attention(queries, keys, values, attn_mask=b.mask, scale=w.scale)
+            att = att.reshape(batch, h, width, d).permute(0, 2, 1, 3).reshape(rows, h * d)
+            x = x + F.linear(att, w_o, b_o)
+            gate, up = F.linear(_rms(x, norm_post, w.eps), w_gate_up).chunk(2, -1)
+            x = x + F.linear(F.silu(gate) * up, w_down)
+        out = F.linear(_rms(x, w.norm, w.eps), w.head).float()
+        if b.logits is None:
+            b.logits = out
+        else:
+            b.logits.copy_(out)
+        return b.logits
+
+    def _record(self, b: _Bucket) -> None:
+        """Run the bucket's first step eagerly on a side stream (a real step: its writes and logits stand), then
+        capture it as a graph; capturing records the kernels without running them."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._run(b)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._run(b)
+        self._pool = graph.pool()
+        b.graph = graph

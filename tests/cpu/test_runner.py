@@ -1,0 +1,100 @@
+"""The static-shape step runner (models/runner.py): the same logits and cache writes as the eager pooled
+forward, padding rows that never touch a session, buckets; on CUDA, graph replay equal to eager steps."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from specserve.models.pool import KVPool
+from tests.conftest import tiny_llama
+
+VOCAB = 40
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(5, vocab=VOCAB, layers=2, hidden=32, scale=8)
+
+
+def twin_pools(model, **kwargs) -> tuple[KVPool, KVPool]:
+    """The same pool twice, eager and through the runner, their arenas filled alike (so a stray write shows)."""
+    eager = KVPool(model, tokens=1024, max_length=256, min_block=4, runner=False, **kwargs)
+    static = KVPool(model, tokens=1024, max_length=256, min_block=4, runner=True, **kwargs)
+    for pool in (eager, static):
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        pool.k.copy_(torch.randn(pool.k.shape, generator=gen, dtype=torch.float64).to(pool.k))
+        pool.v.copy_(torch.randn(pool.v.shape, generator=gen, dtype=torch.float64).to(pool.v))
+    return eager, static
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_runner_steps_equal_the_eager_forward_and_write_only_their_rows(model, width):
+    eager, static = twin_pools(model)
+    rng = random.Random(width)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (5, 12, 2)]  # 3 sequences: bucket 4, one pad
+    runs = []
+    for pool in (eager, static):
+        seqs = [pool.sequence() for _ in prompts]
+        pool.forward(seqs, prompts, [1, 1, 1])  # ragged prefill: eager in both
+        steps = []
+        for step in range(4):
+            chunks = [[(7 * step + 3 * j + i) % VOCAB for i in range(width)] for j in range(len(seqs))]
+            steps.append(pool.forward(seqs, chunks, [width, 1, width]))
+        runs.append((steps, seqs))
+    (eager_steps, eager_seqs), (static_steps, static_seqs) = runs
+    assert static.runner.buckets and not eager.runner  # the runner really ran the steps
+    assert [k[:2] for k in static.runner.buckets] == [(4, width)]
+    for a, b in zip(eager_steps, static_steps):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-10, rtol=0)
+    # every arena row but the scratch row holds what the eager steps left there (to rounding: the matmuls' row
+    # counts differ): a padding row that wrote anywhere else would show as a whole wrong row
+    scratch = static.runner.scratch
+    assert torch.allclose(eager.k[:, :, :scratch], static.k[:, :, :scratch], atol=1e-12, rtol=0)
+    assert torch.allclose(eager.v[:, :, :scratch], static.v[:, :, :scratch], atol=1e-12, rtol=0)
+    assert [s.tokens for s in eager_seqs] == [s.tokens for s in static_seqs]
+
+
+def test_buckets_and_what_runs_eagerly(model):
+    _, static = twin_pools(model, max_width=3)
+    runner = static.runner
+    assert runner.bucket_for(3, 1, 10) == (4, 1, 64)
+    assert runner.bucket_for(17, 3, 65) == (24, 3, 128)
+    assert runner.bucket_for(1, 4, 10) is None  # wider than max_width: eager
+    assert runner.bucket_for(65, 1, 10) is None  # more sequences than the largest bucket
+    assert runner.contexts[-1] >= static.max_length
+    seqs = [static.sequence(), static.sequence()]
+    static.forward(seqs, [[1, 2], [3]], [1, 1])  # ragged: eager, no bucket made
+    assert not runner.buckets
+    static.forward(seqs, [[4], [5]], [1, 1])
+    assert list(runner.buckets) == [(2, 1, 64)]
+
+
+def test_a_padding_row_sees_only_the_scratch_row(model):
+    eager, static = twin_pools(model)
+    seq = static.sequence()
+    static.forward([seq], [[1, 2, 3]], [1])
+    before = static.k.clone()
+    out = static.runner.forward((2, 1, 64), [seq.block[0]], [len(seq.tokens)], [[4]])
+    assert out.shape[0] == 1 and torch.isfinite(out).all()
+    changed = (static.k != before).any(dim=(0, 1, 3)).nonzero().flatten().tolist()
+    assert changed == [seq.block[0] + 3, static.runner.scratch]  # the new token's row and the scratch row
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU (a device session: pytest tests -k cuda)")
+def test_cuda_graph_replay_equals_eager_steps(model):
+    cuda_model = copy.deepcopy(model).to("cuda")
+    eager = KVPool(cuda_model, tokens=1024, max_length=256, min_block=4, runner=False)
+    static = KVPool(cuda_model, tokens=1024, max_length=256, min_block=4, runner=True)
+    assert static.runner.capture
+    outs = []
+    for pool in (eager, static):
+        seqs = [pool.sequence() for _ in range(3)]
+        pool.forward(seqs, [[1, 2, 3], [4, 5], [6]], [1, 1, 1])
+        outs.append([pool.forward(seqs, [[(s + j) % VOCAB] for j in range(3)], [1, 1, 1]) for s in range(6)])
+    assert static.runner.replays >= 4  # the first step of the bucket captured it, the rest replayed
+    for a, b in zip(*outs):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0)
