@@ -143,7 +143,6 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
     `keeps[j]` new tokens of each sequence, in order: [sum(keeps), head rows]. The caller extends each
     cache's `tokens`.
     """
-    h, kvh, d = w.heads, w.kv_heads, w.head_dim
     starts = [len(c.tokens) for c in caches]
     sizes = [len(t) for t in new_tokens]
     ids = torch.tensor([t for ts in new_tokens for t in ts], dtype=torch.long, device=w.device)
@@ -161,13 +160,8 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
     looped = [j for j in range(len(caches)) if padded is None or j not in padded.members]
     masks = {j: torch.ones(sizes[j], starts[j] + sizes[j], dtype=torch.bool, device=w.device).tril(starts[j])
              for j in looped if sizes[j] > 1}
-    for i, (norm_in, w_qkv, b_qkv, w_o, b_o, norm_post, w_gate_up, w_down) in enumerate(w.layers):
-        qkv = F.linear(_rms(x, norm_in, w.eps), w_qkv, b_qkv)
-        q = qkv[:, : h * d].view(total, h, d)
-        k = qkv[:, h * d : (h + kvh) * d].view(total, kvh, d)
-        v = qkv[:, (h + kvh) * d :].view(total, kvh, d)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+    for i, layer in enumerate(w.layers):
+        q, k, v = rotated_qkv(w, layer, x, cos, sin)
         outs = []
         for j in looped:
             s, n, o = starts[j], sizes[j], offsets[j]
@@ -181,14 +175,32 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
             att = padded.attend(i, q, k, v)
             if looped:
                 att = att.index_copy(0, padded.looped_rows, torch.cat(outs))
-        x = x + F.linear(att, w_o, b_o)
-        gate, up = F.linear(_rms(x, norm_post, w.eps), w_gate_up).chunk(2, -1)
-        x = x + F.linear(F.silu(gate) * up, w_down)
+        x = layer_output(w, layer, x, att)
     if len(caches) == 1:
         rows = x[total - keeps[0] :]
     else:
         rows = x[torch.cat([torch.arange(offsets[j + 1] - keep, offsets[j + 1]) for j, keep in enumerate(keeps)])]
     return F.linear(_rms(rows, w.norm, w.eps), w.head).float()
+
+
+def rotated_qkv(w: LeanWeights, layer: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's queries [T, heads, d], keys and values [T, kv_heads, d] of x [T, hidden], rotary applied."""
+    norm_in, w_qkv, b_qkv = layer[:3]
+    h, kvh, d, total = w.heads, w.kv_heads, w.head_dim, x.shape[0]
+    qkv = F.linear(_rms(x, norm_in, w.eps), w_qkv, b_qkv)
+    q = qkv[:, : h * d].view(total, h, d)
+    k = qkv[:, h * d : (h + kvh) * d].view(total, kvh, d)
+    v = qkv[:, (h + kvh) * d :].view(total, kvh, d)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+
+def layer_output(w: LeanWeights, layer: tuple, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+    """x after one layer: the attention output att [T, heads·d] projected and added, then the MLP."""
+    _, _, _, w_o, b_o, norm_post, w_gate_up, w_down = layer
+    x = x + F.linear(att, w_o, b_o)
+    gate, up = F.linear(_rms(x, norm_post, w.eps), w_gate_up).chunk(2, -1)
+    return x + F.linear(F.silu(gate) * up, w_down)
 
 
 def _attend(w: LeanWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None

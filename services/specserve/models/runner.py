@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from specserve.models.lean import LeanWeights, _rms, _rotate_half
+from specserve.models.lean import LeanWeights, _rms, layer_output, rotated_qkv
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 MIN_CONTEXT = 64  # the shortest context bucket; others double up to the pool's longest sequence
@@ -125,13 +125,8 @@ class StepRunner:
         angles = b.positions[:, None] * w.inv_freq
         angles = torch.cat((angles, angles), -1)
         cos, sin = angles.cos().to(w.dtype)[:, None], angles.sin().to(w.dtype)[:, None]
-        for i, (norm_in, w_qkv, b_qkv, w_o, b_o, norm_post, w_gate_up, w_down) in enumerate(w.layers):
-            qkv = F.linear(_rms(x, norm_in, w.eps), w_qkv, b_qkv)
-            q = qkv[:, : h * d].view(rows, h, d)
-            k = qkv[:, h * d : (h + kvh) * d].view(rows, kvh, d)
-            v = qkv[:, (h + kvh) * d :].view(rows, kvh, d)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+        for i, layer in enumerate(w.layers):
+            q, k, v = rotated_qkv(w, layer, x, cos, sin)
             k_layer, v_layer = self.k[i], self.v[i]  # [kvh, positions + 1, d]
             k_layer.index_copy_(1, b.slots, k.transpose(0, 1))
             v_layer.index_copy_(1, b.slots, v.transpose(0, 1))
@@ -140,9 +135,7 @@ class StepRunner:
             queries = q.view(batch, width, h, d).permute(0, 2, 1, 3).reshape(batch, kvh, h // kvh * width, d)
             att = F.scaled_dot_product_attention(queries, keys, values, attn_mask=b.mask, scale=w.scale)
             att = att.reshape(batch, h, width, d).permute(0, 2, 1, 3).reshape(rows, h * d)
-            x = x + F.linear(att, w_o, b_o)
-            gate, up = F.linear(_rms(x, norm_post, w.eps), w_gate_up).chunk(2, -1)
-            x = x + F.linear(F.silu(gate) * up, w_down)
+            x = layer_output(w, layer, x, att)
         out = F.linear(_rms(x, w.norm, w.eps), w.head).float()
         if b.logits is None:
             b.logits = out
