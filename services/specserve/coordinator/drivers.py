@@ -88,8 +88,6 @@ class SplitDriver:
 class ColocatedRelay:
     """Sessions on a target worker that holds the draft. lookup: its model draft looks the context up first."""
 
-    pipelined = False
-
     def __init__(self, target_address: str, *, gamma: int | str = "auto", gamma_max: int = 8, lookup: bool = True,
                  target_actor: Any = None, worker_token: str | None = None):
         self.gamma = parse_gamma(gamma, gamma_max)

@@ -16,12 +16,14 @@ sequence's keys and values a plain view for attention, so a batched forward
 session runs on it exactly as on a private cache, and many run in one
 forward through `KVPool.forward`. Steps where every sequence feeds the same
 number of tokens (decode, verify) go through a static-shape `StepRunner`
-(`models/runner.py`; CUDA graphs on GPUs) where the pool has one: by default
-on CUDA devices (`STEP_RUNNER`).
+(`models/runner.py`; CUDA graphs on GPUs) where the pool has one: with
+`SPECSERVE_STEP_RUNNER=1` (off by default until a GPU session has checked
+graph replay against eager steps and measured it; `STEP_RUNNER`).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -30,9 +32,10 @@ from specserve.models.kv import TokenSequence
 from specserve.models.lean import lean_weights, lean_forward, widen
 from specserve.models.runner import StepRunner
 
-# Give pools a static-shape step runner: None = on CUDA devices only (on a CPU the eager forward is not
-# launch-bound; the runner gives the same results there and tests run through it by setting this True).
-STEP_RUNNER: bool | None = None
+# Whether pools get a static-shape step runner. Off by default: its CUDA graphs are not yet checked on a GPU,
+# and on a CPU (not launch-bound) it measured slower from 4 sequences on (docs/benchmarks.md). The environment
+# reaches worker processes too; tests set this to run through the runner.
+STEP_RUNNER: bool = os.environ.get("SPECSERVE_STEP_RUNNER", "0") == "1"
 
 
 class KVCacheFull(RuntimeError):
@@ -121,8 +124,6 @@ class KVPool:
         self.k = torch.empty(shape, dtype=self.w.dtype, device=self.w.device)
         self.v = torch.empty_like(self.k)
         runner = STEP_RUNNER if runner is None else runner
-        if runner is None:
-            runner = self.w.device.type == "cuda"
         # max_width: the widest step it takes (a verify of gamma_max + 1 tokens)
         self.runner = StepRunner(self.w, (self.k, self.v), self.max_length, max_width=max_width) if runner else None
         self._lock = threading.Lock()  # allocations may come from any thread; forwards from one
