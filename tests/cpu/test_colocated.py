@@ -137,16 +137,19 @@ def colocated_first_two(servicer, mode: dict) -> np.ndarray:
     return counts
 
 
-def test_first_two_tokens_follow_target_through_colocated_sessions(tiny_pair, monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["draft steps", "fused draft blocks"])
+def test_first_two_tokens_follow_target_through_colocated_sessions(tiny_pair, fused, monkeypatch):
     target, draft = tiny_pair
     servicer = TargetWorkerServicer(target, target.config.vocab_size, kv_cache_tokens=CONCURRENT * 64)
     servicer.attach_draft(draft, set(), gamma_max=2)
+    servicer.colocated.draft.fused = fused  # each γ=2 block drafted whole (`scheduler.drafting`), or per token
     servicer.scheduler.expected = lambda: CONCURRENT
     try:
         mode = dict(temperature=1.0)
         expected = target_joint(target, mode)
         assert chi_square_pvalue(colocated_first_two(servicer, mode), expected) > 1e-3
         assert max(servicer.scheduler.sessions_per_draft_step) >= CONCURRENT // 2
+        assert (servicer.scheduler.fused_blocks > 0) == fused
         monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: p)
         broken = colocated_first_two(servicer, mode)
         assert chi_square_pvalue(broken, expected) < 1e-3, "the test cannot tell a missing residual step"

@@ -52,12 +52,13 @@ def test_the_bench_runs_worker_processes_and_reports_exact_output(tmp_path, caps
     assert [(r["gamma"], r["streams"]) for r in report["load"]] == [(0, 1), ("auto", 1), ("auto", 3), (0, 3)]
     assert all(r["tokens"] == 16 * r["streams"] and r["ttft_p50_s"] > 0 for r in report["load"])
     assert "wrote" in capsys.readouterr().out
+    assert (tmp_path / "dataplane.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_steps_and_hf_parts_report_floors_and_exact_output(tmp_path):
     code = dataplane.main([
         "--targets", "tiny", "--draft-shape", "tiny", "--vocab", str(VOCAB), "--device", "cpu", "--dtype", "float32",
-        "--gamma", "2", "--prompt-len", "12", "--max-tokens", "16", "--concurrency", "1,3", "--parts", "steps,hf",
+        "--gamma", "2", "--prompt-len", "12", "--max-tokens", "16", "--concurrency", "1,3", "--parts", "steps,accept,hf",
         "--step-repeats", "3", "--load-alpha", "0.5", "--out", str(tmp_path),
     ])
     assert code == 0
@@ -66,5 +67,8 @@ def test_the_steps_and_hf_parts_report_floors_and_exact_output(tmp_path):
     assert levels == {(runner, n, w) for runner in (False, True) for n in (1, 3) for w in (1, 3)}
     for row in report["steps"]:
         assert row["step_ms"] > 0 < row["floor_ms"] and row["of_floor"] == pytest.approx(row["step_ms"] / row["floor_ms"])
+    assert [r["sequences"] for r in report["accept"]] == [1, 3]
+    assert all(r["together_ms"] > 0 < r["one_by_one_ms"] for r in report["accept"])
     assert [r["config"] for r in report["hf"]] == ["hf target-only", "hf assisted"]
     assert all(r["wrong_tokens"] == 0 and r["tokens"] == 16 for r in report["hf"])
+    assert (tmp_path / "dataplane.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -5,11 +5,12 @@ import pytest
 import torch
 from scipy import stats
 
-from specserve.engine.proposers import Proposal, TargetVerifier, one_hot_on
+from specserve.engine.proposers import Proposal, TargetVerifier, judge_many, one_hot_on
 from specserve.speculation import (
     PositionRNG,
     Purpose,
     SamplingParams,
+    accept_batch,
     accept_greedy,
     accept_prefix,
     probs_from_logits,
@@ -85,6 +86,73 @@ def test_accept_prefix_matches_loop_reference():
     assert outcomes == {0, 1, 2, 3, 4}  # every prefix length was exercised
 
 
+def test_accept_batch_is_accept_prefix_per_row():
+    """Blocks of every length 0..γ in one batch, padded: each row's verdict, acceptance probabilities and betas
+    are accept_prefix's on that block alone (padding never accepts, never leaks into the draw)."""
+    gen = torch.Generator().manual_seed(11)
+    rng, vocab, outcomes = PositionRNG(11), 9, set()
+    for trial in range(60):
+        lengths = [(trial + b) % 6 for b in range(7)]
+        blocks, want = [], []
+        for b, k in enumerate(lengths):
+            draft_logits = torch.randn(k + 1, vocab, generator=gen) * 2
+            q = torch.softmax(draft_logits[:k], -1)
+            p = torch.softmax(draft_logits + torch.randn(k + 1, vocab, generator=gen) * trial / 60, -1)  # q ≈ p early
+            start = trial * 100 + b * 10
+            x = sample_from_probs(q, rng.uniforms(start, k, Purpose.DRAFT)) if k else torch.zeros(0, dtype=torch.long)
+            u_a, u_f = rng.uniforms(start, k, Purpose.ACCEPT), rng.uniforms(start, k + 1, Purpose.FINAL)
+            blocks.append((x, q, p, u_a, u_f))
+            want.append(accept_prefix(x, q, p, u_a, u_f))
+        def pad(i, value=0.0):
+            return torch.nn.utils.rnn.pad_sequence([blk[i] for blk in blocks], batch_first=True, padding_value=value)
+
+        # padding that would pass the test if it were looked at: q of 1 everywhere, uniforms of 0
+        got = accept_batch(pad(0), lengths, pad(1, 1.0), pad(2), pad(3), pad(4, 0.5))
+        for g, w in zip(got, want):
+            assert (g.n_accepted, g.next_token) == (w.n_accepted, w.next_token)
+            np.testing.assert_allclose(g.accept_probs, w.accept_probs, rtol=1e-12)
+            np.testing.assert_allclose(g.betas, w.betas, rtol=1e-6)
+            outcomes.add((len(g.accept_probs), g.n_accepted))
+    assert {n for _, n in outcomes} == {0, 1, 2, 3, 4, 5}
+
+
+@pytest.mark.parametrize("mode", MODES + [dict(temperature=0.8, logprobs=2)])
+def test_judge_many_is_judge_per_block(tiny_pair, mode):
+    """A step's blocks judged together (mixed lengths, sampled and one-hot drafts, other params beside them)
+    get the verdicts, logprobs and cache lengths each gets judged alone."""
+    target = tiny_pair[0]
+    vocab = target.config.vocab_size
+    gen = torch.Generator().manual_seed(7)
+    params, other = SamplingParams(**mode, seed=1), SamplingParams(temperature=1.3, top_k=3)
+    for trial in range(25):
+        specs = []
+        for b in range(6):
+            k = (trial + b) % 5
+            q = torch.softmax(torch.randn(k, vocab, generator=gen) * 3, -1)
+            tokens = sample_from_probs(q, torch.rand(k, generator=gen, dtype=torch.float64)).tolist() if k else []
+            one_hot = torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long), vocab).float()
+            dist = (vocab, one_hot, q)[b % 3]  # a lookup's implicit one-hot, a greedy draft's, a sampled q
+            logits = torch.randn(k + 1, vocab + 3, generator=gen) * 2  # a head wider than the vocabulary
+            specs.append((3 + b, tokens, dist, logits, other if b == 5 else params, PositionRNG(trial * 10 + b)))
+        context = [1, 2, 3, 4, 5, 6, 7, 1, 2]
+
+        def blocks():
+            out = []
+            for start, tokens, dist, logits, p, rng in specs:
+                verifier = TargetVerifier(target, vocab)
+                verifier.seq.logits_after(context[:start] + tokens)
+                out.append((verifier, logits, start, Proposal(tokens, dist), p, rng))
+            return out
+
+        alone = [b[0].judge(*b[1:]) for b in blocks()]
+        batch = blocks()
+        together = judge_many(batch)
+        for a, t, b in zip(alone, together, batch):
+            assert (t.n_accepted, t.next_token, t.logprobs) == (a.n_accepted, a.next_token, a.logprobs)
+            np.testing.assert_allclose(t.accept_probs, a.accept_probs, rtol=1e-6)
+            assert len(b[0].seq.tokens) == b[2] + t.n_accepted
+
+
 def test_greedy_accept_is_argmax_equality():
     p = torch.nn.functional.one_hot(torch.tensor([3, 1, 4, 2]), 6).float()
     q = torch.nn.functional.one_hot(torch.tensor([3, 1, 0]), 6).float()
@@ -123,8 +191,8 @@ def test_verifier_takes_the_greedy_path_only_for_one_hot_drafts(tiny_pair, monke
     smooth = 0.5 * one_hot + 0.5 / vocab
     assert not one_hot_on(smooth, tokens) and not one_hot_on(one_hot, torch.tensor([5, 6, 3]))
     calls = []
-    monkeypatch.setattr("specserve.engine.proposers.accept_prefix",
-                        lambda *a: calls.append("prefix") or accept_prefix(*a))
+    monkeypatch.setattr("specserve.engine.proposers.accept_batch",
+                        lambda *a: calls.append("prefix") or accept_batch(*a))
     monkeypatch.setattr("specserve.engine.proposers.accept_greedy",
                         lambda *a: calls.append("greedy") or accept_greedy(*a))
     context, greedy = [1, 4, 7, 3], SamplingParams(temperature=0)

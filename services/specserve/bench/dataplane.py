@@ -21,10 +21,11 @@ alpha, independently: alpha=1 is a draft that copies the target, alpha=0
 one that never matches. Timings are of these random weights, not of a
 real pair's acceptance: take alpha from real pairs (`specserve bench`).
 
-Parts (`--parts`; `steps` and `hf` are in `bench.steps`):
+Parts (`--parts`; `steps`, `accept` and `hf` are in `bench.steps`):
   steps   one target step at each --concurrency × 1 and γ+1 tokens, eager and
           through the step runner, against its bandwidth floor (targets and
           the draft's shape).
+  accept  one step's verify blocks accepted all at once against one by one.
   hf      the pair through Hugging Face `generate`, target-only and assisted.
   rounds  one stream per configuration, fixed γ, alpha ∈ --alphas: in-process,
           colocated (one worker holds both models), split sequential and split
@@ -33,7 +34,7 @@ Parts (`--parts`; `steps` and `hf` are in `bench.steps`):
           compute, and the rest (gRPC, scheduling).
   load    the colocated worker under --concurrency streams, γ=0 against
           auto, alpha = --load-alpha: aggregate and per-stream tok/s, TTFT.
-Writes dataplane.json (and prints a table per part) to --out.
+Writes dataplane.json and dataplane.png (and prints a table per part) to --out.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ from typing import Any
 
 import torch
 
-from specserve.bench.steps import bench_hf, bench_steps
+from specserve.bench.plot import plot_dataplane
+from specserve.bench.steps import bench_accept, bench_hf, bench_steps
 from specserve.speculation import parse_gamma
 
 # Layer shapes of public models (random weights here). vocab is the bench's (--vocab) for every model, so any
@@ -365,7 +367,7 @@ def parse_args(argv=None):
     p.add_argument("--draft-devices", type=_csv(str), default=None,
                    help="devices of the split draft worker (default: the target's, and cpu beside a GPU)")
     p.add_argument("--dtype", default=None, help="default: bf16 on a GPU (see specserve.models.loading)")
-    p.add_argument("--parts", type=_csv(str), default=["steps", "hf", "rounds", "load"])
+    p.add_argument("--parts", type=_csv(str), default=["steps", "accept", "hf", "rounds", "load"])
     p.add_argument("--step-repeats", type=int, default=20, help="timed steps per steps-part level (median)")
     p.add_argument("--alphas", type=_csv(float), default=[1.0, 0.0])
     p.add_argument("--gamma", default="4", help="fixed γ of the rounds part")
@@ -402,13 +404,16 @@ def main(argv=None) -> int:
         print(f"[{time.perf_counter() - started:7.1f} s] {line}", flush=True)
 
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu x{os.cpu_count()}"
-    report = {"device": device_name, "torch": torch.__version__, "args": vars(args), "steps": [], "hf": [],
-              "rounds": [], "load": []}
+    report = {"device": device_name, "torch": torch.__version__, "args": vars(args), "steps": [], "accept": [],
+              "hf": [], "rounds": [], "load": []}
     if "steps" in args.parts:
         for shape in dict.fromkeys(args.targets + [args.draft_shape]):
             log(f"{shape}: one pooled step, eager and through the step runner, against the bandwidth floor")
             report["steps"] += bench_steps(args, shape, log)
             _free_cuda()
+    if "accept" in args.parts:
+        log(f"acceptance of one step's verify blocks, vocabulary {args.vocab}")
+        report["accept"] = bench_accept(args, log)
     for shape in args.targets:
         if "hf" in args.parts:
             log(f"{shape} target, {args.draft_shape} draft: Hugging Face generate")
@@ -421,7 +426,8 @@ def main(argv=None) -> int:
             log(f"{shape} target: colocated under load, alpha={args.load_alpha}")
             report["load"] += bench_load(args, shape, log)
         (out / "dataplane.json").write_text(json.dumps(report, indent=1))
-    log(f"wrote {out / 'dataplane.json'}")
+    plot_dataplane(report, out / "dataplane.png")
+    log(f"wrote {out / 'dataplane.json'} and {out / 'dataplane.png'}")
     wrong = sum(r["wrong_tokens"] for part in ("hf", "rounds", "load") for r in report[part])
     if wrong:
         print(f"ERROR: {wrong} token(s) differ from the target's greedy output", file=sys.stderr)

@@ -67,3 +67,79 @@ def plot_report(report: dict, path: pathlib.Path) -> None:
     fig.tight_layout(rect=(0, 0, 1, 0.98))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_dataplane(report: dict, path: pathlib.Path) -> None:
+    """dataplane.json → one PNG: per shape, step time against sequences (eager, step runner, bandwidth floor;
+    1 and γ+1 tokens each); acceptance time, batched and block by block; one stream's tok/s per configuration,
+    Hugging Face beside it; aggregate tok/s under load per γ. Panels of parts not run are left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(r["shape"] for r in report["steps"]))
+    panels = [("steps", s) for s in shapes]
+    panels += [(part, None) for part, ran in (("accept", report.get("accept")),
+                                              ("one stream", report["rounds"] or report["hf"]), ("load", report["load"]))
+               if ran]
+    if not panels:
+        return
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.8 * len(panels)), squeeze=False)
+    for ax, (kind, shape) in zip(axes[:, 0], panels):
+        if kind == "steps":
+            rows = [r for r in report["steps"] if r["shape"] == shape]
+            for width in sorted({r["width"] for r in rows}):
+                for runner, style in ((False, "o-"), (True, "s-")):
+                    line = [r for r in rows if r["width"] == width and r["runner"] == runner]
+                    if line:
+                        ax.plot([r["sequences"] for r in line], [r["step_ms"] for r in line], style,
+                                label=f"{'step runner' if runner else 'eager'}, {width} token(s) per sequence")
+                floor = [r for r in rows if r["width"] == width and not r["runner"]] or rows
+                ax.plot([r["sequences"] for r in floor], [r["floor_ms"] for r in floor], "k--", linewidth=0.8,
+                        label=f"bandwidth floor, {width} token(s)")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("sequences in the step")
+            ax.set_ylabel("step time (ms)")
+            ax.set_title(f"{shape} shape: one pooled step against its floor "
+                         f"({rows[0]['bandwidth_gb_s']:.0f} GB/s copy bandwidth)", fontsize=10)
+        elif kind == "accept":
+            rows = report["accept"]
+            for key, label in (("together_ms", "all blocks at once (judge_many)"), ("one_by_one_ms", "block by block")):
+                ax.plot([r["sequences"] for r in rows], [r[key] for r in rows], "o-", label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("verify blocks in the step")
+            ax.set_ylabel("acceptance time (ms)")
+            ax.set_title(f"accepting one step's blocks (γ={rows[0]['gamma']}, vocabulary {rows[0]['vocab']}, T=1)",
+                         fontsize=10)
+        elif kind == "one stream":
+            bars = [(f"{r['target']} {r['config']} γ={r['gamma']} α={r['alpha']}", r["tok_s"]) for r in report["rounds"]]
+            bars += [(f"{r['target']} {r['config']} α={r['alpha']}", r["tok_s"]) for r in report["hf"]]
+            ax.bar(range(len(bars)), [v for _, v in bars],
+                   color=["#e07b39" if label.split()[1] == "hf" else "#3a7bd5" for label, _ in bars])
+            for i, (_, value) in enumerate(bars):
+                ax.annotate(f"{value:.0f}", (i, value), textcoords="offset points", xytext=(0, 2), ha="center",
+                            fontsize=7)
+            ax.set_xticks(range(len(bars)), [label for label, _ in bars], rotation=35, ha="right", fontsize=7)
+            ax.set_ylabel("tok/s, one stream")
+            ax.set_title("one stream: specserve configurations (blue) and Hugging Face generate (orange)", fontsize=10)
+            continue  # the colours are the legend
+        else:
+            rows = report["load"]
+            for target in dict.fromkeys(r["target"] for r in rows):
+                for gamma in dict.fromkeys(r["gamma"] for r in rows):
+                    line = [r for r in rows if r["target"] == target and r["gamma"] == gamma]
+                    ax.plot([r["streams"] for r in line], [r["tok_s"] for r in line], "o-", label=f"{target}, γ={gamma}")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent streams")
+            ax.set_ylabel("aggregate tok/s")
+            ax.set_title("under load: colocated sessions, γ=0 against auto", fontsize=10)
+        levels = sorted({x for line in ax.get_lines() for x in line.get_xdata()})
+        ax.set_xticks(levels, [str(int(x)) for x in levels])
+        ax.legend(fontsize=7)
+    fig.suptitle(f"specserve data plane on {report['device']} (torch {report['torch']}); random-weight shapes",
+                 fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -7,6 +7,8 @@ steps  one pooled target step (`KVPool.forward`) at each --concurrency level × 
        draft's shape.
 hf     the same synthetic pair through Hugging Face transformers, the user's alternative: `generate`
        target-only and assisted generation with the same draft (alpha = --load-alpha), one stream, greedy.
+accept the acceptance of one target step's verify blocks (γ drafted tokens each, T=1) at each --concurrency
+       level: all blocks at once (`judge_many`, what the scheduler runs) against one block at a time.
 """
 
 from __future__ import annotations
@@ -116,3 +118,45 @@ def bench_hf(args, shape: str, log) -> list[dict[str, Any]]:
         log(f"  {config:<16} alpha={args.load_alpha}  {row['tok_s']:8.1f} tok/s"
             + (f"  WRONG {row['wrong_tokens']}" if row["wrong_tokens"] else ""))
     return rows
+
+
+def bench_accept(args, log) -> list[dict[str, Any]]:
+    from specserve.engine.proposers import Proposal, TargetVerifier, judge_many
+    from specserve.models.pool import KVPool
+    from specserve.speculation import PositionRNG, SamplingParams
+
+    model = synthetic_llama_for_accept(args)
+    pool = KVPool(model, tokens=64)
+    params = SamplingParams(temperature=1.0)
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    rows = []
+    for batch in args.concurrency:
+        logits = torch.randn(batch, args.gamma + 1, args.vocab, generator=gen, device=args.device)
+        q = torch.softmax(torch.randn(batch, args.gamma, args.vocab, generator=gen, device=args.device), -1)
+        tokens = q.argmax(-1).tolist()
+        verifiers = [TargetVerifier(model, args.vocab, pool.sequence()) for _ in range(batch)]
+        blocks = [(verifiers[b], logits[b], 0, Proposal(tokens[b], q[b]), params, PositionRNG(b)) for b in range(batch)]
+        timed = {}
+        for how, judge in (("together", lambda: judge_many(blocks)),
+                           ("one by one", lambda: [v.judge(*rest) for v, *rest in blocks])):
+            times = []
+            for step in range(WARMUP_STEPS + args.step_repeats):
+                synchronize(args.device)
+                t0 = time.perf_counter()
+                judge()
+                synchronize(args.device)
+                if step >= WARMUP_STEPS:
+                    times.append(time.perf_counter() - t0)
+            timed[how] = 1000 * statistics.median(times)
+        rows.append({"sequences": batch, "gamma": args.gamma, "vocab": args.vocab, "together_ms": timed["together"],
+                     "one_by_one_ms": timed["one by one"]})
+        log(f"  {batch:>3} blocks of γ={args.gamma}  together {timed['together']:8.3f} ms  "
+            f"one by one {timed['one by one']:8.3f} ms")
+    return rows
+
+
+def synthetic_llama_for_accept(args):
+    """The smallest synthetic model with the bench's vocabulary: the verifiers only need its vocabulary."""
+    from specserve.bench.dataplane import synthetic_llama
+
+    return synthetic_llama("tiny", args.vocab, None, args.device, args.dtype)

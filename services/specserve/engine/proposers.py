@@ -3,7 +3,8 @@
 These are the seams the distributed workers reuse: a proposer turns the
 committed tokens into a `Proposal` (tokens and the q they were sampled
 from); the verifier scores context + proposal in one target forward and
-applies `speculation.accept_prefix` (`speculation.accept_greedy` at T=0, the same verdict).
+applies the acceptance rule (`speculation.accept_batch`; `speculation.accept_greedy` at T=0, the same
+verdict); `judge_many` does so for every block of a batched target step at once.
 Both are told the full committed token list every round and bring their
 caches to it themselves (crop + feed), so they need no separate
 commit/rollback message and can be rebuilt from scratch.
@@ -24,8 +25,8 @@ from specserve.speculation import (
     Purpose,
     SamplingParams,
     Verdict,
+    accept_batch,
     accept_greedy,
-    accept_prefix,
     probs_from_logits,
 )
 from specserve.speculation.sampling import sample_from_probs, sparse_to_dense, token_logprobs, truncate_top_k
@@ -152,34 +153,52 @@ class ModelProposer(Proposer):
                 keep_going: Callable[[list[float]], bool] | None = None) -> Proposal:
         if gamma <= 0:
             return empty_proposal(self.vocab)
-        start = len(context)
-        logits = self._head(self.seq.subset_logits_after(context))
+        fused = getattr(self.seq, "fused", False) and gamma > 1
+        confident = keep_going is not None or bool(self.stop_below)  # whether the stopping rules need confidences
+        steps = (self._block(context, gamma, params, rng) if fused
+                 else self._steps(context, gamma, params, rng, confident))
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         confidences: list[float] = []
-        for i in range(gamma):
-            if params.greedy:  # q is the one-hot of the argmax: any uniform's inverse-CDF draw lands on it
-                token = int(logits[0].argmax())
-            else:
-                q = self._draft_distribution(logits, params)
-                token = int(sample_from_probs(q, torch.tensor([rng.uniform(start + i, Purpose.DRAFT)])))
-                qs.append(q)
+        for i, (token, q, confidence) in enumerate(steps):
             tokens.append(token if self.subset is None else int(self.subset[token]))
-            if keep_going is not None or self.stop_below:
-                confidences.append(float(torch.softmax(logits[0], -1).max()))
+            if q is not None:
+                qs.append(q)
+            if confident:
+                confidences.append(confidence)
             if i + 1 < gamma:
                 if self.stop_below and confidences[-1] < self.stop_below:
                     break
                 if keep_going is not None and not keep_going(confidences):
                     break
-                logits = self._head(self.seq.feed_subset([tokens[-1]]))
         if params.greedy:
             q = self.vocab  # one-hot on each token, built where needed
         else:
             q = torch.cat(qs)
             if self.subset is not None:  # sorted subset: the same inverse-CDF draw as over the full vocabulary
-                q = sparse_to_dense(self.subset.expand(len(tokens), -1), q, self.vocab)
+                q = sparse_to_dense(self.subset.expand(len(tokens), -1).to(q.device), q, self.vocab)
         return Proposal(tokens, q, confidences=confidences)
+
+    def _steps(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG, confident: bool):
+        """(token in the head, its q row or None when greedy, confidence or None) per drafted token, each read back
+        to the host; the next token's forward runs only if the caller asks for it."""
+        start = len(context)
+        logits = self._head(self.seq.subset_logits_after(context))
+        for i in range(gamma):
+            if params.greedy:  # q is the one-hot of the argmax: any uniform's inverse-CDF draw lands on it
+                token, q = int(logits[0].argmax()), None
+            else:
+                q = self._draft_distribution(logits, params)
+                token = int(sample_from_probs(q, torch.tensor([rng.uniform(start + i, Purpose.DRAFT)])))
+            yield token, q, float(torch.softmax(logits[0], -1).max()) if confident else None
+            if i + 1 < gamma:
+                logits = self._head(self.seq.feed_subset([token if self.subset is None else int(self.subset[token])]))
+
+    def _block(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG):
+        """The same, drafted as one block on the device (`scheduler.drafting`), read back once."""
+        block = self.seq.draft_block(context, gamma, params, rng, self.top_k_q)
+        for i, (token, confidence) in enumerate(zip(block.tokens, block.confidences)):
+            yield token, None if block.q is None else block.q[i : i + 1], confidence
 
     def release(self) -> None:
         self.seq.release()
@@ -266,24 +285,61 @@ class TargetVerifier:
               rng: PositionRNG) -> Verdict:
         """Accept a prefix of `proposal` given the target's logits after context + each drafted token
         ([k+1, ≥ vocab]; the context is `start` tokens long), and drop the rejected positions from the cache."""
-        k = len(proposal)
-        logits = logits[:, : self.vocab]
-        tokens = torch.tensor(proposal.tokens, dtype=torch.long)
-        if params.greedy and (proposal.one_hot or one_hot_on(proposal.q, tokens)):  # the same verdict, cheaply
-            verdict = accept_greedy(proposal.tokens, logits.argmax(-1).tolist())
-        else:
-            verdict = accept_prefix(
-                tokens,
-                proposal.q,
-                probs_from_logits(logits, params),
-                rng.uniforms(start, k, Purpose.ACCEPT),
-                rng.uniforms(start, k + 1, Purpose.FINAL),
-            )
-        if params.logprobs is not None:  # of the emitted tokens, from the logits this verify computed anyway
-            emitted = proposal.tokens[: verdict.n_accepted] + [verdict.next_token]
-            verdict.logprobs = token_logprobs(logits, emitted, params.logprobs)
-        self.seq.rollback(start + verdict.n_accepted)  # drop rejected positions now
-        return verdict
+        return judge_many([(self, logits, start, proposal, params, rng)])[0]
 
     def release(self) -> None:
         self.seq.release()
+
+
+# one verify block of a target step: (its verifier, its logits [k+1, ≥ vocab], context length, proposal, params, rng)
+Block = tuple[TargetVerifier, torch.Tensor, int, Proposal, SamplingParams, PositionRNG]
+
+
+def judge_many(blocks: list[Block]) -> list[Verdict]:
+    """`TargetVerifier.judge` for every block of one target step, batched: the greedy blocks' argmaxes in one
+    op, the sampled blocks' acceptance in one `accept_batch` per distinct (temperature, top-k, top-p), each
+    with one transfer to the host. Each verdict is the one its block would get alone."""
+    verdicts: list[Verdict | None] = [None] * len(blocks)
+    greedy: list[int] = []
+    sampled: dict[tuple, list[int]] = {}
+    for i, (engine, _, _, proposal, params, _) in enumerate(blocks):
+        tokens = torch.tensor(proposal.tokens, dtype=torch.long)
+        if params.greedy and (proposal.one_hot or one_hot_on(proposal.q, tokens)):  # the same verdict, cheaply
+            greedy.append(i)
+        else:
+            sampled.setdefault((params.temperature, params.top_k, params.top_p, engine.vocab), []).append(i)
+    if greedy:
+        argmax = torch.cat([blocks[i][1][:, : blocks[i][0].vocab] for i in greedy]).argmax(-1).tolist()
+        row = 0
+        for i in greedy:
+            k = len(blocks[i][3])
+            verdicts[i] = accept_greedy(blocks[i][3].tokens, argmax[row : row + k + 1])
+            row += k + 1
+    pad = torch.nn.utils.rnn.pad_sequence
+    chunk = _chunk(blocks[0][1])
+    groups = [members[i : i + chunk] for members in sampled.values() for i in range(0, len(members), chunk)]
+    for members in groups:
+        engine, logits, _, _, params, _ = blocks[members[0]]
+        dev, vocab = logits.device, engine.vocab
+        chosen = [blocks[i] for i in members]
+        p = probs_from_logits(pad([b[1][:, :vocab] for b in chosen], batch_first=True), params)
+        q = pad([b[3].q.to(dev) for b in chosen], batch_first=True)
+        tokens = pad([torch.tensor(b[3].tokens, dtype=torch.long) for b in chosen], batch_first=True)
+        u_accept = pad([b[5].uniforms(b[2], len(b[3]), Purpose.ACCEPT) for b in chosen], batch_first=True)
+        u_final = pad([b[5].uniforms(b[2], len(b[3]) + 1, Purpose.FINAL) for b in chosen], batch_first=True)
+        got = accept_batch(tokens.to(dev), [len(b[3]) for b in chosen], q, p, u_accept.to(dev), u_final.to(dev))
+        for i, verdict in zip(members, got):
+            verdicts[i] = verdict
+    for (engine, logits, start, proposal, params, _), verdict in zip(blocks, verdicts):
+        if params.logprobs is not None:  # of the emitted tokens, from the logits this verify computed anyway
+            emitted = proposal.tokens[: verdict.n_accepted] + [verdict.next_token]
+            verdict.logprobs = token_logprobs(logits[:, : engine.vocab], emitted, params.logprobs)
+        engine.seq.rollback(start + verdict.n_accepted)  # drop rejected positions now
+    return verdicts
+
+
+def _chunk(logits: torch.Tensor) -> int:
+    """Blocks accepted in one `accept_batch`: all of a step's on a GPU (one launch sequence, one read back); a
+    few at a time on a CPU, where [blocks, γ+1, vocab] temporaries of a whole step fall out of cache and measured
+    slower than block by block (docs/benchmarks.md)."""
+    return 1 << 30 if logits.device.type == "cuda" else 4

@@ -38,6 +38,9 @@ from specserve.models.runner import StepRunner
 STEP_RUNNER: bool = os.environ.get("SPECSERVE_STEP_RUNNER", "0") == "1"
 
 
+UNKNOWN = -1  # a token a sequence holds whose id is still on the device (`KVPool.feed_ids`)
+
+
 class KVCacheFull(RuntimeError):
     """The pool cannot hold a sequence's tokens (served as RESOURCE_EXHAUSTED / HTTP 503)."""
 
@@ -195,8 +198,10 @@ class KVPool:
                 seq.block = None
 
     @torch.inference_mode()
-    def forward(self, seqs: list[PooledSequence], new_tokens: list[list[int]], keeps: list[int]) -> torch.Tensor:
-        """ONE forward over every sequence's new tokens; head logits of the last keeps[j] of each: [Σ keeps, n].
+    def forward(self, seqs: list[PooledSequence], new_tokens: list[list[int]], keeps: list[int],
+                host: bool = True) -> torch.Tensor:
+        """ONE forward over every sequence's new tokens; head logits of the last keeps[j] of each: [Σ keeps, n],
+        on the CPU (host=False: where they were computed, for a caller that reduces them there first).
 
         Reserve first (`reserve`), so a sequence the pool cannot hold fails alone, before the forward.
         """
@@ -210,7 +215,25 @@ class KVPool:
         for seq, tokens in zip(seqs, new_tokens):
             seq.tokens.extend(tokens)
             seq.forward_calls += 1
-        return logits.cpu()
+        return logits.cpu() if host else logits
+
+    @torch.inference_mode()
+    def feed_ids(self, seqs: list[PooledSequence], ids: torch.Tensor) -> torch.Tensor:
+        """A decode step whose tokens are still on the device (ids: [len(seqs)], one each; a draft's samples):
+        head logits [len(seqs), n] on the device, read from nowhere on the host. The sequences hold UNKNOWN (-1)
+        in place of these tokens until the caller, having read them back, fills them in."""
+        for seq in seqs:
+            self.reserve(seq, len(seq.tokens) + 1)
+        blocks, starts = [seq.block[0] for seq in seqs], [len(seq.tokens) for seq in seqs]
+        key = self.runner.bucket_for(len(seqs), 1, max(starts) + 1) if self.runner is not None else None
+        if key is not None:
+            logits = self.runner.forward(key, blocks, starts, ids[:, None])
+        else:  # outside the buckets: an eager step, which takes its tokens from the host
+            logits = lean_forward(self.w, seqs, [[t] for t in ids.tolist()], [1] * len(seqs), (self.k, self.v, blocks))
+        for seq in seqs:
+            seq.tokens.append(UNKNOWN)
+            seq.forward_calls += 1
+        return logits
 
 
 class PooledSequence(TokenSequence):

@@ -79,9 +79,11 @@ class StepRunner:
 
     @torch.inference_mode()
     def forward(self, key: tuple[int, int, int], blocks: list[int], starts: list[int],
-                new_tokens: list[list[int]]) -> torch.Tensor:
+                new_tokens: list[list[int]] | torch.Tensor) -> torch.Tensor:
         """One step in bucket `key`: sequence j's new tokens go to arena rows blocks[j] + starts[j] + i. Returns
-        the head's float32 logits of every new token, in order: [len(blocks) · width, head rows]."""
+        the head's float32 logits of every new token, in order: [len(blocks) · width, head rows] (a view of the
+        bucket's output, valid until its next step). new_tokens: lists, or a [len(blocks), width] device tensor
+        (tokens sampled on the device, never read on the host)."""
         bucket = self.buckets.get(key)
         if bucket is None:
             bucket = self.buckets[key] = _Bucket(self.w, *key)
@@ -95,13 +97,20 @@ class StepRunner:
             self.replays += 1
         return bucket.logits[: len(blocks) * bucket.width]
 
-    def _fill(self, b: _Bucket, blocks: list[int], starts: list[int], new_tokens: list[list[int]]) -> None:
+    def _fill(self, b: _Bucket, blocks: list[int], starts: list[int], new_tokens: list[list[int]] | torch.Tensor
+              ) -> None:
         n, width, context, group = len(blocks), b.width, b.context, self.w.heads // self.w.kv_heads
         start = torch.tensor(starts, dtype=torch.long)
         base = torch.tensor(blocks, dtype=torch.long)
         offsets = torch.arange(width)
-        ids = torch.zeros(b.batch, width, dtype=torch.long)
-        ids[:n] = torch.tensor(new_tokens, dtype=torch.long)
+        if isinstance(new_tokens, torch.Tensor):  # already on the device: copied there, device to device
+            b.ids.view(b.batch, width)[n:].zero_()
+            b.ids.view(b.batch, width)[:n].copy_(new_tokens)
+            copies = []
+        else:
+            ids = torch.zeros(b.batch, width, dtype=torch.long)
+            ids[:n] = torch.tensor(new_tokens, dtype=torch.long)
+            copies = [(b.ids, ids)]
         positions = torch.zeros(b.batch, width)
         positions[:n] = (start[:, None] + offsets).float()
         slots = torch.full((b.batch, width), self.scratch, dtype=torch.long)
@@ -112,8 +121,8 @@ class StepRunner:
         seen = torch.zeros(b.batch, width, context, dtype=torch.bool)
         seen[:n] = keys <= (start[:, None] + offsets)[..., None]  # key t seen by query i iff t <= start + i
         seen[n:, :, 0] = True  # padding rows see their scratch row only
-        for dst, src in ((b.ids, ids), (b.positions, positions), (b.slots, slots), (b.key_rows, key_rows),
-                         (b.mask, seen.repeat(1, group, 1)[:, None])):
+        for dst, src in copies + [(b.positions, positions), (b.slots, slots), (b.key_rows, key_rows),
+                                  (b.mask, seen.repeat(1, group, 1)[:, None])]:
             dst.copy_(src.reshape(dst.shape), non_blocking=True)
 
     def _run(self, b: _Bucket) -> torch.Tensor:

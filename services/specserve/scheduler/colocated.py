@@ -31,16 +31,20 @@ class ScheduledDraft:
     proposers are called from the sessions' own threads; only their forwards cross to the compute thread."""
 
     def __init__(self, scheduler: StepScheduler, model, vocab: int, top_k_q: int = 0, name: str = "draft",
-                 kv_cache_tokens: int = 65536):
+                 kv_cache_tokens: int = 65536, fused: bool | None = None):
         self.scheduler, self.model, self.vocab, self.top_k_q, self.name = scheduler, model, vocab, top_k_q, name
         self.pool: KVPool | None = None
         if unsupported_reason(model) is None:
             self.pool = scheduler.call(KVPool, model, kv_cache_tokens, draft_dtype(model)).result()
+        # whole blocks on the device (`scheduler.drafting`) where steps replay CUDA graphs; token by token
+        # elsewhere, where stopping at the first unsure token saves real compute
+        runner = self.pool.runner if self.pool is not None else None
+        self.fused = bool(runner is not None and runner.capture) if fused is None else fused
 
     def proposer(self) -> ModelProposer:
         seq = self.pool.sequence() if self.pool is not None else CachedSequence(self.model)
         return ModelProposer(self.model, self.vocab, self.top_k_q, name=self.name,
-                             sequence=ScheduledSequence(self.scheduler, seq, self.pool))
+                             sequence=ScheduledSequence(self.scheduler, seq, self.pool, self.fused))
 
 
 class ColocatedSessions:

@@ -12,14 +12,17 @@ future; one compute thread owns torch and runs steps:
    `prefill_chunk` tokens of one prompt per step, so a long prompt shares
    steps with running sessions instead of freezing them);
 3. ONE forward over all of it (`KVPool.forward`: matmuls over every new
-   token, attention per session over its own cache), then acceptance per
-   session with the engine's own `TargetVerifier.judge` (the `speculation/` rules).
+   token, attention per session over its own cache), then acceptance for
+   every session at once (`engine.proposers.judge_many`: the `speculation/`
+   rules, batched over the step's blocks).
 
 A draft that runs in the same process (colocated: the target worker owns
 both models) submits its steps here too (`ScheduledSequence`): every
 session's next draft token in ONE draft forward. Draft steps go first — they
 are cheap, and a session that finishes drafting joins the next target step —
-so a round is a few batched draft steps and one batched target step.
+so a round is a few batched draft steps and one batched target step. Where the draft's steps replay CUDA
+graphs, each session submits its whole block instead, and the queued blocks are drafted together on the
+device (`scheduler.drafting`).
 
 Each session's tokens depend only on its own inputs and its position-keyed
 randomness, never on who shares its step: the forward computes every row
@@ -45,9 +48,10 @@ from typing import Any
 
 import torch
 
-from specserve.engine.proposers import Proposal, TargetVerifier
+from specserve.engine.proposers import Proposal, TargetVerifier, judge_many
 from specserve.models.kv import TokenSequence
 from specserve.models.pool import KVCacheFull, KVPool
+from specserve.scheduler.drafting import DraftBlock, DraftedBlock, draft_blocks
 from specserve.speculation import PositionRNG, SamplingParams, Verdict
 
 
@@ -64,11 +68,12 @@ class StepInfo:
 class _Work:
     seq: Any  # the cache this work feeds: a session's target sequence, or its draft's
     pool: KVPool | None  # the pool `seq` lives in (None: fed on its own through its model's forward)
-    kind: str  # "prefill", "verify" or "feed" (a draft step)
+    kind: str  # "prefill", "verify", "feed" (a draft step) or "block" (a draft's whole block, `scheduler.drafting`)
     tokens: list[int]  # prefill, verify: what the cache must hold afterwards; feed: the tokens to append
     future: Future
     keep: int = 0  # logits wanted back (verify: k+1)
     verify: tuple | None = None  # (TargetVerifier, context length, proposal, params, rng)
+    block: DraftBlock | None = None
 
 
 def torch_threads(n: int) -> None:
@@ -119,6 +124,7 @@ class StepScheduler:
         self.threads = threads
         self.steps = 0
         self.draft_steps = 0
+        self.fused_blocks = 0  # draft steps run as whole blocks (`_draft`)
         self.last_step_s = 0.0
         self.sessions_per_step: Counter[int] = Counter()  # how many sessions shared each target step
         self.sessions_per_draft_step: Counter[int] = Counter()  # and each draft step (a colocated draft)
@@ -155,6 +161,11 @@ class StepScheduler:
         """A draft step: append `tokens` to `seq` in the next draft forward; resolves to its head logits [keep, n]."""
         return self._submit(_Work(seq, pool, "feed", list(tokens), Future(), keep))
 
+    def draft(self, block: DraftBlock, pool: KVPool) -> Future:
+        """A draft's whole block, drafted with every other queued block on the device; resolves to a
+        `DraftedBlock`."""
+        return self._submit(_Work(block.seq, pool, "block", block.tail, Future(), block.gamma, block=block))
+
     def _submit(self, work: _Work) -> Future:
         with self._cond:
             if self._closed:
@@ -185,11 +196,14 @@ class StepScheduler:
                 if not self._calls:
                     self._gather_locked()
                 calls, self._calls = list(self._calls), deque()
+                blocks = [w for w in self._work if w.kind == "block"]
                 feeds = [w for w in self._work if w.kind == "feed"]
                 batch = feeds or list(self._work)  # draft steps first: they are cheap and lead to verifies
             for fn, args, future in calls:
                 self._settle(future, fn, *args)
-            if batch:
+            if blocks:
+                self._draft(blocks)
+            elif batch:
                 self._step(batch)
         stopped = RuntimeError("the step scheduler stopped")
         for future in [w.future for w in self._work] + [call[2] for call in self._calls]:
@@ -198,7 +212,7 @@ class StepScheduler:
     def _gather_locked(self) -> None:
         """Wait (bounded) until every open session has target work queued, so they share the step."""
         deadline = time.perf_counter() + self.gather * self.last_step_s
-        while not self._calls and not any(w.kind == "feed" for w in self._work):
+        while not self._calls and not any(w.kind in ("feed", "block") for w in self._work):
             if len({id(w.seq) for w in self._work}) >= self.expected():
                 return
             left = deadline - time.perf_counter()
@@ -241,12 +255,14 @@ class StepScheduler:
         if not taken:
             return
         try:
-            logits = self._forward([(w.seq, w.pool, chunk, w.keep if done else 0) for w, chunk, done in taken])
+            logits = self._forward([(w.seq, w.pool, chunk, w.keep if done else 0) for w, chunk, done in taken],
+                                   host=taken[0][0].kind == "feed")  # a verify's logits are judged on the device
         except BaseException as exc:  # noqa: BLE001 - every session in the step sees it
             for work, _, _ in taken:
                 self._drop(work, exc)
             return
         info = StepInfo(sum(len(c) for _, c, _ in taken), len(taken), time.perf_counter() - t0)
+        verifies: list[tuple[_Work, torch.Tensor]] = []
         for (work, _, done), rows in zip(taken, logits):
             if not done:
                 continue  # a prefill with chunks to go stays queued
@@ -257,8 +273,9 @@ class StepScheduler:
             elif work.kind == "prefill":
                 work.future.set_result(None)
             else:
-                engine, start, proposal, params, rng = work.verify
-                self._settle(work.future, lambda: (engine.judge(rows, start, proposal, params, rng), info))
+                verifies.append((work, rows))
+        if verifies:
+            self._judge(verifies, info)
         if taken[0][0].kind == "feed":
             self.draft_steps += 1
             self.sessions_per_draft_step[len(taken)] += 1
@@ -266,6 +283,40 @@ class StepScheduler:
         self.steps += 1
         self.sessions_per_step[len(taken)] += 1
         self.last_step_s = time.perf_counter() - t0
+
+    def _draft(self, queued: list[_Work]) -> None:
+        """Every queued block of one draft pool, drafted together (`drafting.draft_blocks`)."""
+        pool = queued[0].pool
+        works = [w for w in queued if w.pool is pool]
+        with self._cond:
+            for work in works:
+                self._work.remove(work)
+        try:
+            drafted = draft_blocks(pool, [w.block for w in works], works[0].block.head)
+        except BaseException as exc:  # noqa: BLE001 - every session in the block sees it
+            for work in works:
+                work.future.set_exception(exc)
+            return
+        for work, result in zip(works, drafted):
+            work.future.set_result(result)
+        longest = max(w.block.gamma for w in works)
+        self.fused_blocks += 1
+        self.draft_steps += longest
+        for step in range(longest):
+            self.sessions_per_draft_step[sum(w.block.gamma > step for w in works)] += 1
+
+    def _judge(self, verifies: list[tuple[_Work, torch.Tensor]], info: StepInfo) -> None:
+        """Every verify block of the step accepted at once (`judge_many`); should that fail, each alone, so that
+        one bad block fails only its own session."""
+        try:
+            verdicts = judge_many([(w.verify[0], rows, *w.verify[1:]) for w, rows in verifies])
+        except Exception:  # noqa: BLE001 - retried block by block below
+            for work, rows in verifies:
+                engine, start, proposal, params, rng = work.verify
+                self._settle(work.future, lambda: (engine.judge(rows, start, proposal, params, rng), info))
+            return
+        for (work, _), verdict in zip(verifies, verdicts):
+            work.future.set_result((verdict, info))
 
     @staticmethod
     def _unfed(work: _Work) -> list[int]:
@@ -285,9 +336,10 @@ class StepScheduler:
             work.future.set_exception(exc)
 
     @staticmethod
-    def _forward(items: list[tuple[Any, KVPool | None, list[int], int]]) -> list[torch.Tensor | None]:
+    def _forward(items: list[tuple[Any, KVPool | None, list[int], int]], host: bool = True
+                 ) -> list[torch.Tensor | None]:
         """Each item's kept logits ([keep, head rows], None where keep is 0): ONE forward per pool, the items
-        without one fed alone."""
+        without one fed alone. host: on the CPU (else where a pool computed them)."""
         out: list[torch.Tensor | None] = [None] * len(items)
         groups: dict[int, list[int]] = {}
         for i, (_, pool, _, _) in enumerate(items):
@@ -300,7 +352,7 @@ class StepScheduler:
                 out[members[0]] = logits[-keep:] if keep else None
                 continue
             logits = pool.forward([items[i][0] for i in members], [items[i][2] for i in members],
-                                  [items[i][3] for i in members])
+                                  [items[i][3] for i in members], host=host)
             row = 0
             for i in members:
                 keep = items[i][3]
@@ -332,12 +384,14 @@ class ScheduledVerifier:
 class ScheduledSequence(TokenSequence):
     """A draft's cache whose forwards run as the scheduler's batched draft steps (a colocated draft: every
     session's next draft token in one forward). Bookkeeping (rollback, prefix reuse) stays with the caller's
-    thread; only `feed` crosses to the compute thread, which the caller then waits for."""
+    thread; only `feed` (or a whole block, `draft_block`, where `fused`) crosses to the compute thread, which
+    the caller then waits for."""
 
-    def __init__(self, scheduler: StepScheduler, seq, pool: KVPool | None):
+    def __init__(self, scheduler: StepScheduler, seq, pool: KVPool | None, fused: bool = False):
         self.scheduler, self.inner, self.pool = scheduler, seq, pool
         self.token_subset = seq.token_subset
         self.vocab = pool.vocab if pool is not None else getattr(seq, "vocab", None)
+        self.fused = fused and pool is not None  # blocks drafted whole on the device (`draft_block`)
 
     @property
     def tokens(self) -> list[int]:
@@ -352,6 +406,18 @@ class ScheduledSequence(TokenSequence):
             self.scheduler.feed(self.inner, self.pool, new_tokens[:chunk], 0).result()
             new_tokens = new_tokens[chunk:]
         return self.scheduler.feed(self.inner, self.pool, new_tokens, keep_logits).result()
+
+    def draft_block(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG,
+                    top_k_q: int = 0) -> DraftedBlock:
+        """Bring the cache to `context` and draft `gamma` tokens after it as one block on the device."""
+        tail = self.inner.unfed(context, 1)
+        chunk = self.scheduler.prefill_chunk
+        while len(tail) > chunk:  # a long prompt goes in chunks first, between other sessions' steps
+            self.scheduler.feed(self.inner, self.pool, tail[:chunk], 0).result()
+            tail = tail[chunk:]
+        head = len(self.token_subset) if self.token_subset is not None else self.vocab
+        block = DraftBlock(self.inner, tail, gamma, params, rng, len(context), top_k_q, head)
+        return self.scheduler.draft(block, self.pool).result()
 
     def feed(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
         from specserve.models.lean import widen

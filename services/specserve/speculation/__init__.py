@@ -17,7 +17,13 @@ from specserve.speculation.controllers import (
     parse_gamma,
 )
 from specserve.speculation.params import SamplingParams
-from specserve.speculation.rejection import Verdict, accept_greedy, accept_prefix, residual_distribution
+from specserve.speculation.rejection import (
+    Verdict,
+    accept_batch,
+    accept_greedy,
+    accept_prefix,
+    residual_distribution,
+)
 from specserve.speculation.rng import PositionRNG, Purpose
 from specserve.speculation.sampling import probs_from_logits, sample_from_probs, sparse_to_dense
 
@@ -32,6 +38,7 @@ __all__ = [
     "SamplingParams",
     "Verdict",
     "WarmStarts",
+    "accept_batch",
     "accept_greedy",
     "accept_prefix",
     "expected_tokens_per_round",

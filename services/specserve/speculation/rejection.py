@@ -34,15 +34,15 @@ class Verdict:
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p − q)).
+    """norm(max(0, p − q)) along the last axis.
 
-    p, q: [vocab]. When p ≤ q everywhere (only possible through rounding,
+    p, q: [..., vocab]. Where p ≤ q everywhere (only possible through rounding,
     since a rejection implies p(x) < q(x) for the drafted x and so mass
     elsewhere) fall back to p, which is then equal to q.
     """
     residual = torch.clamp(p - q, min=0.0)
-    total = residual.sum()
-    return residual / total if total > 0 else p
+    total = residual.sum(-1, keepdim=True)
+    return torch.where(total > 0, residual / torch.where(total > 0, total, 1.0), p)
 
 
 def accept_greedy(draft_tokens: list[int], target_argmax: list[int]) -> Verdict:
@@ -89,3 +89,41 @@ def accept_prefix(
     accept_probs = ratio[:looked].clamp(max=1.0).tolist()
     betas = torch.minimum(target_probs[:looked], draft_probs[:looked]).sum(-1).tolist()
     return Verdict(n, token, accept_probs, betas)
+
+
+def accept_batch(
+    draft_tokens: torch.Tensor,  # [B, G] int64; positions at or past a block's length hold any id
+    lengths: list[int],  # block b drafted lengths[b] <= G tokens
+    draft_probs: torch.Tensor,  # [B, G, vocab] q
+    target_probs: torch.Tensor,  # [B, G+1, vocab] p
+    u_accept: torch.Tensor,  # [B, G]
+    u_final: torch.Tensor,  # [B, G+1]
+) -> list[Verdict]:
+    """`accept_prefix` for B blocks at once, on their device: every block's tests, residual and bonus draws
+    in a few batched ops, and ONE transfer of the verdicts to the host (a GPU step then synchronises once per
+    step, not once per session and token). Row b's verdict is accept_prefix's on its first lengths[b] tokens."""
+    batch, gamma = draft_tokens.shape
+    rows = torch.arange(batch, device=target_probs.device)
+    drafted_k = torch.tensor(lengths, dtype=torch.long, device=rows.device)
+    if gamma:
+        p_x = target_probs[:, :gamma].gather(-1, draft_tokens[..., None]).squeeze(-1).double()
+        q_x = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1).double()
+        ratio = torch.where(q_x > 0, p_x / q_x.clamp_min(1e-300), torch.zeros_like(p_x))  # [B, G]
+        drafted = torch.arange(gamma, device=rows.device) < drafted_k[:, None]
+        n = ((u_accept.double() < ratio) & drafted).long().cumprod(1).sum(1)  # [B]
+        p_n = target_probs[rows, n]
+        residual = residual_distribution(p_n, draft_probs[rows, n.clamp(max=gamma - 1)])
+        final = torch.where((n < drafted_k)[:, None], residual, p_n)  # the residual after a rejection, else the bonus
+        betas = torch.minimum(target_probs[:, :gamma], draft_probs).sum(-1).double()
+    else:
+        n = torch.zeros(batch, dtype=torch.long, device=rows.device)
+        final, ratio = target_probs[:, 0], torch.zeros(batch, 0, dtype=torch.float64, device=rows.device)
+        betas = ratio
+    token = sample_from_probs(final, u_final[rows, n])
+    host = torch.cat((n[:, None].double(), token[:, None].double(), ratio.clamp(max=1.0), betas), 1).tolist()
+    verdicts = []
+    for row, k in zip(host, lengths):
+        accepted = int(row[0])
+        looked = min(accepted + 1, k)  # positions whose verdict was actually drawn
+        verdicts.append(Verdict(accepted, int(row[1]), row[2 : 2 + looked], row[2 + gamma : 2 + gamma + looked]))
+    return verdicts

@@ -57,7 +57,7 @@ def truncate_top_k(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
 
 def sparse_to_dense(ids: torch.Tensor, probs: torch.Tensor, vocab: int) -> torch.Tensor:
     """ids, probs: [n, k] → dense [n, vocab] float32."""
-    dense = torch.zeros(ids.shape[0], vocab, dtype=torch.float32)
+    dense = torch.zeros(ids.shape[0], vocab, dtype=torch.float32, device=probs.device)
     return dense.scatter_(-1, ids.long(), probs.float())
 
 
@@ -79,7 +79,7 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
 def vocab_last_nonzero(probs: torch.Tensor) -> torch.Tensor:
     """probs: [n, vocab] → [n] index of the last entry > 0."""
     vocab = probs.shape[-1]
-    positions = torch.arange(vocab).expand_as(probs)
+    positions = torch.arange(vocab, device=probs.device).expand_as(probs)
     return torch.where(probs > 0, positions, -1).max(-1).values
 
 

@@ -1,0 +1,115 @@
+"""A draft's whole block of γ tokens for every session at once, with no trip to the host between its steps.
+
+The per-token path (`ModelProposer` over a `ScheduledSequence`) reads every draft token back to the host: the
+session samples it there, then sends it into the next batched draft step. On a GPU each of those trips is a
+synchronisation and a step's kernel launches start only after it. `draft_blocks` instead keeps the block on
+the device: step 0 feeds each session's new context tokens, then every step samples each session's next token
+from its logits on the device (the position-keyed uniforms of all γ steps are computed up front and copied
+once), feeds the samples straight back as the next step's input ids (`KVPool.feed_ids`, a captured graph per
+bucket on CUDA), and only after the last step are the tokens, q rows and confidences read back, once.
+
+The sampling is the per-token path's, row by row: the same head logits, `probs_from_logits`, top-k truncation
+of q where the draft ships a sparse q, `sample_from_probs` with the same uniform, argmax at temperature 0, and
+the same confidence (the top probability of the raw logits). A block runs to its γ ceiling; the proposer then
+applies its stopping rules to the confidences, which depend on nothing a later token changes, so it keeps
+exactly the tokens the per-token path would have drafted (tested). What it drafts past the cut is wasted,
+which is why the per-token path stays the default where a step is not launch-bound (CPUs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.models.pool import KVPool, PooledSequence
+from specserve.speculation import PositionRNG, Purpose, SamplingParams, probs_from_logits, sample_from_probs
+from specserve.speculation.sampling import sparse_to_dense, truncate_top_k
+
+
+@dataclass
+class DraftBlock:
+    """One session's block: feed `tail` (its context tokens the cache lacks, ≥ 1), then draft `gamma` tokens."""
+
+    seq: PooledSequence
+    tail: list[int]
+    gamma: int
+    params: SamplingParams
+    rng: PositionRNG
+    start: int  # the context's length: the position of the first drafted token
+    top_k_q: int = 0  # sample from the top-k-truncated q (what a split draft ships)
+    head: int = 0  # the logits columns it samples over: its token subset's size, else the shared vocabulary
+
+
+@dataclass
+class DraftedBlock:
+    tokens: list[int]  # head indices (positions in the token subset where the draft's head has one, else ids)
+    q: torch.Tensor | None  # [gamma, head] the rows they were sampled from (None at temperature 0: one-hot)
+    confidences: list[float]  # the raw logits' top probability at each token
+
+
+def _sample(logits: torch.Tensor, blocks: list[DraftBlock], uniforms: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(token [A], q [A, head] or None when every row is greedy, confidence [A]) for the A rows of `logits`,
+    on their device; one sampling call per distinct (temperature, top-k, top-p, top_k_q)."""
+    tokens = torch.empty(len(blocks), dtype=torch.long, device=logits.device)
+    q = None
+    groups: dict[tuple, list[int]] = {}
+    for i, b in enumerate(blocks):
+        key = ("greedy",) if b.params.greedy else (b.params.temperature, b.params.top_k, b.params.top_p, b.top_k_q)
+        groups.setdefault(key, []).append(i)
+    for key, rows in groups.items():
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        if key == ("greedy",):
+            tokens[index] = logits[index].argmax(-1)
+            continue
+        probs = probs_from_logits(logits[index], blocks[rows[0]].params)
+        if key[-1]:
+            ids, kept = truncate_top_k(probs, key[-1])
+            probs = sparse_to_dense(ids, kept, probs.shape[-1])
+        tokens[index] = sample_from_probs(probs, uniforms[index])
+        if q is None:
+            q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        q[index] = probs
+    return tokens, q, torch.softmax(logits.float(), -1).max(-1).values
+
+
+@torch.inference_mode()
+def draft_blocks(pool: KVPool, blocks: list[DraftBlock], head: int) -> list[DraftedBlock]:
+    """Every block's tokens (see the module docstring); `head` as in `DraftBlock`. Each block's cache ends
+    holding its tail and all but its last drafted token, as after the per-token path."""
+    dev, longest = pool.w.device, max(b.gamma for b in blocks)
+    for b in blocks:  # every step's room up front: a block the pool cannot hold fails before any forward
+        pool.reserve(b.seq, len(b.seq.tokens) + len(b.tail) + b.gamma - 1)
+    uniforms = torch.tensor([[b.rng.uniform(b.start + i, Purpose.DRAFT) for i in range(longest)] for b in blocks],
+                            dtype=torch.float64).to(dev, non_blocking=True)
+    tokens = torch.zeros(len(blocks), longest, dtype=torch.long, device=dev)
+    confidences = torch.zeros(len(blocks), longest, dtype=torch.float64, device=dev)
+    q = None
+    subset = pool.w.token_subset.to(dev) if pool.w.token_subset is not None else None  # head index → token id
+    live = list(range(len(blocks)))  # the blocks the current step's logits rows belong to
+    logits = pool.forward([b.seq for b in blocks], [b.tail for b in blocks], [1] * len(blocks), host=False)
+    for step in range(longest):
+        rows = torch.tensor(live, dtype=torch.long, device=dev)
+        token, q_step, confidence = _sample(logits[:, :head], [blocks[i] for i in live], uniforms[rows, step])
+        tokens[rows, step], confidences[rows, step] = token, confidence.double()
+        if q_step is not None:
+            if q is None:
+                q = torch.zeros(len(blocks), longest, head, dtype=torch.float32, device=dev)
+            q[rows, step] = q_step
+        going = [j for j, i in enumerate(live) if blocks[i].gamma > step + 1]
+        if not going:
+            break
+        live = [live[j] for j in going]
+        fed = token[torch.tensor(going, device=dev)]
+        logits = pool.feed_ids([blocks[i].seq for i in live], fed if subset is None else subset[fed])
+    host = torch.cat((tokens.double(), confidences), 1).tolist()  # the one read back of the block
+    out = []
+    for i, b in enumerate(blocks):
+        drafted = [int(t) for t in host[i][: b.gamma]]
+        if b.gamma > 1:  # the placeholders `feed_ids` left for the tokens fed back
+            fed = drafted[:-1] if subset is None else pool.w.token_subset[drafted[:-1]].tolist()
+            b.seq.tokens[-(b.gamma - 1):] = fed
+        q_rows = None if b.params.greedy else q[i, : b.gamma]
+        out.append(DraftedBlock(drafted, q_rows, host[i][longest : longest + b.gamma]))
+    return out
