@@ -297,8 +297,9 @@ Block = tuple[TargetVerifier, torch.Tensor, int, Proposal, SamplingParams, Posit
 
 def judge_many(blocks: list[Block]) -> list[Verdict]:
     """`TargetVerifier.judge` for every block of one target step, batched: the greedy blocks' argmaxes in one
-    op, the sampled blocks' acceptance in one `accept_batch` per distinct (temperature, top-k, top-p), each
-    with one transfer to the host. Each verdict is the one its block would get alone."""
+    op, the sampled blocks' acceptance in one `accept_batch` per distinct (temperature, top-k, top-p) (per 4
+    blocks of it on a CPU: `_chunk`), each with one transfer to the host. Each verdict is the one its block
+    would get alone."""
     verdicts: list[Verdict | None] = [None] * len(blocks)
     greedy: list[int] = []
     sampled: dict[tuple, list[int]] = {}
