@@ -9,6 +9,8 @@ test_colocated.
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent import futures
 
 import pytest
@@ -87,17 +89,29 @@ def test_fused_blocks_draft_what_token_by_token_drafts(runner, rules, monkeypatc
 
 
 def test_a_block_the_pool_cannot_hold_fails_alone():
+    """Two blocks queued for the same fused step: the one too long for the pool fails with KVCacheFull, the
+    other is drafted."""
     model = tiny_llama(4, vocab=VOCAB, layers=1, hidden=16)
     scheduler = StepScheduler(None)
     try:
         draft = ScheduledDraft(scheduler, model, VOCAB, kv_cache_tokens=64, fused=True)
         draft.pool.max_length = 16
         greedy = SamplingParams(temperature=0)
-        with pytest.raises(KVCacheFull):
-            draft.proposer().propose(list(range(1, 14)), 5, greedy, PositionRNG(0))
-        proposer = draft.proposer()
-        assert len(proposer.propose([1, 2, 3], 4, greedy, PositionRNG(0))) == 4  # the next one is served
-        proposer.release()
+        hold = threading.Event()
+        scheduler.call(hold.wait)  # the compute thread waits here until both blocks are queued
+        long, short = draft.proposer(), draft.proposer()
+        with futures.ThreadPoolExecutor(2) as threads:
+            too_long = threads.submit(long.propose, list(range(1, 14)), 5, greedy, PositionRNG(0))
+            fits = threads.submit(short.propose, [1, 2, 3], 4, greedy, PositionRNG(0))
+            while len(scheduler._work) < 2:
+                time.sleep(0.01)
+            hold.set()
+            with pytest.raises(KVCacheFull):
+                too_long.result()
+            assert len(fits.result()) == 4
+        assert scheduler.fused_blocks == 1  # they were queued for the same step
+        short.release()
+        long.release()
     finally:
         scheduler.close()
 

@@ -125,7 +125,9 @@ def bench_accept(args, log) -> list[dict[str, Any]]:
     from specserve.models.pool import KVPool
     from specserve.speculation import PositionRNG, SamplingParams
 
-    model = synthetic_llama_for_accept(args)
+    from specserve.bench.dataplane import synthetic_llama
+
+    model = synthetic_llama("tiny", args.vocab, None, args.device, args.dtype)  # the verifiers need its vocabulary only
     pool = KVPool(model, tokens=64)
     params = SamplingParams(temperature=1.0)
     gen = torch.Generator(device=args.device).manual_seed(0)
@@ -154,9 +156,3 @@ def bench_accept(args, log) -> list[dict[str, Any]]:
             f"one by one {timed['one by one']:8.3f} ms")
     return rows
 
-
-def synthetic_llama_for_accept(args):
-    """The smallest synthetic model with the bench's vocabulary: the verifiers only need its vocabulary."""
-    from specserve.bench.dataplane import synthetic_llama
-
-    return synthetic_llama("tiny", args.vocab, None, args.device, args.dtype)

@@ -304,9 +304,8 @@ def judge_many(blocks: list[Block]) -> list[Verdict]:
     greedy: list[int] = []
     sampled: dict[tuple, list[int]] = {}
     for i, (engine, _, _, proposal, params, _) in enumerate(blocks):
-        tokens = torch.tensor(proposal.tokens, dtype=torch.long)
-        if params.greedy and (proposal.one_hot or one_hot_on(proposal.q, tokens)):  # the same verdict, cheaply
-            greedy.append(i)
+        if params.greedy and (proposal.one_hot or one_hot_on(proposal.q, torch.tensor(proposal.tokens))):
+            greedy.append(i)  # the same verdict, cheaply
         else:
             sampled.setdefault((params.temperature, params.top_k, params.top_p, engine.vocab), []).append(i)
     if greedy:

@@ -74,13 +74,17 @@ def _sample(logits: torch.Tensor, blocks: list[DraftBlock], uniforms: torch.Tens
     return tokens, q, torch.softmax(logits.float(), -1).max(-1).values
 
 
+def room(block: DraftBlock) -> int:
+    """The positions `block`'s cache must hold for its whole block (reserve them before `draft_blocks`, so a
+    block the pool cannot hold fails alone, before any forward)."""
+    return len(block.seq.tokens) + len(block.tail) + block.gamma - 1
+
+
 @torch.inference_mode()
-def draft_blocks(pool: KVPool, blocks: list[DraftBlock], head: int) -> list[DraftedBlock]:
-    """Every block's tokens (see the module docstring); `head` as in `DraftBlock`. Each block's cache ends
-    holding its tail and all but its last drafted token, as after the per-token path."""
-    dev, longest = pool.w.device, max(b.gamma for b in blocks)
-    for b in blocks:  # every step's room up front: a block the pool cannot hold fails before any forward
-        pool.reserve(b.seq, len(b.seq.tokens) + len(b.tail) + b.gamma - 1)
+def draft_blocks(pool: KVPool, blocks: list[DraftBlock]) -> list[DraftedBlock]:
+    """Every block's tokens (see the module docstring), the blocks of one draft (one `head`). Each block's cache
+    ends holding its tail and all but its last drafted token, as after the per-token path."""
+    dev, longest, head = pool.w.device, max(b.gamma for b in blocks), blocks[0].head
     uniforms = torch.tensor([[b.rng.uniform(b.start + i, Purpose.DRAFT) for i in range(longest)] for b in blocks],
                             dtype=torch.float64).to(dev, non_blocking=True)
     tokens = torch.zeros(len(blocks), longest, dtype=torch.long, device=dev)

@@ -51,7 +51,7 @@ import torch
 from specserve.engine.proposers import Proposal, TargetVerifier, judge_many
 from specserve.models.kv import TokenSequence
 from specserve.models.pool import KVCacheFull, KVPool
-from specserve.scheduler.drafting import DraftBlock, DraftedBlock, draft_blocks
+from specserve.scheduler.drafting import DraftBlock, DraftedBlock, draft_blocks, room
 from specserve.speculation import PositionRNG, SamplingParams, Verdict
 
 
@@ -287,12 +287,21 @@ class StepScheduler:
     def _draft(self, queued: list[_Work]) -> None:
         """Every queued block of one draft pool, drafted together (`drafting.draft_blocks`)."""
         pool = queued[0].pool
-        works = [w for w in queued if w.pool is pool]
+        works = []
+        for work in (w for w in queued if w.pool is pool):
+            try:
+                pool.reserve(work.seq, room(work.block))
+            except (ValueError, KVCacheFull) as exc:  # this block alone fails
+                self._drop(work, exc)
+                continue
+            works.append(work)
+        if not works:
+            return
         with self._cond:
             for work in works:
                 self._work.remove(work)
         try:
-            drafted = draft_blocks(pool, [w.block for w in works], works[0].block.head)
+            drafted = draft_blocks(pool, [w.block for w in works])
         except BaseException as exc:  # noqa: BLE001 - every session in the block sees it
             for work in works:
                 work.future.set_exception(exc)

@@ -67,28 +67,9 @@ def accept_prefix(
     u_accept: torch.Tensor,  # [γ] uniforms for the acceptance tests
     u_final: torch.Tensor,  # [γ+1] uniforms for the residual / bonus draw at each position
 ) -> Verdict:
-    gamma = draft_tokens.shape[0]
-    if gamma == 0:
-        token = sample_from_probs(target_probs[:1], u_final[:1])
-        return Verdict(0, int(token), [], [])
-
-    positions = torch.arange(gamma)
-    p_x = target_probs[positions, draft_tokens].double()  # [γ]
-    q_x = draft_probs[positions, draft_tokens].double()  # [γ]
-    ratio = torch.where(q_x > 0, p_x / q_x.clamp_min(1e-300), torch.zeros_like(p_x))
-    accepted = u_accept.double() < ratio  # u ∈ [0,1): P(accept) = min(1, ratio)
-    n = int(accepted.long().cumprod(0).sum())
-
-    if n < gamma:
-        final = residual_distribution(target_probs[n], draft_probs[n])
-    else:
-        final = target_probs[gamma]
-    token = int(sample_from_probs(final.unsqueeze(0), u_final[n : n + 1]))
-
-    looked = min(n + 1, gamma)  # positions whose verdict was actually drawn
-    accept_probs = ratio[:looked].clamp(max=1.0).tolist()
-    betas = torch.minimum(target_probs[:looked], draft_probs[:looked]).sum(-1).tolist()
-    return Verdict(n, token, accept_probs, betas)
+    """One block's verdict: `accept_batch` of one."""
+    return accept_batch(draft_tokens[None], [draft_tokens.shape[0]], draft_probs[None], target_probs[None],
+                        u_accept[None], u_final[None])[0]
 
 
 def accept_batch(
@@ -99,9 +80,10 @@ def accept_batch(
     u_accept: torch.Tensor,  # [B, G]
     u_final: torch.Tensor,  # [B, G+1]
 ) -> list[Verdict]:
-    """`accept_prefix` for B blocks at once, on their device: every block's tests, residual and bonus draws
-    in a few batched ops, and ONE transfer of the verdicts to the host (a GPU step then synchronises once per
-    step, not once per session and token). Row b's verdict is accept_prefix's on its first lengths[b] tokens."""
+    """The verdicts of B blocks at once, on their device: every block's tests (accept x_i while
+    u_i < p_i(x_i)/q_i(x_i)), residual and bonus draws in a few batched ops, and ONE transfer of the verdicts to
+    the host (a GPU step then synchronises once per step, not once per session and token). Row b's verdict
+    depends only on its first lengths[b] tokens (its padding is never looked at)."""
     batch, gamma = draft_tokens.shape
     rows = torch.arange(batch, device=target_probs.device)
     drafted_k = torch.tensor(lengths, dtype=torch.long, device=rows.device)
