@@ -30,6 +30,16 @@ def _temperatures(value: str) -> tuple[float, ...]:
     return temps
 
 
+def _quantization(value: str) -> str:
+    from specserve.models.quant import parse
+
+    try:
+        parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="embedded", help="HF id/dir, .gguf file, or 'embedded' (default)")
     p.add_argument("--draft", default="default",
@@ -37,6 +47,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "draft for the embedded target, else ngram (bench: a comma-separated list runs each)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bf16 where fast, else fp32")
     p.add_argument("--gamma-max", type=int, default=8, help="deepest speculation auto/heuristic may choose")
+    p.add_argument("--quantization", type=_quantization, default="auto",
+                   help="target weights: auto (a GGUF file's own quantization, else dense), none, int8, int4 "
+                   "(int4-g64, int4-g128); quantized computes in bf16")
+    p.add_argument("--draft-quantization", type=_quantization, default="auto", help="the same for a model draft")
 
 
 def _add_lookup_arg(p: argparse.ArgumentParser) -> None:
@@ -175,7 +189,8 @@ def _generate(args) -> int:
     draft = None if args.draft == "none" else args.draft
     try:
         decoder = SpeculativeDecoder(args.target, draft, gamma=args.gamma, dtype=args.dtype, gamma_max=args.gamma_max,
-                                     draft_lookup=not args.no_lookup)
+                                     draft_lookup=not args.no_lookup, quantization=args.quantization,
+                                     draft_quantization=args.draft_quantization)
         prompt = args.prompt
         if not args.raw and decoder.tokenizer is not None and decoder.tokenizer.chat_template:
             prompt = [{"role": "user", "content": args.prompt}]

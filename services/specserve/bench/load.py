@@ -134,15 +134,14 @@ def _start_servers(args, apps: set[str]) -> tuple[str, dict[str, str]]:
 
     from specserve.serve.listen import free_port
     from specserve.serve import build_app
+    from specserve.serve.run import model_args
     from specserve.workers.quiet import quiet_env, yield_control_plane
 
     port = free_port()
     quiet_env()  # as `specserve serve` runs its local Ray (`workers.quiet`)
     ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=8)  # logical slots
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
-    app_args = {"target": args.target, "draft": args.draft, "gamma": "auto", "gamma_max": args.gamma_max}
-    if args.dtype:
-        app_args["dtype"] = args.dtype
+    app_args = model_args(args, "auto")
     urls = {}
     for name in sorted(apps):
         prefix = "/" if name == "batched" else f"/{name}"
@@ -174,6 +173,7 @@ def run_load_bench(args) -> int:
     else:
         urls = {"batched": args.url.rstrip("/"), "unbatched": args.url.rstrip("/")}
     report = {"config": {"target": args.target, "draft": args.draft, "max_new_tokens": args.max_new_tokens,
+                         "quantization": getattr(args, "quantization", "auto"),
                          "requests_per_stream": args.load_requests, "sampling": "greedy, eos ignored",
                          "url": args.url, "configs": configs, "concurrency": levels, "rounds": rounds},
               "levels": {c: [] for c in configs}, "ratio_to_first": {c: [] for c in configs[1:]}}
@@ -289,7 +289,8 @@ def _plot(report: dict, path: pathlib.Path) -> None:
         a.legend(fontsize=8, title="configuration")
     c = report["config"]
     where = c["url"] or "a server started by the bench"
-    fig.suptitle(f"load: target {c['target']}, draft {c['draft']}, {c['sampling']}, {c['max_new_tokens']} new tokens\n"
+    fig.suptitle(f"load: target {c['target']} ({c.get('quantization', 'auto')} weights), draft {c['draft']}, "
+                 f"{c['sampling']}, {c['max_new_tokens']} new tokens\n"
                  f"chat prompts, {c['requests_per_stream']} request(s) per stream, {where}"
                  + (f"; median of {c['rounds']} rounds (ABBA), whiskers: range" if c.get("rounds", 1) > 1 else ""),
                  fontsize=9)

@@ -15,7 +15,9 @@ FAMILIES = {"target": "target only (no speculation)", "hf-spec": "HF assisted ge
 
 def caption(config: dict) -> str:
     """One line naming what a report measured."""
-    return (f"target {config['target']}, draft {config['draft']}, {config['dtype']} on {config['device']}"
+    quant = config.get("quantization", "none")
+    weights = f"{config['dtype']}" + (f" ({quant} weights)" if quant != "none" else "")
+    return (f"target {config['target']}, draft {config['draft']}, {weights} on {config['device']}"
             f" ({config.get('threads', '?')} threads), greedy, {config['max_new_tokens']} new tokens,"
             f" {config['prompts']} prompt(s) per workload, best of {config['repeats']} repeat(s)")
 

@@ -115,12 +115,14 @@ def _methods(decoder: SpeculativeDecoder, gammas: list[int], hf_k: list[int], la
         return fn
 
     methods = []
+    hf_runs = decoder.target.quantization == "none"  # HF has no forward for packed quantized weights
     if with_target:
-        methods += [("target-only HF generate", "target", None, hf()), ("target-only specserve γ=0", "target", 0, ours(0))]
-    if decoder.draft_kind == "ngram":
+        methods += [("target-only HF generate", "target", None, hf())] if hf_runs else []
+        methods += [("target-only specserve γ=0", "target", 0, ours(0))]
+    if hf_runs and decoder.draft_kind == "ngram":
         for k in hf_k:
             methods.append((f"{prefix}HF prompt-lookup k={k}", "hf-spec", k, hf(prompt_lookup_num_tokens=k)))
-    elif decoder.draft_kind == "model":
+    elif hf_runs and decoder.draft_kind == "model":
         assistant = decoder.draft.model
 
         def hf_assisted(k):
@@ -157,13 +159,14 @@ def _verify_costs(args, decoder: SpeculativeDecoder) -> dict:
     n_max = max(9, decoder.gamma_max + 1)
     for dtype in ("float32", "bfloat16"):
         if decoder.target.dtype == getattr(torch, dtype):
-            model = decoder.target.model
+            loaded = decoder.target
         else:
-            model = load_model(args.target, dtype=dtype, device=str(decoder.target.device)).model
-        prof = verify_profile(model, decoder.target.vocab_size, n_max, context=128, repeats=5)
-        table[dtype] = {"ms": {n: 1000 * s for n, s in prof.items()}, "ratio": {n: s / prof[1] for n, s in prof.items()}}
+            loaded = load_model(args.target, dtype=dtype, device=str(decoder.target.device), quantization="none")
+        label = dtype if loaded.quantization == "none" else f"{dtype} {loaded.quantization}"
+        prof = verify_profile(loaded.model, decoder.target.vocab_size, n_max, context=128, repeats=5)
+        table[label] = {"ms": {n: 1000 * s for n, s in prof.items()}, "ratio": {n: s / prof[1] for n, s in prof.items()}}
         print(
-            f"  verify cost {dtype:8s} " + " ".join(f"n={n}:{r:.2f}" for n, r in table[dtype]["ratio"].items())
+            f"  verify cost {label:8s} " + " ".join(f"n={n}:{r:.2f}" for n, r in table[label]["ratio"].items())
             + f"  (n=1: {prof[1] * 1000:.1f} ms)",
             flush=True,
         )
@@ -206,7 +209,9 @@ def run_bench(args) -> int:
         target = next(iter(decoders.values())).target if decoders else args.target  # load the target once
         decoders[draft_label(spec)] = SpeculativeDecoder(target, None if spec == "none" else spec, gamma="auto",
                                                          dtype=args.dtype, gamma_max=args.gamma_max,
-                                                         draft_stop_below=args.draft_stop_below)
+                                                         draft_stop_below=args.draft_stop_below,
+                                                         quantization=args.quantization,
+                                                         draft_quantization=args.draft_quantization)
     decoder = next(iter(decoders.values()))
     print(f"  target {decoder.target.name} ({decoder.target.dtype}, {decoder.target.device}), "
           f"drafts {', '.join(f'{k} ({d.draft_kind})' for k, d in decoders.items())}")
@@ -283,6 +288,7 @@ def _report(args, decoder, workloads, runs, verify_costs, costs, specs) -> dict:
     report = {
         "config": {
             "target": decoder.target.name, "draft": ",".join(specs), "dtype": str(decoder.target.dtype).removeprefix("torch."),
+            "quantization": decoder.target.quantization,
             "device": str(decoder.target.device), "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
             "repeats": args.repeats, "draft_stop_below": args.draft_stop_below, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
         },

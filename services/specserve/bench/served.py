@@ -143,7 +143,8 @@ def run_served_bench(args) -> int:
     top_k = 64 if model_draft else 0  # the served draft worker ships its top-64 q
     print(f"specserve bench --served: loading target={args.target} draft={args.draft} γ={gamma} ...", flush=True)
     decoder = SpeculativeDecoder(args.target, draft, gamma=gamma, dtype=args.dtype, gamma_max=args.gamma_max,
-                                 draft_top_k=top_k)
+                                 draft_top_k=top_k, quantization=args.quantization,
+                                 draft_quantization=args.draft_quantization)
     prompts = [(w, decoder.encode([{"role": "user", "content": p}])) for w in workloads
                for p in SUITE[w][: args.prompts]]
 
@@ -180,9 +181,9 @@ def run_served_bench(args) -> int:
              _metrics_export_port=metrics_port)
     try:
         serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
-        app_args = {"target": args.target, "draft": args.draft, "gamma": gamma, "gamma_max": args.gamma_max}
-        if args.dtype:
-            app_args["dtype"] = args.dtype
+        from specserve.serve.run import model_args
+
+        app_args = model_args(args, gamma)
         url = f"http://127.0.0.1:{port}/v1/completions"
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         # one application at a time, as a user deploys it: side by side, the idle ones' actors (each with its
@@ -249,7 +250,8 @@ def run_served_bench(args) -> int:
 def _report(args, gamma, workloads, prompts, before, after, during, served, repeats=None, paired=None) -> dict:
     report = {
         "config": {"target": args.target, "draft": args.draft, "gamma": gamma, "max_new_tokens": args.max_new_tokens,
-                   "prompts": args.prompts, "repeats": args.repeats, "sampling": "greedy"},
+                   "prompts": args.prompts, "repeats": args.repeats, "sampling": "greedy",
+                   "quantization": getattr(args, "quantization", "auto")},
         "workloads": {},
     }
     print("\npaired: each served request over the in-process engine next to it (after it, then before it, in turn),"
@@ -373,7 +375,8 @@ def _plot(report: dict, path: pathlib.Path) -> None:
     ax.set_ylim(0, top * 1.3)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=len(series))
     c = report["config"]
-    ax.set_title(f"served vs in-process: target {c['target']}, draft {c['draft']}, γ={c['gamma']}\n"
+    ax.set_title(f"served vs in-process: target {c['target']} ({c.get('quantization', 'auto')} weights), "
+                 f"draft {c['draft']}, γ={c['gamma']}\n"
                  f"{c['max_new_tokens']} new tokens, {c['prompts']} prompt(s) per workload, best of {c['repeats']} "
                  "repeat(s); whiskers: range", fontsize=9)
     fig.tight_layout()

@@ -25,8 +25,8 @@ from specserve.engine.prompts import Prompt, PromptCodec, cut_at_stop
 from specserve.engine.proposers import LookupOrModelProposer, ModelProposer, NgramProposer, Proposer, TargetVerifier
 from specserve.engine.session import SessionFactory, gamma_spec
 from specserve.engine.stats import GenerationStats
-from specserve.models import CachedSequence, LoadedModel, load_model, resolve_draft
-from specserve.models.lean import unsupported_reason
+from specserve.models import LoadedModel, load_model, resolve_draft
+from specserve.models.lean import model_sequence, unsupported_reason
 from specserve.models.pool import KVPool
 from specserve.speculation import GammaController, PositionRNG, SamplingParams
 
@@ -71,6 +71,11 @@ class SpeculativeDecoder:
       match of 2+ tokens) and proposes what followed there, drafting with the
       model elsewhere; free, and it wins where output copies the prompt
       (rewriting, code). Which one drafts depends on the context only.
+    quantization: how the target's linear layers are stored (`models.quant`): "auto" (None) serves a GGUF
+      file (the embedded target included) from its own quantized weights and anything else dense; "none"
+      dense; "int8" (per row) or "int4" (groups of 32; int4-g64, int4-g128) quantized at load. Quantized
+      targets compute in bfloat16, and are different models from their dense versions: the output is
+      exactly the quantized target's distribution. draft_quantization: the same for a model draft.
     kv_cache_tokens: a Llama-family target runs on the serving workers' lean forward and KV pool (a batch of
       one here); the pool holds this many positions (default: two sequences of the model's full context).
       Other targets run the HF forward with a per-generation cache.
@@ -89,19 +94,22 @@ class SpeculativeDecoder:
         draft_lookup: bool = True,
         device: str | None = None,
         kv_cache_tokens: int | None = None,
+        quantization: str | None = None,
+        draft_quantization: str | None = None,
     ):
         gamma = gamma_spec(gamma)  # before any model loads
         self.gamma_max = gamma_max
         self.draft_top_k = draft_top_k
         self.draft_stop_below = draft_stop_below
         self.draft_lookup = draft_lookup
-        self.target: LoadedModel = load_model(target, dtype, device)
+        self.target: LoadedModel = load_model(target, dtype, device, quantization=quantization)
         self.tokenizer = self.target.tokenizer
         self.draft: LoadedModel | None = None
         draft = resolve_draft(target, draft)
         self.draft_kind = "none" if draft is None else "ngram" if draft == "ngram" else "model"
         if self.draft_kind == "model":
-            self.draft = load_model(draft, dtype, str(self.target.device) if device is None else device)
+            self.draft = load_model(draft, dtype, str(self.target.device) if device is None else device,
+                                    quantization=draft_quantization)
             if self.draft.vocab_size != self.target.vocab_size:
                 raise ValueError(
                     f"draft and target must share the vocabulary: draft vocab size {self.draft.vocab_size} "
@@ -132,7 +140,7 @@ class SpeculativeDecoder:
 
     def target_sequence(self):
         """A fresh cache of the target for one generation."""
-        return self.kv_pool.sequence() if self.kv_pool is not None else CachedSequence(self.target.model)
+        return self.kv_pool.sequence() if self.kv_pool is not None else model_sequence(self.target.model)
 
     @property
     def gamma(self) -> int | str:

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from specserve.models import CachedSequence
+from specserve.models.lean import model_sequence
 
 
 def verify_profile(
@@ -24,7 +24,7 @@ def verify_profile(
     """
     gen = torch.Generator().manual_seed(0)
     base = torch.randint(0, vocab, (context + max_positions,), generator=gen).tolist()
-    seq = sequence if sequence is not None else CachedSequence(model)
+    seq = sequence if sequence is not None else model_sequence(model)
     seq.feed(base[:context])
     seq.feed(base[context : context + 2], keep_logits=2)  # warm-up: first calls take slower paths
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.models import CachedSequence, match_ngram
-from specserve.models.lean import draft_sequence
+from specserve.models import match_ngram
+from specserve.models.lean import draft_sequence, model_sequence
 from specserve.speculation import (
     PositionRNG,
     Purpose,
@@ -269,7 +269,7 @@ class TargetVerifier:
     last_step = None  # a verifier whose blocks join shared steps reports the latest one here (a `StepInfo`)
 
     def __init__(self, model, vocab: int, sequence=None):
-        self.seq = sequence if sequence is not None else CachedSequence(model)  # or a pipeline's StagedSequence
+        self.seq = sequence if sequence is not None else model_sequence(model)  # or a pipeline's StagedSequence
         self.vocab = vocab
 
     def prefill(self, prompt: list[int]) -> None:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.models.kv import CachedSequence, TokenSequence
+from specserve.models.quant import QuantizedLinear, linear, quantize
 
 SUPPORTED = {"llama", "specserve_draft"}
 
@@ -52,7 +53,8 @@ def draft_dtype(model) -> torch.dtype:
     (faster there for a small draft's matrix-vector products)."""
     param = next(model.parameters())
     half = param.dtype in (torch.bfloat16, torch.float16)
-    return torch.float32 if half and param.device.type == "cpu" else param.dtype
+    quantized = getattr(model, "specserve_quant", None) is not None  # its packed kernels want bfloat16
+    return torch.float32 if half and param.device.type == "cpu" and not quantized else param.dtype
 
 
 def draft_sequence(model) -> TokenSequence:
@@ -60,11 +62,23 @@ def draft_sequence(model) -> TokenSequence:
     return LeanSequence(model) if unsupported_reason(model) is None else CachedSequence(model)
 
 
+def model_sequence(model) -> TokenSequence:
+    """A private cache for a target outside a KV pool: HF's, or the lean one for a quantized model (whose dense
+    linear weights are gone)."""
+    return LeanSequence(model) if getattr(model, "specserve_quant", None) is not None else CachedSequence(model)
+
+
 class LeanWeights:
-    """A model's weights fused for `LeanSequence`, made once per model and compute dtype."""
+    """A model's weights fused for `LeanSequence`, made once per model and compute dtype.
+
+    A model loaded with a quantization (`loading.load_model`, `model.specserve_quant`) gets its linear layers as
+    `quant.QuantizedLinear`s: quantized here from the dense weights (int8, int4), or taken as the GGUF file
+    stores them; norms, biases and the embedding stay dense.
+    """
 
     def __init__(self, model, dtype: torch.dtype):
         cfg = model.config
+        spec = getattr(model, "specserve_quant", None)
 
         def cast(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.detach().to(dtype).contiguous()
@@ -72,42 +86,62 @@ class LeanWeights:
         def cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
             return None if ts[0] is None else cast(torch.cat(ts))
 
+        def packed(spec, stored, *dense: torch.Tensor):
+            """One (fused) linear weight: dense, or quantized from `stored` (the file's) or from `dense`."""
+            if spec is None:
+                return cat(*dense)
+            if stored is None:
+                stored = quantize(torch.cat([d.detach() for d in dense]), spec.method, spec.group)
+            return QuantizedLinear(stored, dtype, dense[0].device, spec.dense_from)
+
+        stored = spec.stored if spec is not None else None
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         self.layers = []
-        for layer in model.model.layers:
+        for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
+            own = stored["layers"][i] if stored is not None else None
+
+            def fused(*roles: str):
+                return None if own is None else own[roles[0]].cat([own[r] for r in roles])
+
             self.layers.append((
                 cast(layer.input_layernorm.weight),
-                cat(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
+                packed(spec, fused("q", "k", "v"), attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
                 cat(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias),
-                cast(attn.o_proj.weight),
+                packed(spec, fused("o"), attn.o_proj.weight),
                 cast(attn.o_proj.bias),
                 cast(layer.post_attention_layernorm.weight),
-                cat(mlp.gate_proj.weight, mlp.up_proj.weight),
-                cast(mlp.down_proj.weight),
+                packed(spec, fused("gate", "up"), mlp.gate_proj.weight, mlp.up_proj.weight),
+                packed(spec, fused("down"), mlp.down_proj.weight),
             ))
         self.norm = cast(model.model.norm.weight)
         head = model.lm_head.weight
+        head_stored = stored["head"] if stored is not None else None
         subset = getattr(model, "token_subset", None)
         if subset is not None:
             order = torch.argsort(subset)
             subset, head = subset[order], head[order]
+            head_stored = None if head_stored is None else head_stored.rows(order)
             self.token_subset = subset.to("cpu")
         else:
             self.token_subset = None
-        self.head = cast(head)
+        # the head stays int8 under int4 (as llama.cpp's Q4 files keep theirs at 6-8 bits)
+        self.head = packed(None if spec is None else spec.for_head(), head_stored, head)
         self.embed = model.model.embed_tokens.weight  # indexed per call; cast only the rows used
         self.inv_freq = model.model.rotary_emb.inv_freq.detach().float()
         self.scale = self.head_dim**-0.5
         self.dtype = dtype
         self.device = head.device
+        self.quantization = "none" if spec is None else spec.describe()
 
 
 def lean_weights(model, dtype: torch.dtype) -> LeanWeights:
     cache = model.__dict__.setdefault("_specserve_lean", {})
+    if dtype not in cache and cache and getattr(model, "specserve_quant", None) is not None:
+        raise ValueError(f"a quantized model computes in {next(iter(cache))}, not {dtype}")
     if dtype not in cache:
         cache[dtype] = LeanWeights(model, dtype)
     return cache[dtype]
@@ -180,7 +214,7 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
         rows = x[total - keeps[0] :]
     else:
         rows = x[torch.cat([torch.arange(offsets[j + 1] - keep, offsets[j + 1]) for j, keep in enumerate(keeps)])]
-    return F.linear(_rms(rows, w.norm, w.eps), w.head).float()
+    return linear(_rms(rows, w.norm, w.eps), w.head).float()
 
 
 def rotated_qkv(w: LeanWeights, layer: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -188,7 +222,7 @@ def rotated_qkv(w: LeanWeights, layer: tuple, x: torch.Tensor, cos: torch.Tensor
     """One layer's queries [T, heads, d], keys and values [T, kv_heads, d] of x [T, hidden], rotary applied."""
     norm_in, w_qkv, b_qkv = layer[:3]
     h, kvh, d, total = w.heads, w.kv_heads, w.head_dim, x.shape[0]
-    qkv = F.linear(_rms(x, norm_in, w.eps), w_qkv, b_qkv)
+    qkv = linear(_rms(x, norm_in, w.eps), w_qkv, b_qkv)
     q = qkv[:, : h * d].view(total, h, d)
     k = qkv[:, h * d : (h + kvh) * d].view(total, kvh, d)
     v = qkv[:, (h + kvh) * d :].view(total, kvh, d)
@@ -198,18 +232,18 @@ def rotated_qkv(w: LeanWeights, layer: tuple, x: torch.Tensor, cos: torch.Tensor
 def layer_output(w: LeanWeights, layer: tuple, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
     """x after one layer: the attention output att [T, heads·d] projected and added, then the MLP."""
     _, _, _, w_o, b_o, norm_post, w_gate_up, w_down = layer
-    x = x + F.linear(att, w_o, b_o)
-    gate, up = F.linear(_rms(x, norm_post, w.eps), w_gate_up).chunk(2, -1)
-    return x + F.linear(F.silu(gate) * up, w_down)
+    x = x + linear(att, w_o, b_o)
+    gate, up = linear(_rms(x, norm_post, w.eps), w_gate_up).chunk(2, -1)
+    return x + linear(F.silu(gate) * up, w_down)
 
 
 def _attend(w: LeanWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
             ) -> torch.Tensor:
     """One sequence's attention: q [n, heads, d] against k, v [kv_heads, L, d]; mask [n, L] or None → [n, heads·d].
 
-    A long block (a prefill chunk) goes 4-d with enable_gqa, which takes the CPU's fused kernel (~4x faster
-    for long chunks); a short one as kv_heads batches of (group · n) queries, faster for a few tokens. Neither
-    copies keys or values.
+    A long block (a prefill chunk) goes with enable_gqa; a short one as kv_heads heads of (group · n) queries,
+    faster for a few tokens. Both 4-d: that takes the CPU's fused kernel (2-4x faster than the 3-d call, which
+    falls back to the math one). Neither copies keys or values.
     """
     n, h, d = q.shape
     kvh = w.kv_heads
@@ -218,7 +252,7 @@ def _attend(w: LeanWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
                                              scale=w.scale, enable_gqa=True)[0]  # [h, n, d]
     else:
         att = F.scaled_dot_product_attention(
-            q.transpose(0, 1).reshape(kvh, h // kvh * n, d), k, v,
+            q.transpose(0, 1).reshape(1, kvh, h // kvh * n, d), k[None], v[None],
             attn_mask=None if mask is None else mask.repeat(h // kvh, 1), scale=w.scale,
         ).reshape(h, n, d)
     return att.transpose(0, 1).reshape(n, h * d)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from specserve.models import embedded
+from specserve.models import embedded, quant
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
@@ -36,6 +36,12 @@ class LoadedModel:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    @property
+    def quantization(self) -> str:
+        """How its linear layers are stored: "none", "int8", "int4-g32", "gguf-Q4_1", ..."""
+        spec = getattr(self.model, "specserve_quant", None)
+        return "none" if spec is None else spec.describe()
 
     @property
     def max_positions(self) -> int | None:
@@ -84,35 +90,57 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def load_model(
-    spec: Any, dtype: str | torch.dtype | None = None, device: str | None = None, device_map: Any = None
+    spec: Any, dtype: str | torch.dtype | None = None, device: str | None = None, device_map: Any = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load a causal LM from any accepted spec.
 
     dtype None keeps an already-loaded model's dtype and picks `default_dtype`
     for models loaded here. device_map (e.g. "auto") shards the layers over
     the visible GPUs with accelerate instead of moving the model to `device`.
+    quantization (`quant.parse`): "auto" (None) keeps a GGUF file's quantized weights
+    ("gguf") unless dtype float32 is asked (then its values are dequantized), and
+    loads anything else dense; "none" loads dense; "int8" / "int4" quantize the
+    linear layers at load (a passed model in place: its dense linear weights are
+    dropped). Quantized models compute in bfloat16 unless dtype says otherwise.
     """
     from transformers import AutoModelForCausalLM, PreTrainedModel
 
+    method, group = quant.parse(quantization)
     torch_dtype = resolve_dtype(dtype)
     if isinstance(spec, LoadedModel):  # already loaded (e.g. one target shared by several decoders)
         same_device = device is None or torch.device(device) == spec.device
-        if same_device and torch_dtype in (None, spec.dtype):
+        same_quant = method == "auto" or quant.parse(spec.quantization.split("-")[0])[0] == method
+        if same_device and torch_dtype in (None, spec.dtype) and same_quant:
             return spec
+        if spec.quantization != "none":
+            raise ValueError(f"{spec.name} is loaded quantized ({spec.quantization}); load it again to change that")
         spec = spec.model
     if isinstance(spec, PreTrainedModel):
         model = spec
         if device is not None:
             model = model.to(device)
+        torch_dtype = _quantized_dtype(torch_dtype) if method in ("int8", "int4") else torch_dtype
         if torch_dtype is not None and torch_dtype != next(model.parameters()).dtype:
             model = model.to(torch_dtype)
-        return LoadedModel(model.eval(), None, type(model).__name__)
+        loaded = LoadedModel(model.eval(), None, type(model).__name__)
+        if method == "gguf":
+            raise ValueError("quantization 'gguf' keeps a GGUF file's weights; this model was passed loaded")
+        return _quantize(loaded, method, group) if method in ("int8", "int4") else loaded
     if not isinstance(spec, (str, pathlib.Path)):
         raise TypeError(f"model must be a name, a path or a PreTrainedModel, got {type(spec).__name__}")
 
     device = device or default_device()
-    torch_dtype = torch_dtype or default_dtype(device)
     path, name = resolve_model_path(spec)
+    gguf = gguf_file(spec)
+    if method == "auto":  # float32 asked: the file's values dequantized, the same model in exact arithmetic
+        kept = gguf is not None and torch_dtype in (None, torch.bfloat16)
+        method = "gguf" if kept and quant.gguf_weight_type(gguf) not in quant.DENSE_TYPES else "none"
+    if method == "gguf" and gguf is None:
+        raise ValueError(f"quantization 'gguf' keeps a GGUF file's own weights; {name!r} is not a .gguf file "
+                         "(use int8 or int4 to quantize it at load)")
+    torch_dtype = _quantized_dtype(torch_dtype) if method != "none" else torch_dtype
+    torch_dtype = torch_dtype or default_dtype(device)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, device_map=device_map)
     except OSError as exc:
@@ -121,7 +149,46 @@ def load_model(
         ) from exc
     if device_map is None:
         model = model.to(device)
-    return LoadedModel(model.eval(), _tokenizer_at(path), name)
+    loaded = LoadedModel(model.eval(), _tokenizer_at(path), name)
+    return loaded if method == "none" else _quantize(loaded, method, group, gguf)
+
+
+def gguf_file(spec: Any) -> pathlib.Path | None:
+    """The GGUF file a spec loads from ("embedded" is the shipped one), else None."""
+    name = str(spec) if isinstance(spec, (str, pathlib.Path)) else ""
+    if name == "embedded":
+        return embedded.embedded_gguf_path()
+    return pathlib.Path(name).expanduser() if name.endswith(".gguf") else None
+
+
+def _quantized_dtype(dtype: torch.dtype | None) -> torch.dtype:
+    """bfloat16 unless asked otherwise: torch's packed CPU kernels are fast only there (float32 works, ~10x
+    slower; docs/benchmarks.md)."""
+    return dtype or torch.bfloat16
+
+
+def _quantize(loaded: LoadedModel, method: str, group: int, gguf: pathlib.Path | None = None) -> LoadedModel:
+    """Give the model's linear layers packed quantized weights (`quant.QuantSpec`, made into the lean forward's
+    weights now) and drop their dense copies."""
+    from specserve.models.lean import lean_weights, unsupported_reason
+
+    model = loaded.model
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise ValueError(f"quantization {method} runs in the lean forward of Llama-family models; "
+                         f"{loaded.name} has {reason}")
+    stored = quant.gguf_linears(gguf, model.config) if method == "gguf" else None
+    model.specserve_quant = quant.QuantSpec(method, group, stored, quant.dense_from(loaded.device),
+                                            stored["source"] if stored else "")
+    lean_weights(model, loaded.dtype)
+    model.specserve_quant.stored = None  # packed by now
+    for layer in model.model.layers:
+        for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                       layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+    if model.lm_head.weight is not model.model.embed_tokens.weight:
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.new_empty(0), requires_grad=False)
+    return loaded
 
 
 def resolve_draft(target: Any, draft: Any, model_draft_pays: bool = True) -> Any:

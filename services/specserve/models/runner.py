@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.models.lean import LeanWeights, _rms, layer_output, rotated_qkv
+from specserve.models.quant import linear
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 MIN_CONTEXT = 64  # the shortest context bucket; others double up to the pool's longest sequence
@@ -145,7 +146,7 @@ class StepRunner:
             att = F.scaled_dot_product_attention(queries, keys, values, attn_mask=b.mask, scale=w.scale)
             att = att.reshape(batch, h, width, d).permute(0, 2, 1, 3).reshape(rows, h * d)
             x = layer_output(w, layer, x, att)
-        out = F.linear(_rms(x, w.norm, w.eps), w.head).float()
+        out = linear(_rms(x, w.norm, w.eps), w.head).float()
         if b.logits is None:
             b.logits = out
         else:

@@ -18,8 +18,7 @@ from specserve.engine.loop import Round
 from specserve.engine.profile import draft_step_time, verify_profile
 from specserve.engine.proposers import LookupOrModelProposer, ModelProposer, Proposer, TargetVerifier
 from specserve.engine.session import SessionFactory
-from specserve.models import CachedSequence
-from specserve.models.lean import draft_dtype, unsupported_reason
+from specserve.models.lean import draft_dtype, model_sequence, unsupported_reason
 from specserve.models.pool import KVPool
 from specserve.scheduler.steps import ScheduledSequence, ScheduledVerifier, StepScheduler
 from specserve.speculation import PositionRNG, SamplingParams
@@ -42,7 +41,7 @@ class ScheduledDraft:
         self.fused = bool(runner is not None and runner.capture) if fused is None else fused
 
     def proposer(self) -> ModelProposer:
-        seq = self.pool.sequence() if self.pool is not None else CachedSequence(self.model)
+        seq = self.pool.sequence() if self.pool is not None else model_sequence(self.model)
         return ModelProposer(self.model, self.vocab, self.top_k_q, name=self.name,
                              sequence=ScheduledSequence(self.scheduler, seq, self.pool, self.fused))
 
@@ -66,7 +65,7 @@ class ColocatedSessions:
 
     def _measure_costs(self) -> tuple[dict[int, float], float]:
         pool = self.scheduler.pool
-        sequence = pool.sequence() if pool is not None else CachedSequence(self.target)
+        sequence = pool.sequence() if pool is not None else model_sequence(self.target)
         verify = self.scheduler.call(verify_profile, self.target, self.vocab, self.gamma_max + 1, 64, 3,
                                      sequence).result()
         return verify, draft_step_time(self.proposer(lookup=False), self.vocab)

@@ -45,15 +45,24 @@ def load_serve_config(path: str | pathlib.Path) -> dict[str, Any]:
     return raw
 
 
-def config_from_flags(args) -> dict[str, Any]:
-    app_args: dict[str, Any] = {"target": args.target, "draft": args.draft, "gamma": args.gamma,
+def model_args(args, gamma: int | str) -> dict[str, Any]:
+    """The application args the model flags (`--target --draft --dtype --quantization ...`) set."""
+    app_args: dict[str, Any] = {"target": args.target, "draft": args.draft, "gamma": gamma,
                                 "gamma_max": args.gamma_max}
+    if args.dtype:
+        app_args["dtype"] = args.dtype
+    for key in ("quantization", "draft_quantization"):
+        if getattr(args, key, "auto") != "auto":
+            app_args[key] = getattr(args, key)
+    return app_args
+
+
+def config_from_flags(args) -> dict[str, Any]:
+    app_args = model_args(args, args.gamma)
     if args.no_pipeline:
         app_args["pipelined"] = False
     if args.no_lookup:
         app_args["draft_lookup"] = False
-    if args.dtype:
-        app_args["dtype"] = args.dtype
     if args.model_name:
         app_args["model_name"] = args.model_name
     if getattr(args, "api_key", None):

@@ -86,13 +86,14 @@ class _GrpcActor:
 
 class DraftWorkerActor(_GrpcActor):
     def __init__(self, draft: Any, vocab: int, dtype: str | None = None, top_k_q: int = 64, threads: int | None = None,
-                 kv_cache_tokens: int = 65536, session_idle_s: float = 300.0, token: str | None = None):
+                 kv_cache_tokens: int = 65536, session_idle_s: float = 300.0, token: str | None = None,
+                 quantization: str = "auto"):
         compute = self._compute_thread(threads)
         if draft == "ngram":
             new_proposer = lambda: NgramProposer(vocab)  # noqa: E731
             self.free = True
         else:
-            loaded = compute.call(load_model, draft, dtype).result()
+            loaded = compute.call(load_model, draft, dtype, None, None, quantization).result()
             if loaded.vocab_size != vocab:
                 raise ValueError(f"draft vocab size {loaded.vocab_size} != target vocab size {vocab}")
             new_proposer = ScheduledDraft(compute, loaded.model, vocab, top_k_q, loaded.name, kv_cache_tokens).proposer
@@ -116,7 +117,8 @@ class TargetWorkerActor(_GrpcActor):
 
     def __init__(self, target: Any, dtype: str | None = None, threads: int | None = None, stages: list | None = None,
                  scheduling: dict | None = None, draft: Any = None, gamma_max: int = 8, draft_top_k: int = 0,
-                 session_idle_s: float = 300.0, token: str | None = None):
+                 session_idle_s: float = 300.0, token: str | None = None, quantization: str = "auto",
+                 draft_quantization: str = "auto"):
         """scheduling: TargetWorkerServicer's batching / kv_cache_tokens / max_step_tokens / prefill_chunk.
         draft: a model draft to hold here too (colocated: whole sessions run in this worker)."""
         import torch
@@ -134,11 +136,11 @@ class TargetWorkerActor(_GrpcActor):
         else:
             # A target that owns several GPUs shards its layers over them (accelerate device_map).
             device_map = "auto" if torch.cuda.device_count() > 1 else None
-            loaded = compute.call(load_model, target, dtype, None, device_map).result()
+            loaded = compute.call(load_model, target, dtype, None, device_map, quantization).result()
             self._info = {
                 "vocab": loaded.vocab_size, "eos_ids": sorted(loaded.eos_ids), "max_positions": loaded.max_positions,
                 "name": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "device": str(loaded.device),
-                "stages": 1,
+                "stages": 1, "quantization": loaded.quantization,
             }
             new_sequence, model = None, loaded.model
         self.model = model
@@ -150,7 +152,7 @@ class TargetWorkerActor(_GrpcActor):
         if draft is not None:
             if stages:
                 raise ValueError("a colocated draft needs the whole target in one worker (not target_stages)")
-            drafted = compute.call(load_model, draft, dtype, str(loaded.device)).result()
+            drafted = compute.call(load_model, draft, dtype, str(loaded.device), None, draft_quantization).result()
             if drafted.vocab_size != self.vocab:
                 raise ValueError(f"draft vocab size {drafted.vocab_size} != target vocab size {self.vocab}")
             self.servicer.attach_draft(drafted.model, loaded.eos_ids, gamma_max, drafted.name, draft_top_k)
@@ -217,14 +219,14 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
     colocated = draft_spec if config.colocated(draft_spec) else None
     target_actor = _remote(TargetWorkerActor, config.target_resources, config.max_restarts).remote(
         target_spec, config.dtype, config.target_resources.threads(), stages, scheduling, colocated, gamma_max,
-        config.draft_top_k, config.session_idle_s, token,
+        config.draft_top_k, config.session_idle_s, token, config.quantization, config.draft_quantization,
     )
     vocab = ray.get(target_actor.info.remote())["vocab"]
     draft_actor = None
     if config.has_draft_worker(draft_spec) and colocated is None:
         draft_actor = _remote(DraftWorkerActor, config.draft_resources, config.max_restarts).remote(
             draft_spec, vocab, config.dtype, config.draft_top_k, config.draft_resources.threads(),
-            config.kv_cache_tokens, config.session_idle_s, token,
+            config.kv_cache_tokens, config.session_idle_s, token, config.draft_quantization,
         )
     return target_actor, draft_actor
 

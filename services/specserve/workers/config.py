@@ -53,6 +53,14 @@ class WorkersConfig(BaseModel):
         "draft for the embedded target when the draft worker has a GPU, else 'ngram').",
     )
     dtype: str | None = Field(None, description="'float32', 'bfloat16' or None (bf16 where fast).")
+    quantization: str = Field(
+        "auto",
+        description="The target's linear weights: 'auto' (a GGUF file, the embedded target included, is served from "
+        "its own quantized weights; anything else dense), 'none' (dense), 'int8' (per row) or 'int4' (groups of 32; "
+        "'int4-g64', 'int4-g128') quantized at load. Quantized targets compute in bf16 and are different models "
+        "from their dense versions; the output is exactly the quantized target's distribution.",
+    )
+    draft_quantization: str = Field("auto", description="The same as `quantization`, for a model draft.")
     draft_top_k: int = Field(
         64, ge=1, description="A model draft samples from (and ships) its top-k q; exact for any k."
     )
@@ -125,6 +133,19 @@ class WorkersConfig(BaseModel):
         if self.colocated(draft):
             return False
         return not (isinstance(draft, str) and (draft == "none" or (draft == "ngram" and not self.ngram_worker)))
+
+    @model_validator(mode="after")
+    def _check_quantization(self) -> WorkersConfig:
+        from specserve.models.quant import parse
+
+        for key in ("quantization", "draft_quantization"):
+            try:
+                parse(getattr(self, key))
+            except ValueError as exc:
+                raise ValueError(f"{key}: {exc}") from None
+        if self.target_stages and self.quantization not in ("auto", "none"):
+            raise ValueError("quantization: target_stages run the dense HF layers; a quantized target is one worker")
+        return self
 
     @model_validator(mode="after")
     def _resolve_default_draft(self) -> WorkersConfig:

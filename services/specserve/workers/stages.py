@@ -30,7 +30,7 @@ class TargetStageActor:
     def __init__(self, target: Any, dtype: str | None, start: int, end: int, threads: int | None = None):
         data_plane_priority()  # a stage is on the request path (`workers.quiet`)
         torch_threads(threads or os.cpu_count() or 1)
-        loaded = load_model(target, dtype)  # TODO(scale): read only this stage's tensors from the checkpoint
+        loaded = load_model(target, dtype, quantization="none")  # TODO(scale): read only this stage's tensors from the checkpoint
         self.stage = PipelineStage(loaded.model, start, end)
         self.device = next(self.stage.parameters()).device
         self.sessions: dict[str, DynamicCache] = {}

@@ -1,0 +1,297 @@
+"""Weight-only quantized linear layers for the lean forward (`lean.LeanWeights`), target and draft alike.
+
+A decode step reads every weight once per token, so its time is the bytes read; int8 halves them against
+bfloat16 and int4 quarters them. Activations stay in the compute dtype (bfloat16: torch's packed CPU kernels
+are fast only there), weights stay packed, and each layer multiplies through torch's own kernels:
+
+- int8, one scale per output row: `aten._weight_int8pack_mm`;
+- int4, groups of 32/64/128 inputs with a scale and an offset each (w = (q - 8)·scale + zero):
+  `aten._weight_int4pack_mm_for_cpu` on CPUs, `aten._weight_int4pack_mm` on CUDA.
+
+These kernels read the packed weights once per row of activations, so from a few rows on (a 16-stream step)
+a dense bfloat16 GEMM over the same values beats them (docs/benchmarks.md). A layer therefore also keeps its
+weights dequantized to bfloat16 when `dense_from` rows or more are common (`QuantizedLinear.dense_from`);
+both compute the same quantized values, the kernel choice only changes rounding in the last bits, as a
+different batch size does for a dense model.
+
+A GGUF file keeps its own quantization (`gguf_linears`): Q4_0 and Q4_1 blocks are int4 groups of 32 with
+their codes as stored, Q8_0 rows become int8 rows; other tensor types are dequantized and requantized to int8
+rows, which `load_model` says on stderr. A quantized target is a different model from the dense one; the
+output is exactly the quantized target's distribution (docs/serving.md, tests/cpu/test_quant.py).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+METHODS = ("auto", "none", "gguf", "int8", "int4")
+# Rows from which a CPU layer multiplies a dense bfloat16 copy instead (`QuantizedLinear`): the packed
+# kernels' time grows with every row, a bfloat16 GEMM's barely (docs/benchmarks.md). None on CUDA until measured.
+CPU_DENSE_FROM = 12
+
+
+def dense_from(device) -> int:
+    return CPU_DENSE_FROM if torch.device(device).type == "cpu" else 0
+INT4_GROUPS = (32, 64, 128)
+
+
+def parse(spec: str | None) -> tuple[str, int]:
+    """(method, int4 group) of a quantization spec: auto, none, gguf, int8, int4 or int4-g32/-g64/-g128."""
+    text = "auto" if spec is None else str(spec).lower()
+    m = re.fullmatch(r"int4(?:-g(\d+))?", text)
+    if m:
+        group = int(m.group(1) or 32)
+        if group not in INT4_GROUPS:
+            raise ValueError(f"quantization int4 groups must be one of {INT4_GROUPS}, got {group}")
+        return "int4", group
+    if text not in METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(METHODS)} or int4-g64/int4-g128, got {spec!r}")
+    return text, 32
+
+
+@dataclass
+class Int8Rows:
+    """An int8 weight [N, K] with one scale per row: w = codes · scale."""
+
+    codes: torch.Tensor  # int8 [N, K]
+    scale: torch.Tensor  # float32 [N]
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int8Rows:
+        w = weight.detach().float()
+        scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
+        return cls((w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.codes.float() * self.scale[:, None]
+
+    @staticmethod
+    def cat(parts: list[Int8Rows]) -> Int8Rows:
+        return Int8Rows(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]))
+
+    def rows(self, index: torch.Tensor) -> Int8Rows:
+        return Int8Rows(self.codes[index], self.scale[index])
+
+
+@dataclass
+class Int4Groups:
+    """An int4 weight [N, K] in groups of `group` inputs: w = (codes - 8) · scale + zero."""
+
+    codes: torch.Tensor  # uint8 [N, K], values 0..15
+    scale: torch.Tensor  # float32 [N, K / group]
+    zero: torch.Tensor  # float32 [N, K / group]
+    group: int
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, group: int) -> Int4Groups:
+        n, k = weight.shape
+        if k % group:
+            raise ValueError(f"int4 groups of {group} do not divide a layer's {k} inputs; use a smaller group")
+        w = weight.detach().float().view(n, k // group, group)
+        low, high = w.amin(-1), w.amax(-1)
+        scale = ((high - low) / 15).clamp(min=1e-12)
+        codes = ((w - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+        return cls(codes.view(n, k), scale, low + 8 * scale, group)
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        q = self.codes.view(n, k // self.group, self.group).float() - 8
+        return (q * self.scale[..., None] + self.zero[..., None]).view(n, k)
+
+    @staticmethod
+    def cat(parts: list[Int4Groups]) -> Int4Groups:
+        return Int4Groups(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                          torch.cat([p.zero for p in parts]), parts[0].group)
+
+    def rows(self, index: torch.Tensor) -> Int4Groups:
+        return Int4Groups(self.codes[index], self.scale[index], self.zero[index], self.group)
+
+
+Quantized = Int8Rows | Int4Groups
+
+
+@dataclass
+class QuantSpec:
+    """How a loaded model's linear layers are quantized (`model.specserve_quant`, read by `lean.LeanWeights`).
+
+    method: "gguf" (as `stored`, from the file), "int8" or "int4" (groups of `group`, quantized at load).
+    """
+
+    method: str
+    group: int = 32
+    stored: dict | None = None  # `gguf_linears` of the file
+    dense_from: int = 0  # `QuantizedLinear.dense_from`
+    source: str = ""  # the file's main tensor type, for "gguf"
+
+    def for_head(self) -> QuantSpec:
+        """The LM head's: int8 rows unless the file stores its own."""
+        return QuantSpec("int8", self.group, None, self.dense_from) if self.method == "int4" else self
+
+    def describe(self) -> str:
+        if self.method == "gguf":
+            return f"gguf-{self.source}" if self.source else "gguf"
+        return f"int4-g{self.group}" if self.method == "int4" else self.method
+
+
+class QuantizedLinear:
+    """x [M, K] → x·Wᵀ [M, N] in x's dtype, for a packed weight-only quantized W (see the module docstring).
+
+    dense_from: from this many rows of x on, multiply by the weight dequantized to the compute dtype (kept
+    beside the packed one); 0 keeps no dense copy.
+    """
+
+    def __init__(self, weight: Quantized, dtype: torch.dtype, device: torch.device | str, dense_from: int = 0):
+        self.bits = 8 if isinstance(weight, Int8Rows) else 4
+        self.out_features, self.in_features = weight.codes.shape
+        self.dtype, self.device = dtype, torch.device(device)
+        self.dense_from = dense_from
+        self.group = getattr(weight, "group", None)
+        cuda = self.device.type == "cuda"
+        if self.bits == 8:
+            self.packed = weight.codes.to(self.device).contiguous()
+            self.scales = weight.scale.to(self.device, dtype)
+        else:
+            codes = weight.codes.to(torch.int32 if not cuda else torch.uint8)
+            if cuda:  # two codes a byte, the first high (the layout aten expects since torch 2.5)
+                codes = (codes[:, ::2] << 4 | codes[:, 1::2]).to(self.device)
+                tiles = max(t for t in (8, 4, 2) if self.in_features % (t * 16) == 0)
+                self.packed = torch.ops.aten._convert_weight_to_int4pack(codes, tiles)
+            else:
+                self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            self.scales = torch.stack([weight.scale.t(), weight.zero.t()], -1).to(self.device, dtype).contiguous()
+        self.dense = weight.dequantize().to(self.device, dtype) if dense_from else None
+
+    @property
+    def nbytes(self) -> int:
+        dense = 0 if self.dense is None else self.dense.nbytes
+        return self.packed.nbytes + self.scales.nbytes + dense
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] >= self.dense_from:
+            return F.linear(x, self.dense)
+        if self.bits == 8:
+            return torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)
+        if self.device.type == "cuda":
+            return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group, self.scales)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales)
+
+
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a dense weight tensor or a `QuantizedLinear`."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    y = weight(x)
+    return y if bias is None else y + bias
+
+
+def nbytes(weight) -> int:
+    """Bytes a dense or quantized weight holds (0 for None)."""
+    if weight is None:
+        return 0
+    return weight.nbytes if isinstance(weight, (torch.Tensor, QuantizedLinear)) else 0
+
+
+def quantize(weight: torch.Tensor, method: str, group: int = 32) -> Quantized:
+    """A dense weight [N, K] quantized by `method` ("int8" or "int4")."""
+    return Int4Groups.quantize(weight, group) if method == "int4" else Int8Rows.quantize(weight)
+
+
+# -- GGUF -----------------------------------------------------------------------------------------------------
+
+_GGUF_LAYER = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate",
+               "ffn_up": "up", "ffn_down": "down"}
+
+
+def _q4_blocks(raw: np.ndarray, n: int, k: int, with_min: bool) -> Int4Groups:
+    """Q4_0 (d, 16 bytes) or Q4_1 (d, m, 16 bytes) blocks of 32 → their int4 codes, exactly as stored.
+
+    Q4_0 is w = d·(q - 8); Q4_1 is w = d·q + m = (q - 8)·d + (m + 8d)."""
+    head = 4 if with_min else 2
+    blocks = np.ascontiguousarray(raw).reshape(n, k // 32, head + 16)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., head:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)  # low nibbles are values 0..15
+    if with_min:
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero = m + 8 * d
+    else:
+        zero = np.zeros_like(d)
+    return Int4Groups(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zero), 32)
+
+
+def _gguf_tensor(tensor, method_note: list[str]) -> Quantized:
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    k, n = (int(s) for s in tensor.shape[:2])  # GGUF lists dimensions innermost first
+    kind = tensor.tensor_type
+    if kind in (T.Q4_0, T.Q4_1):
+        return _q4_blocks(tensor.data, n, k, kind == T.Q4_1)
+    dense = torch.from_numpy(np.asarray(dequantize(tensor.data, kind), dtype=np.float32).reshape(n, k))
+    if kind != T.Q8_0:
+        method_note.append(kind.name)
+    return Int8Rows.quantize(dense)  # Q8_0's blocks of 32 become one scale per row
+
+
+def _unpermute_rows(w: Quantized, heads: int) -> Quantized:
+    """llama.cpp stores q and k rows interleaved per rotary pair; HF (and the lean forward) keep halves."""
+    n = w.codes.shape[0]
+    dim = n // heads // 2
+    order = torch.arange(n).view(heads, dim, 2).transpose(1, 2).reshape(n)
+    return w.rows(order)
+
+
+def gguf_weight_type(path) -> str:
+    """The tensor type most of a GGUF file's layer weights are stored in ("Q4_1", "F16", ...)."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    kinds = Counter(t.tensor_type.name for t in GGUFReader(str(path)).tensors if t.name.startswith("blk.")
+                    and t.name.split(".")[2] in _GGUF_LAYER)
+    return kinds.most_common(1)[0][0] if kinds else "none"
+
+
+DENSE_TYPES = {"F32", "F16", "BF16", "F64", "none"}
+
+
+def gguf_linears(path, config) -> dict:
+    """The linear weights of a Llama-family GGUF file as stored: {"layers": [{q, k, v, o, gate, up, down}, ...],
+    "head": Quantized or None (tied to the embedding)}, each `Int4Groups` or `Int8Rows`."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    layers: list[dict] = [{} for _ in range(config.num_hidden_layers)]
+    head = embedding = None
+    requantized: list[str] = []
+    for tensor in reader.tensors:
+        name = tensor.name
+        m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
+        if m and m.group(2) in _GGUF_LAYER:
+            w = _gguf_tensor(tensor, requantized)
+            role = _GGUF_LAYER[m.group(2)]
+            if role == "q":
+                w = _unpermute_rows(w, config.num_attention_heads)
+            elif role == "k":
+                w = _unpermute_rows(w, config.num_key_value_heads)
+            layers[int(m.group(1))][role] = w
+        elif name == "output.weight":
+            head = _gguf_tensor(tensor, requantized)
+        elif name == "token_embd.weight" and getattr(config, "tie_word_embeddings", False):
+            embedding = tensor
+    if head is None and embedding is not None:
+        head = _gguf_tensor(embedding, requantized)
+    missing = [i for i, layer in enumerate(layers) if len(layer) != len(_GGUF_LAYER)]
+    if missing:
+        raise ValueError(f"{path}: layers {missing[:5]} lack some of {sorted(_GGUF_LAYER)}; not a Llama-family GGUF")
+    if requantized:
+        kinds = ", ".join(sorted(set(requantized)))
+        print(f"specserve: {path}: {len(requantized)} tensors of type {kinds} requantized to int8 rows",
+              file=sys.stderr, flush=True)
+    return {"layers": layers, "head": head, "source": gguf_weight_type(path)}

@@ -1,0 +1,173 @@
+"""Quantized weights (`models.quant`): the kernels compute the quantized values, a GGUF file is read as stored,
+and speculative output is exactly the quantized target's (chi-square against its own distribution, greedy
+identity with its target-only decoding)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specserve import SamplingParams, SpeculativeDecoder
+from specserve.models import embedded, load_model
+from specserve.models.lean import model_sequence
+from specserve.models.quant import Int4Groups, Int8Rows, QuantizedLinear, _q4_blocks, gguf_linears, parse
+from specserve.speculation import rejection
+from tests.cpu.test_exactness import N, chi_square_pvalue, sampled_joint
+from tests.conftest import tiny_llama
+from tests.reference import reference_probs
+
+
+@pytest.mark.parametrize("weight", ["int8", "int4-g32", "int4-g64", "int4-g128"])
+def test_kernels_multiply_by_the_dequantized_weights_row_by_row(weight):
+    torch.manual_seed(0)
+    dense = torch.randn(320, 256)
+    method, group = parse(weight)
+    stored = Int8Rows.quantize(dense) if method == "int8" else Int4Groups.quantize(dense, group)
+    values = stored.dequantize()
+    step = 127 if method == "int8" else 15
+    assert (values - dense).abs().max() <= (dense.abs().max() if method == "int8" else 2 * dense.abs().max()) / step
+    x = torch.randn(11, 256).bfloat16()
+    packed = QuantizedLinear(stored, torch.bfloat16, "cpu")
+    out = packed(x)
+    reference = x.float() @ values.t()
+    def close(y):  # bf16 activations and outputs: within 1% of the largest output
+        return (y.float() - reference[: len(y)]).abs().max() <= 0.01 * reference.abs().max()
+
+    assert out.dtype == torch.bfloat16 and close(out)
+    # each row as if alone: a verify block's rows equal decode steps' (greedy identity in bf16 rests on it)
+    assert torch.equal(out, torch.cat([packed(x[i : i + 1]) for i in range(len(x))]))
+    dense_from = QuantizedLinear(stored, torch.bfloat16, "cpu", dense_from=8)
+    assert torch.equal(dense_from(x[:7]), out[:7])  # below the threshold: the kernel
+    assert close(dense_from(x)) and not torch.equal(dense_from(x), out)  # from it on: the bf16 GEMM
+
+
+def test_q4_blocks_are_the_codes_gguf_stores():
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(0)
+    dense = rng.standard_normal((6, 128)).astype(np.float32)
+    for kind in (T.Q4_0, T.Q4_1):
+        raw = quantize(dense, kind)
+        ours = _q4_blocks(raw, 6, 128, kind == T.Q4_1)
+        assert ours.codes.max() <= 15 and ours.group == 32
+        np.testing.assert_allclose(ours.dequantize().numpy(), dequantize(raw, kind), rtol=0, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    """The embedded target as served by default (its Q4_1 file, kept quantized) and dense in fp32."""
+    return load_model("embedded", device="cpu"), load_model("embedded", "float32", "cpu")
+
+
+def test_the_embedded_target_is_served_from_its_q4_1_weights(shipped):
+    quantized, dense = shipped
+    assert quantized.quantization == "gguf-Q4_1" and quantized.dtype == torch.bfloat16
+    assert dense.quantization == "none"  # fp32 asked: the file's values dequantized
+    layers = gguf_linears(embedded.embedded_gguf_path(), dense.model.config)
+    # the stored codes dequantize to what transformers' GGUF loader made of the file (q and k rows unpermuted)
+    for i in (0, 17):
+        attn, mlp = dense.model.model.layers[i].self_attn, dense.model.model.layers[i].mlp
+        for role, linear in (("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
+                             ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj)):
+            assert torch.allclose(layers["layers"][i][role].dequantize(), linear.weight, rtol=0, atol=2e-6), role
+    head = layers["head"]  # Q8_0 blocks of 32 → one scale per row: within half a step of the row
+    gap = (head.dequantize() - dense.model.lm_head.weight).abs()
+    assert (gap <= head.scale[:, None] / 2 + 1e-6).all()
+    # the dense linear weights are gone from the quantized model; its lean forward serves it
+    assert quantized.model.model.layers[0].mlp.up_proj.weight.numel() == 0
+    ids = quantized.tokenizer("The capital of France is")["input_ids"]
+    a = model_sequence(quantized.model).feed(ids, keep_logits=len(ids))
+    b = model_sequence(dense.model).feed(ids, keep_logits=len(ids))
+    assert (a - b).abs().max() < 2.0 and (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8
+
+
+CHAT = [{"role": "user", "content": "What are three practical tips for staying focused while working from home?"}]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gamma", [3, "auto"])
+def test_quantized_embedded_greedy_speculation_follows_its_target_to_bf16_near_ties(shipped, gamma):
+    """In bf16 a verify block's attention sums a row over its masked length, a decode step over its own, so the
+    two can round apart (docs/serving.md); greedy speculation then agrees with target-only decoding up to a
+    position where the target's top two logits are within bf16 noise. A wrong acceptance rule departs at a
+    clear margin. The exact identity is `test_quantized_greedy_speculation_equals_target_only` (float32)."""
+    decoder = SpeculativeDecoder(shipped[0], "embedded-draft", gamma="auto")
+    greedy = SamplingParams(temperature=0.0, logprobs=2)
+    plain = decoder.generate(CHAT, greedy, max_new_tokens=48, gamma=0)
+    spec = decoder.generate(CHAT, greedy, max_new_tokens=48, gamma=gamma)
+    assert spec.stats.accepted > 0 and spec.stats.rounds < len(spec.token_ids)
+    same = next((i for i, (a, b) in enumerate(zip(plain.token_ids, spec.token_ids)) if a != b), None)
+    if same is not None:
+        top = sorted((lp for _, lp in plain.logprobs[same][2]), reverse=True)
+        assert same >= 8 and top[0] - top[1] < 0.5, (same, top)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_greedy_speculation_equals_target_only(method):
+    target = load_model(tiny_llama(0, vocab=64, hidden=64, layers=2, scale=40.0), "float32", quantization=method)
+    decoder = SpeculativeDecoder(target, tiny_llama(1, vocab=64, hidden=64, scale=40.0, dtype=torch.float32),
+                                 gamma=3, draft_lookup=False)
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    for prompt in ([1, 5, 2, 7], [3, 3, 9, 40, 12]):
+        plain = decoder.generate(prompt, greedy, max_new_tokens=40, gamma=0)
+        for gamma in (1, 3, 5):
+            spec = decoder.generate(prompt, greedy, max_new_tokens=40, gamma=gamma)
+            assert spec.token_ids == plain.token_ids and spec.stats.drafted > 0
+    # and that is the quantized model's own argmax chain
+    logits = model_sequence(target.model).feed(prompt + plain.token_ids[:-1], keep_logits=40)
+    assert logits.argmax(-1).tolist() == plain.token_ids
+
+
+def quantized_tiny(method: str, seed: int = 0):
+    """A tiny random Llama (hidden 64: int4 groups of 32 and 64 divide it) loaded quantized."""
+    return load_model(tiny_llama(seed, hidden=64, scale=40.0, dtype=torch.bfloat16), quantization=method)
+
+
+def lean_joint(loaded, mode: dict, prompt: list[int]) -> np.ndarray:
+    """P(first token = a, second = b) under the quantized target itself (its lean forward, one row at a time)."""
+    vocab = loaded.vocab_size
+    args = (mode.get("temperature", 1.0), mode.get("top_k", 0), mode.get("top_p", 1.0))
+    p1 = reference_probs(model_sequence(loaded.model).feed(prompt)[-1].double().numpy(), *args)
+    seconds = [model_sequence(loaded.model).feed(prompt + [a])[-1].double().numpy() for a in range(vocab)]
+    return np.stack([p1[a] * reference_probs(seconds[a], *args) for a in range(vocab)])
+
+
+@pytest.mark.parametrize("method,mode", [("int8", dict(temperature=1.0)),
+                                         ("int4", dict(temperature=0.8, top_k=5, top_p=0.95))])
+def test_quantized_target_first_two_tokens_follow_the_quantized_target(method, mode, monkeypatch):
+    target = quantized_tiny(method)
+    assert target.quantization in ("int8", "int4-g32")
+    draft = tiny_llama(1, hidden=64, scale=40.0)
+    decoder = SpeculativeDecoder(target, draft, gamma=2, draft_lookup=False)
+    prompt = [1, 5, 2, 7]
+    expected = lean_joint(target, mode, prompt)
+    dense = load_model(tiny_llama(0, hidden=64, scale=40.0, dtype=torch.bfloat16), "float32")
+    dense_expected = lean_joint(dense, mode, prompt)
+    assert np.abs(expected - dense_expected).max() > 1e-3  # quantizing made a different model here
+    counts = sampled_joint(decoder, mode, 3, prompt)
+    assert counts.sum() == N and chi_square_pvalue(counts, expected) > 1e-3
+    monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: p)
+    assert chi_square_pvalue(sampled_joint(decoder, mode, 3, prompt), expected) < 1e-3
+
+
+def test_quantization_errors_name_what_is_wrong():
+    tiny = tiny_llama(0, hidden=64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        load_model(str(embedded.shipped_draft_dir()), quantization="gguf")
+    with pytest.raises(ValueError, match="passed loaded"):
+        load_model(tiny, quantization="gguf")
+    with pytest.raises(ValueError, match="int4 groups must be one of"):
+        parse("int4-g48")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        parse("int5")
+    with pytest.raises(ValueError, match="do not divide"):
+        load_model(tiny_llama(0, hidden=48, dtype=torch.bfloat16), quantization="int4-g64")
+
+    from pydantic import ValidationError
+
+    from specserve.serve.config import AppConfig
+
+    with pytest.raises(ValidationError, match="draft_quantization"):
+        AppConfig(draft_quantization="int3")
