@@ -152,8 +152,15 @@ def test_quantized_target_first_two_tokens_follow_the_quantized_target(method, m
     assert chi_square_pvalue(sampled_joint(decoder, mode, 3, prompt), expected) < 1e-3
 
 
-def test_quantization_errors_name_what_is_wrong():
+def test_quantization_errors_name_what_is_wrong(tmp_path):
     tiny = tiny_llama(0, hidden=64, dtype=torch.bfloat16)
+    tiny.config.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    tiny.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="pre-quantized 'gptq' checkpoint"):
+        load_model(str(tmp_path), quantization="int4")
+    with pytest.raises(ValueError, match="pre-quantized 'gptq' checkpoint"):
+        load_model(str(tmp_path))
+    del tiny.config.quantization_config
     with pytest.raises(ValueError, match="not a .gguf file"):
         load_model(str(embedded.shipped_draft_dir()), quantization="gguf")
     with pytest.raises(ValueError, match="passed loaded"):

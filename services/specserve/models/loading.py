@@ -141,6 +141,7 @@ def load_model(
                          "(use int8 or int4 to quantize it at load)")
     torch_dtype = _quantized_dtype(torch_dtype) if method != "none" else torch_dtype
     torch_dtype = torch_dtype or default_dtype(device)
+    _refuse_prequantized(path, name)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, device_map=device_map)
     except OSError as exc:
@@ -151,6 +152,22 @@ def load_model(
         model = model.to(device)
     loaded = LoadedModel(model.eval(), _tokenizer_at(path), name)
     return loaded if method == "none" else _quantize(loaded, method, group, gguf)
+
+
+def _refuse_prequantized(path, name: str) -> None:
+    """A checkpoint quantized by another tool (AWQ, GPTQ, bitsandbytes, FP8, ...) loads only through that tool's
+    kernels in transformers; say so by name instead of failing deep inside it."""
+    config = pathlib.Path(path) / "config.json"
+    if not config.is_file():
+        return
+    import json
+
+    found = (json.loads(config.read_text()).get("quantization_config") or {}).get("quant_method")
+    if found:
+        raise ValueError(
+            f"{name} is a pre-quantized {found!r} checkpoint; specserve does not load {found} packing yet. It serves "
+            "GGUF files as stored (Q4_0, Q4_1, Q8_0) and quantizes dense checkpoints at load (--quantization int8 "
+            "or int4): pass the dense checkpoint or a GGUF file of the model")
 
 
 def gguf_file(spec: Any) -> pathlib.Path | None:
