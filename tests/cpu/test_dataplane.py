@@ -72,3 +72,17 @@ def test_the_steps_and_hf_parts_report_floors_and_exact_output(tmp_path):
     assert [r["config"] for r in report["hf"]] == ["hf target-only", "hf assisted"]
     assert all(r["wrong_tokens"] == 0 and r["tokens"] == 16 for r in report["hf"])
     assert (tmp_path / "dataplane.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_quantized_target_serves_its_greedy_chain_and_reads_fewer_bytes(tmp_path, quantization):
+    args = ["--targets", "tiny", "--draft-shape", "tiny", "--vocab", str(VOCAB), "--device", "cpu", "--gamma", "3",
+            "--prompt-len", "12", "--max-tokens", "16", "--concurrency", "1", "--parts", "steps,rounds",
+            "--alphas", "1", "--step-repeats", "2"]
+    assert dataplane.main([*args, "--out", str(tmp_path / "q"), "--quantization", quantization]) == 0
+    assert dataplane.main([*args, "--out", str(tmp_path / "dense"), "--dtype", "bfloat16"]) == 0
+    quantized, dense = (json.loads((tmp_path / d / "dataplane.json").read_text()) for d in ("q", "dense"))
+    assert quantized["args"]["quantization"] == quantization
+    assert all(r["wrong_tokens"] == 0 and r["tokens"] == 16 for r in quantized["rounds"])  # in process and served
+    ratio = quantized["steps"][0]["weight_bytes"] / dense["steps"][0]["weight_bytes"]
+    assert ratio < (0.6 if quantization == "int8" else 0.45), ratio  # the floor counts the packed bytes

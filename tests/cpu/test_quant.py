@@ -42,6 +42,19 @@ def test_kernels_multiply_by_the_dequantized_weights_row_by_row(weight):
     assert close(dense_from(x)) and not torch.equal(dense_from(x), out)  # from it on: the bf16 GEMM
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("weight", ["int8", "int4-g32", "int4-g128"])
+def test_cuda_kernels_multiply_by_the_dequantized_weights(weight):
+    torch.manual_seed(0)
+    dense = torch.randn(384, 512)
+    method, group = parse(weight)
+    stored = Int8Rows.quantize(dense) if method == "int8" else Int4Groups.quantize(dense, group)
+    x = torch.randn(5, 512).bfloat16()
+    reference = x.float() @ stored.dequantize().t()
+    out = QuantizedLinear(stored, torch.bfloat16, "cuda")(x.cuda()).float().cpu()
+    assert (out - reference).abs().max() <= 0.01 * reference.abs().max()
+
+
 def test_q4_blocks_are_the_codes_gguf_stores():
     from gguf import GGMLQuantizationType as T
     from gguf.quants import dequantize, quantize

@@ -72,9 +72,10 @@ SHAPES: dict[str, dict[str, int]] = {
 
 
 def synthetic_llama(shape: str, vocab: int, alpha: float | None, device: str, dtype: str | None = None,
-                    seed: int = 0):
+                    seed: int = 0, quantization: str | None = None):
     """A random-weight Llama of `shape` whose greedy next token after t is t+1 (alpha None: the target), or a
-    draft's: t+1 on a random `alpha` share of the vocabulary, t+2 elsewhere (see the module docstring)."""
+    draft's: t+1 on a random `alpha` share of the vocabulary, t+2 elsewhere (see the module docstring).
+    quantization: "int8" / "int4[-gN]" packs its linear layers (`models.quant`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from specserve.models.loading import default_dtype, resolve_dtype
@@ -104,7 +105,11 @@ def synthetic_llama(shape: str, vocab: int, alpha: float | None, device: str, dt
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
-    return model.eval()
+    if quantization in (None, "none", "auto"):
+        return model.eval()
+    from specserve.models.loading import load_model
+
+    return load_model(model, quantization=quantization).model
 
 
 # -- worker processes -----------------------------------------------------------------------------------------
@@ -115,7 +120,8 @@ def _worker(role: str, spec: dict, conn) -> None:
 
         vocab = spec["vocab"]
         if role == "target":
-            target = synthetic_llama(spec["shape"], vocab, None, spec["device"], spec["dtype"])
+            target = synthetic_llama(spec["shape"], vocab, None, spec["device"], spec["dtype"],
+                                     quantization=spec.get("quantization"))
             draft = (synthetic_llama(spec["draft_shape"], vocab, spec["alpha"], spec["device"], spec["dtype"])
                      if spec.get("draft_shape") else None)
             actor = TargetWorkerActor(target, threads=spec["threads"], draft=draft, gamma_max=spec["gamma_max"],
@@ -271,7 +277,7 @@ def bench_rounds(args, shape: str, log) -> list[dict[str, Any]]:
     prompt_ids = prompts(1, args.prompt_len, args.vocab)[0]
     kv_one = 4 * (args.prompt_len + args.max_tokens + 64)
     base = {"vocab": args.vocab, "dtype": args.dtype, "gamma_max": args.gamma_max, "threads": None,
-            "kv_cache_tokens": kv_one, "max_step_tokens": args.max_step_tokens}
+            "kv_cache_tokens": kv_one, "max_step_tokens": args.max_step_tokens, "quantization": args.quantization}
 
     def row(config: str, alpha, draft_device, gamma, figures):
         rows.append({"target": shape, "draft": args.draft_shape, "config": config, "alpha": alpha,
@@ -282,7 +288,7 @@ def bench_rounds(args, shape: str, log) -> list[dict[str, Any]]:
             + (f" (worker {figures['worker_verify_ms_per_round']:.2f})" if "overhead_ms_per_round" in figures
                else "") + (f"  WRONG {figures['wrong_tokens']}" if figures["wrong_tokens"] else ""))
 
-    target_model = synthetic_llama(shape, args.vocab, None, args.device, args.dtype)
+    target_model = synthetic_llama(shape, args.vocab, None, args.device, args.dtype, quantization=args.quantization)
     for alpha in args.alphas:
         draft_model = synthetic_llama(args.draft_shape, args.vocab, alpha, args.device, args.dtype)
         decoder = SpeculativeDecoder(target_model, draft_model, gamma=args.gamma, gamma_max=args.gamma_max,
@@ -331,7 +337,8 @@ def bench_load(args, shape: str, log) -> list[dict[str, Any]]:
     per_session = 1 << (args.prompt_len + args.max_tokens + 2 * args.gamma_max + 8).bit_length()
     spec = {"vocab": args.vocab, "dtype": args.dtype, "gamma_max": args.gamma_max, "threads": None,
             "kv_cache_tokens": 2 * (top + 2) * per_session, "max_step_tokens": args.max_step_tokens,
-            "shape": shape, "device": args.device, "draft_shape": args.draft_shape, "alpha": args.load_alpha}
+            "shape": shape, "device": args.device, "draft_shape": args.draft_shape, "alpha": args.load_alpha,
+            "quantization": args.quantization}
     target = Worker("target", spec)
     try:
         coords = {gamma: coordinator_for(target, None, colocated=True, gamma=gamma, gamma_max=args.gamma_max,
@@ -367,6 +374,8 @@ def parse_args(argv=None):
     p.add_argument("--draft-devices", type=_csv(str), default=None,
                    help="devices of the split draft worker (default: the target's, and cpu beside a GPU)")
     p.add_argument("--dtype", default=None, help="default: bf16 on a GPU (see specserve.models.loading)")
+    p.add_argument("--quantization", default="none",
+                   help="the target's linear layers: none, int8, int4, int4-g64, int4-g128 (not the hf part)")
     p.add_argument("--parts", type=_csv(str), default=["steps", "accept", "hf", "rounds", "load"])
     p.add_argument("--step-repeats", type=int, default=20, help="timed steps per steps-part level (median)")
     p.add_argument("--alphas", type=_csv(float), default=[1.0, 0.0])

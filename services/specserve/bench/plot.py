@@ -140,8 +140,9 @@ def plot_dataplane(report: dict, path: pathlib.Path) -> None:
         levels = sorted({x for line in ax.get_lines() for x in line.get_xdata()})
         ax.set_xticks(levels, [str(int(x)) for x in levels])
         ax.legend(fontsize=7)
-    fig.suptitle(f"specserve data plane on {report['device']} (torch {report['torch']}); random-weight shapes",
-                 fontsize=9)
+    quant = report["args"].get("quantization", "none")
+    fig.suptitle(f"specserve data plane on {report['device']} (torch {report['torch']}); random-weight shapes"
+                 + (f", target weights {quant}" if quant != "none" else ""), fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.98))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from specserve.models.quant import nbytes
+
 WARMUP_STEPS = 3
 
 
@@ -45,14 +47,14 @@ def copy_bandwidth(device: str, megabytes: int = 1024) -> float:
 def weight_bytes(w) -> int:
     """Bytes of the weights one step reads: every layer's matrices and norms, the final norm and the head."""
     tensors = [t for layer in w.layers for t in layer if t is not None] + [w.norm, w.head]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(nbytes(t) for t in tensors)
 
 
 def bench_steps(args, shape: str, log) -> list[dict[str, Any]]:
     from specserve.bench.dataplane import prompts, synthetic_llama
     from specserve.models.pool import KVPool
 
-    model = synthetic_llama(shape, args.vocab, None, args.device, args.dtype)
+    model = synthetic_llama(shape, args.vocab, None, args.device, args.dtype, quantization=args.quantization)
     bandwidth = copy_bandwidth(args.device)
     widths = sorted({1, args.gamma + 1})
     per_sequence = max(32, 1 << (args.prompt_len + max(widths)).bit_length())  # its buddy block

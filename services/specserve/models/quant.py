@@ -169,8 +169,8 @@ class QuantizedLinear:
 
     @property
     def nbytes(self) -> int:
-        dense = 0 if self.dense is None else self.dense.nbytes
-        return self.packed.nbytes + self.scales.nbytes + dense
+        """Bytes a multiply below `dense_from` rows reads (the packed weight and its scales)."""
+        return self.packed.nbytes + self.scales.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.shape[0] >= self.dense_from:
@@ -191,10 +191,8 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
 
 
 def nbytes(weight) -> int:
-    """Bytes a dense or quantized weight holds (0 for None)."""
-    if weight is None:
-        return 0
-    return weight.nbytes if isinstance(weight, (torch.Tensor, QuantizedLinear)) else 0
+    """Bytes one small step reads of a dense or quantized weight (0 for None)."""
+    return 0 if weight is None else weight.nbytes
 
 
 def quantize(weight: torch.Tensor, method: str, group: int = 32) -> Quantized:
