@@ -7,10 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specserve import SamplingParams, SpeculativeDecoder
-from specserve.models import embedded, load_model
-from specserve.models.lean import model_sequence
+from specserve.models import embedded, load_model, quant
+from specserve.models.lean import lean_weights, model_sequence
 from specserve.models.quant import Int4Groups, Int8Rows, QuantizedLinear, _q4_blocks, gguf_linears, parse
 from specserve.speculation import rejection
 from tests.cpu.test_exactness import N, chi_square_pvalue, sampled_joint
@@ -40,6 +41,28 @@ def test_kernels_multiply_by_the_dequantized_weights_row_by_row(weight):
     dense_from = QuantizedLinear(stored, torch.bfloat16, "cpu", dense_from=8)
     assert torch.equal(dense_from(x[:7]), out[:7])  # below the threshold: the kernel
     assert close(dense_from(x)) and not torch.equal(dense_from(x), out)  # from it on: the bf16 GEMM
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs torch built with oneDNN")
+def test_packed_dense_weights_multiply_as_f_linear():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
+    packed = quant.dense(weight)
+    assert isinstance(packed, quant.PackedDense) and packed.nbytes == weight.nbytes
+    for rows in (1, 3, 8, 40):
+        x = torch.randn(rows, 64).bfloat16()
+        for b in (None, bias):
+            reference = F.linear(x.float(), weight.float(), None if b is None else b.float())
+            out = quant.linear(x, packed, b)
+            assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
+            assert (out.float() - reference).abs().max() <= 0.01 * reference.abs().max()
+    # float32 and non-CPU weights stay plain tensors (F.linear)
+    assert quant.dense(weight.float()).dtype == torch.float32 and quant.dense(None) is None
+    # a dense bf16 model's layers and head, and a quantized one's bf16 copies, are packed once at load
+    w = lean_weights(tiny_llama(0, vocab=32, hidden=64), torch.bfloat16)
+    assert all(isinstance(t, quant.PackedDense) for t in (w.layers[0][1], w.layers[0][3], w.layers[0][6], w.head))
+    assert isinstance(QuantizedLinear(Int8Rows.quantize(weight.float()), torch.bfloat16, "cpu", 8).dense,
+                      quant.PackedDense)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from specserve.models.kv import CachedSequence, TokenSequence
 from specserve.models.quant import QuantizedLinear, linear, quantize
+from specserve.models.quant import dense as dense_weight
 
 SUPPORTED = {"llama", "specserve_draft"}
 
@@ -86,13 +87,13 @@ class LeanWeights:
         def cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
             return None if ts[0] is None else cast(torch.cat(ts))
 
-        def packed(spec, stored, *dense: torch.Tensor):
-            """One (fused) linear weight: dense, or quantized from `stored` (the file's) or from `dense`."""
+        def packed(spec, stored, *weights: torch.Tensor):
+            """One (fused) linear weight: dense, or quantized from `stored` (the file's) or from `weights`."""
             if spec is None:
-                return cat(*dense)
+                return dense_weight(cat(*weights))
             if stored is None:
-                stored = quantize(torch.cat([d.detach() for d in dense]), spec.method, spec.group)
-            return QuantizedLinear(stored, dtype, dense[0].device, spec.dense_from)
+                stored = quantize(torch.cat([d.detach() for d in weights]), spec.method, spec.group)
+            return QuantizedLinear(stored, dtype, weights[0].device, spec.dense_from)
 
         stored = spec.stored if spec is not None else None
         self.heads = cfg.num_attention_heads
@@ -305,18 +306,19 @@ class _PaddedAttention:
         w, b, nmax, lmax = self.w, self.batch, self.nmax, self.lmax
         h, kvh, d = w.heads, w.kv_heads, w.head_dim
         k_layer, v_layer = self.k_arena[layer], self.v_arena[layer]  # [kvh, positions, d]
-        k_layer.index_copy_(1, self.arena_rows, k[self.new_rows].transpose(0, 1))
-        v_layer.index_copy_(1, self.arena_rows, v[self.new_rows].transpose(0, 1))
-        keys = k_layer[:, self.key_rows].view(kvh, b, lmax, d).transpose(0, 1)  # [B, kvh, lmax, d]
-        values = v_layer[:, self.key_rows].view(kvh, b, lmax, d).transpose(0, 1)
+        k_layer.index_copy_(1, self.arena_rows, k.index_select(0, self.new_rows).transpose(0, 1))
+        v_layer.index_copy_(1, self.arena_rows, v.index_select(0, self.new_rows).transpose(0, 1))
+        # index_select, not k_layer[:, rows]: a row copy each, 4x faster here than advanced indexing
+        keys = k_layer.index_select(1, self.key_rows).view(kvh, b, lmax, d).transpose(0, 1)  # [B, kvh, lmax, d]
+        values = v_layer.index_select(1, self.key_rows).view(kvh, b, lmax, d).transpose(0, 1)
         # grouped-query attention as kvh heads of (group · nmax) queries each (faster here than enable_gqa
         # for these short blocks)
-        queries = q[self.query_rows].view(b, nmax, h, d).permute(0, 2, 1, 3).reshape(b, kvh, h // kvh * nmax, d)
+        queries = q.index_select(0, self.query_rows).view(b, nmax, h, d).permute(0, 2, 1, 3).reshape(b, kvh, h // kvh * nmax, d)
         att = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=w.scale)
         att = att.reshape(b, h, nmax, d).permute(0, 2, 1, 3).reshape(b * nmax, h * d)
         if len(self.new_rows) == self.total:  # every sequence is a member: rows already in order
-            return att[self.out_rows]
-        return att.new_zeros(self.total, h * d).index_copy_(0, self.new_rows, att[self.out_rows])
+            return att.index_select(0, self.out_rows)
+        return att.new_zeros(self.total, h * d).index_copy_(0, self.new_rows, att.index_select(0, self.out_rows))
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -8,9 +8,10 @@ are fast only there), weights stay packed, and each layer multiplies through tor
 - int4, groups of 32/64/128 inputs with a scale and an offset each (w = (q - 8)·scale + zero):
   `aten._weight_int4pack_mm_for_cpu` on CPUs, `aten._weight_int4pack_mm` on CUDA.
 
-These kernels read the packed weights once per row of activations, so from a few rows on (a 16-stream step)
-a dense bfloat16 GEMM over the same values beats them (docs/benchmarks.md). A layer therefore also keeps its
-weights dequantized to bfloat16 when `dense_from` rows or more are common (`QuantizedLinear.dense_from`);
+These kernels read the packed weights once per row of activations, so from a few rows on (a verify block of
+8, a 16-stream step) a dense bfloat16 GEMM over the same values beats them (docs/benchmarks.md). A layer
+therefore also keeps its weights dequantized to bfloat16 when `dense_from` rows or more are common
+(`QuantizedLinear.dense_from`; on CPUs in oneDNN's layout, `PackedDense`, as a dense model's are);
 both compute the same quantized values, the kernel choice only changes rounding in the last bits, as a
 different batch size does for a dense model.
 
@@ -22,6 +23,7 @@ output is exactly the quantized target's distribution (docs/serving.md, tests/cp
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -33,7 +35,9 @@ import torch.nn.functional as F
 METHODS = ("auto", "none", "gguf", "int8", "int4")
 # Rows from which a CPU layer multiplies a dense bfloat16 copy instead (`QuantizedLinear`): the packed
 # kernels' time grows with every row, a bfloat16 GEMM's barely (docs/benchmarks.md). None on CUDA until measured.
-CPU_DENSE_FROM = 12
+CPU_DENSE_FROM = 8
+# Dense bfloat16 CPU weights kept in oneDNN's layout (`PackedDense`); SPECSERVE_PACK_DENSE=0 keeps plain tensors.
+PACK_DENSE: bool = os.environ.get("SPECSERVE_PACK_DENSE", "1") != "0"
 
 
 def dense_from(device) -> int:
@@ -165,7 +169,7 @@ class QuantizedLinear:
             else:
                 self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
             self.scales = torch.stack([weight.scale.t(), weight.zero.t()], -1).to(self.device, dtype).contiguous()
-        self.dense = weight.dequantize().to(self.device, dtype) if dense_from else None
+        self.dense = dense(weight.dequantize().to(self.device, dtype)) if dense_from else None
 
     @property
     def nbytes(self) -> int:
@@ -174,7 +178,7 @@ class QuantizedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.shape[0] >= self.dense_from:
-            return F.linear(x, self.dense)
+            return linear(x, self.dense)
         if self.bits == 8:
             return torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)
         if self.device.type == "cuda":
@@ -182,10 +186,43 @@ class QuantizedLinear:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales)
 
 
+class PackedDense:
+    """A dense bfloat16 CPU weight [N, K] kept in oneDNN's blocked layout, reordered once: `F.linear` reorders
+    a plain weight on every call, which on a small step costs as much as the multiply (docs/benchmarks.md).
+    Results equal `F.linear`'s where that runs oneDNN too, else differ in bfloat16 rounding only."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.out_features, self.in_features = weight.shape
+        self.dtype, self.device = weight.dtype, weight.device
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
+def dense(weight: torch.Tensor | None):
+    """A dense linear weight for the lean forward: `PackedDense` where oneDNN's bfloat16 path runs it (CPU, bf16),
+    else the tensor as it is."""
+    if weight is None or not _packs(weight):
+        return weight
+    return PackedDense(weight)
+
+
+def _packs(weight: torch.Tensor) -> bool:
+    return (PACK_DENSE and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and torch.backends.mkldnn.is_available())
+
+
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a dense weight tensor or a `QuantizedLinear`."""
+    """F.linear for a dense weight tensor, a `PackedDense` or a `QuantizedLinear`."""
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
+    if isinstance(weight, PackedDense):
+        return weight(x, bias)
     y = weight(x)
     return y if bias is None else y + bias
 
