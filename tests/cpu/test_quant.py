@@ -43,8 +43,8 @@ def test_kernels_multiply_by_the_dequantized_weights_row_by_row(weight):
     assert close(dense_from(x)) and not torch.equal(dense_from(x), out)  # from it on: the bf16 GEMM
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs torch built with oneDNN")
-def test_packed_dense_weights_multiply_as_f_linear():
+@pytest.mark.skipif(not quant._onednn_bf16(), reason="needs oneDNN's bfloat16 path (AVX-512)")
+def test_packed_dense_weights_multiply_as_f_linear(monkeypatch):
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
     packed = quant.dense(weight)
@@ -56,8 +56,11 @@ def test_packed_dense_weights_multiply_as_f_linear():
             out = quant.linear(x, packed, b)
             assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
             assert (out.float() - reference).abs().max() <= 0.01 * reference.abs().max()
-    # float32 and non-CPU weights stay plain tensors (F.linear)
-    assert quant.dense(weight.float()).dtype == torch.float32 and quant.dense(None) is None
+    # float32 weights stay plain tensors (F.linear), as do all where packing is off
+    assert isinstance(quant.dense(weight.float()), torch.Tensor) and quant.dense(None) is None
+    monkeypatch.setattr(quant, "PACK_DENSE", False)
+    assert isinstance(quant.dense(weight), torch.Tensor)
+    monkeypatch.undo()
     # a dense bf16 model's layers and head, and a quantized one's bf16 copies, are packed once at load
     w = lean_weights(tiny_llama(0, vocab=32, hidden=64), torch.bfloat16)
     assert all(isinstance(t, quant.PackedDense) for t in (w.layers[0][1], w.layers[0][3], w.layers[0][6], w.head))

@@ -23,6 +23,7 @@ output is exactly the quantized target's distribution (docs/serving.md, tests/cp
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -214,7 +215,13 @@ def dense(weight: torch.Tensor | None):
 
 def _packs(weight: torch.Tensor) -> bool:
     return (PACK_DENSE and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and torch.backends.mkldnn.is_available())
+            and _onednn_bf16())
+
+
+@functools.cache
+def _onednn_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 on this CPU (it refuses without AVX-512; F.linear then takes another path)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
