@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from specserve.models.kv import CachedSequence, TokenSequence
 from specserve.models.quant import QuantizedLinear, linear, quantize
-from specserve.models.quant import dense as dense_weight
+from specserve.models.quant import dense as packed_dense
 
 SUPPORTED = {"llama", "specserve_draft"}
 
@@ -90,7 +90,7 @@ class LeanWeights:
         def packed(spec, stored, *weights: torch.Tensor):
             """One (fused) linear weight: dense, or quantized from `stored` (the file's) or from `weights`."""
             if spec is None:
-                return dense_weight(cat(*weights))
+                return packed_dense(cat(*weights))
             if stored is None:
                 stored = quantize(torch.cat([d.detach() for d in weights]), spec.method, spec.group)
             return QuantizedLinear(stored, dtype, weights[0].device, spec.dense_from)
@@ -313,7 +313,8 @@ class _PaddedAttention:
         values = v_layer.index_select(1, self.key_rows).view(kvh, b, lmax, d).transpose(0, 1)
         # grouped-query attention as kvh heads of (group · nmax) queries each (faster here than enable_gqa
         # for these short blocks)
-        queries = q.index_select(0, self.query_rows).view(b, nmax, h, d).permute(0, 2, 1, 3).reshape(b, kvh, h // kvh * nmax, d)
+        queries = q.index_select(0, self.query_rows).view(b, nmax, h, d).permute(0, 2, 1, 3)
+        queries = queries.reshape(b, kvh, h // kvh * nmax, d)
         att = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=w.scale)
         att = att.reshape(b, h, nmax, d).permute(0, 2, 1, 3).reshape(b * nmax, h * d)
         if len(self.new_rows) == self.total:  # every sequence is a member: rows already in order

@@ -7,6 +7,7 @@ name "embedded", or an already-loaded `transformers.PreTrainedModel`.
 from __future__ import annotations
 
 import functools
+import json
 import pathlib
 from dataclasses import dataclass
 from typing import Any
@@ -160,8 +161,6 @@ def _refuse_prequantized(path, name: str) -> None:
     config = pathlib.Path(path) / "config.json"
     if not config.is_file():
         return
-    import json
-
     found = (json.loads(config.read_text()).get("quantization_config") or {}).get("quant_method")
     if found:
         raise ValueError(

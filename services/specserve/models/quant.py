@@ -177,14 +177,16 @@ class QuantizedLinear:
         """Bytes a multiply below `dense_from` rows reads (the packed weight and its scales)."""
         return self.packed.nbytes + self.scales.nbytes
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.dense is not None and x.shape[0] >= self.dense_from:
-            return linear(x, self.dense)
+            return linear(x, self.dense, bias)
         if self.bits == 8:
-            return torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)
-        if self.device.type == "cuda":
-            return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group, self.scales)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales)
+            y = torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)
+        elif self.device.type == "cuda":
+            y = torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group, self.scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales)
+        return y if bias is None else y + bias
 
 
 class PackedDense:
@@ -193,8 +195,6 @@ class PackedDense:
     Results equal `F.linear`'s where that runs oneDNN too, else differ in bfloat16 rounding only."""
 
     def __init__(self, weight: torch.Tensor):
-        self.out_features, self.in_features = weight.shape
-        self.dtype, self.device = weight.dtype, weight.device
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
 
     @property
@@ -208,14 +208,10 @@ class PackedDense:
 def dense(weight: torch.Tensor | None):
     """A dense linear weight for the lean forward: `PackedDense` where oneDNN's bfloat16 path runs it (CPU, bf16),
     else the tensor as it is."""
-    if weight is None or not _packs(weight):
-        return weight
-    return PackedDense(weight)
-
-
-def _packs(weight: torch.Tensor) -> bool:
-    return (PACK_DENSE and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and _onednn_bf16())
+    if (weight is not None and PACK_DENSE and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and _onednn_bf16()):
+        return PackedDense(weight)
+    return weight
 
 
 @functools.cache
@@ -226,12 +222,7 @@ def _onednn_bf16() -> bool:
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for a dense weight tensor, a `PackedDense` or a `QuantizedLinear`."""
-    if isinstance(weight, torch.Tensor):
-        return F.linear(x, weight, bias)
-    if isinstance(weight, PackedDense):
-        return weight(x, bias)
-    y = weight(x)
-    return y if bias is None else y + bias
+    return F.linear(x, weight, bias) if isinstance(weight, torch.Tensor) else weight(x, bias)
 
 
 def nbytes(weight) -> int:
