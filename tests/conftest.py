@@ -9,7 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specserve.serve.listen import free_port
 
 
-def tiny_llama(seed: int, vocab: int = 8, layers: int = 1, hidden: int = 16, scale: float = 25.0, dtype=torch.float64):
+def tiny_llama(seed: int, vocab: int = 8, layers: int = 1, hidden: int = 16, scale: float = 25.0, dtype=torch.float64,
+               heads: int = 2, kv_heads: int = 1):
     """A random Llama whose next-token distributions are far from uniform (scale widens the logits).
 
     float64 by default so batched (verify) and one-token (decode) forwards agree
@@ -21,8 +22,8 @@ def tiny_llama(seed: int, vocab: int = 8, layers: int = 1, hidden: int = 16, sca
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=512,
         initializer_range=0.02 * scale,
         bos_token_id=None,
@@ -50,7 +51,7 @@ def tiny_pair():
     return tiny_llama(0), tiny_llama(1)
 
 
-def save_tokenized_pair(root, noise: float = 0.3):
+def save_tokenized_pair(root, noise: float = 0.3, kv_heads: int = 1):
     """A tiny random target and a close draft saved with the embedded model's tokenizer (vocab 49152).
 
     Real tokenizer and chat template, millisecond forwards: what the CLI and serving tests need.
@@ -60,7 +61,8 @@ def save_tokenized_pair(root, noise: float = 0.3):
     from specserve.models import embedded
 
     tokenizer = AutoTokenizer.from_pretrained(str(embedded.converted_dir(embedded.embedded_gguf_path())))
-    target = tiny_llama(0, vocab=len(tokenizer), layers=2, hidden=32, scale=8, dtype=torch.float32)
+    target = tiny_llama(0, vocab=len(tokenizer), layers=2, hidden=32, scale=8, dtype=torch.float32,
+                        heads=2 * kv_heads, kv_heads=kv_heads)
     target.config.eos_token_id = tokenizer.eos_token_id
     draft = perturbed_copy(target, noise)
     for name, model in (("target", target), ("draft", draft)):

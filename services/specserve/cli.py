@@ -157,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--gamma", type=_gamma, default="auto", help="default γ: int, 'auto' or 'heuristic'")
     srv.add_argument("--no-pipeline", action="store_true", help="do not overlap drafting with verification")
     _add_lookup_arg(srv)
+    srv.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                     help="split the target's layers over N ranks (Ray actors on one node; on GPUs one each)")
     srv.add_argument("--model-name", default=None, help="model id clients pass (default: the target's name)")
     srv.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 to listen on all interfaces)")
     srv.add_argument("--api-key", default=None,

@@ -12,7 +12,7 @@ from specserve.serve.run import config_from_flags, load_serve_config
 CLUSTER = pathlib.Path(__file__).resolve().parents[2] / "cluster"
 
 
-@pytest.mark.parametrize("name", ["local-cpu.yaml", "gpu-node.yaml", "heterogeneous.yaml"])
+@pytest.mark.parametrize("name", ["local-cpu.yaml", "gpu-node.yaml", "heterogeneous.yaml", "tensor-parallel.yaml"])
 def test_cluster_config_is_valid(name):
     config = load_serve_config(CLUSTER / name)
     app = config["applications"][0]
@@ -71,9 +71,28 @@ def test_the_default_draft_is_the_distilled_one_where_it_is_colocated_or_has_a_g
     ("local-cpu.yaml", False, False),  # the n-gram draft runs in the coordinator
     ("gpu-node.yaml", True, False),  # draft and target share the GPU: one process
     ("heterogeneous.yaml", False, True),  # the draft on a GPU of its own
+    ("tensor-parallel.yaml", False, True),
 ])
 def test_draft_placement_of_each_cluster_config(name, colocated, draft_worker):
     from specserve.serve.app import AppConfig
 
     config = AppConfig(**load_serve_config(CLUSTER / name)["applications"][0]["args"])
     assert config.colocated() == colocated and config.has_draft_worker() == draft_worker
+
+
+def test_tensor_parallel_from_the_flag_and_what_is_refused():
+    from pydantic import ValidationError
+
+    from specserve.workers.config import RoleResources, WorkersConfig
+
+    args = config_from_flags(build_parser().parse_args(["serve", "--tensor-parallel", "2"]))["applications"][0]["args"]
+    assert WorkersConfig(**{k: v for k, v in args.items() if k in WorkersConfig.model_fields}
+                         ).target_resources.tensor_parallel == 2
+    ranks = RoleResources(tensor_parallel=2, num_cpus=1, num_gpus=1, accelerator_type="H100")
+    assert ranks.bundle() == {"CPU": 1, "GPU": 1, "accelerator_type:H100": 0.001}
+    for bad, field in [(dict(target_resources={"tensor_parallel": 0}), "tensor_parallel"),
+                       (dict(draft_resources={"tensor_parallel": 2}), "only target_resources"),
+                       (dict(target_resources={"tensor_parallel": 2}, batching=False), "needs batching"),
+                       (dict(target_resources={"tensor_parallel": 2}, target_stages=[{}, {}]), "target_stages")]:
+        with pytest.raises(ValidationError, match=field):
+            WorkersConfig(**bad)

@@ -89,6 +89,15 @@ def test_heterogeneous_manifest_places_draft_and_target_on_their_gpus():
     assert groups["l4"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-L4"}
 
 
+def test_tensor_parallel_manifest_gives_the_target_group_all_its_ranks_gpus_on_one_pod():
+    manifest = yaml.safe_load((ROOT / "deploy/kuberay/tensor-parallel.yaml").read_text())
+    groups = {g["groupName"]: g for g in manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    limits = {name: g["template"]["spec"]["containers"][0]["resources"]["limits"] for name, g in groups.items()}
+    assert limits["h100"]["nvidia.com/gpu"] == 4 and limits["l4"]["nvidia.com/gpu"] == 1
+    assert groups["h100"]["template"]["metadata"]["labels"]["specserve.io/roles"] == "target-tp4"
+    assert groups["h100"]["rayStartParams"]["num-cpus"] == "9"  # 4 ranks x 2 CPUs + the proxy
+
+
 def test_models_claim_is_a_valid_standard_object():
     pvc = yaml.safe_load((ROOT / "deploy/kuberay/models-pvc.yaml").read_text())
     assert k8s_problems(pvc) == []

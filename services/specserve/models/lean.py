@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from specserve.models.kv import CachedSequence, TokenSequence
-from specserve.models.quant import QuantizedLinear, linear, quantize
-from specserve.models.quant import dense as packed_dense
+from specserve.models.quant import linear
+from specserve.models.weights import LeanWeights, lean_weights
 
 SUPPORTED = {"llama", "specserve_draft"}
 
@@ -67,85 +67,6 @@ def model_sequence(model) -> TokenSequence:
     """A private cache for a target outside a KV pool: HF's, or the lean one for a quantized model (whose dense
     linear weights are gone)."""
     return LeanSequence(model) if getattr(model, "specserve_quant", None) is not None else CachedSequence(model)
-
-
-class LeanWeights:
-    """A model's weights fused for `LeanSequence`, made once per model and compute dtype.
-
-    A model loaded with a quantization (`loading.load_model`, `model.specserve_quant`) gets its linear layers as
-    `quant.QuantizedLinear`s: quantized here from the dense weights (int8, int4), or taken as the GGUF file
-    stores them; norms, biases and the embedding stay dense.
-    """
-
-    def __init__(self, model, dtype: torch.dtype):
-        cfg = model.config
-        spec = getattr(model, "specserve_quant", None)
-
-        def cast(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.detach().to(dtype).contiguous()
-
-        def cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
-            return None if ts[0] is None else cast(torch.cat(ts))
-
-        def packed(spec, stored, *weights: torch.Tensor):
-            """One (fused) linear weight: dense, or quantized from `stored` (the file's) or from `weights`."""
-            if spec is None:
-                return packed_dense(cat(*weights))
-            if stored is None:
-                stored = quantize(torch.cat([d.detach() for d in weights]), spec.method, spec.group)
-            return QuantizedLinear(stored, dtype, weights[0].device, spec.dense_from)
-
-        stored = spec.stored if spec is not None else None
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.eps = cfg.rms_norm_eps
-        self.layers = []
-        for i, layer in enumerate(model.model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            own = stored["layers"][i] if stored is not None else None
-
-            def fused(*roles: str):
-                return None if own is None else own[roles[0]].cat([own[r] for r in roles])
-
-            self.layers.append((
-                cast(layer.input_layernorm.weight),
-                packed(spec, fused("q", "k", "v"), attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
-                cat(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias),
-                packed(spec, fused("o"), attn.o_proj.weight),
-                cast(attn.o_proj.bias),
-                cast(layer.post_attention_layernorm.weight),
-                packed(spec, fused("gate", "up"), mlp.gate_proj.weight, mlp.up_proj.weight),
-                packed(spec, fused("down"), mlp.down_proj.weight),
-            ))
-        self.norm = cast(model.model.norm.weight)
-        head = model.lm_head.weight
-        head_stored = stored["head"] if stored is not None else None
-        subset = getattr(model, "token_subset", None)
-        if subset is not None:
-            order = torch.argsort(subset)
-            subset, head = subset[order], head[order]
-            head_stored = None if head_stored is None else head_stored.rows(order)
-            self.token_subset = subset.to("cpu")
-        else:
-            self.token_subset = None
-        # the head stays int8 under int4 (as llama.cpp's Q4 files keep theirs at 6-8 bits)
-        self.head = packed(None if spec is None else spec.for_head(), head_stored, head)
-        self.embed = model.model.embed_tokens.weight  # indexed per call; cast only the rows used
-        self.inv_freq = model.model.rotary_emb.inv_freq.detach().float()
-        self.scale = self.head_dim**-0.5
-        self.dtype = dtype
-        self.device = head.device
-        self.quantization = "none" if spec is None else spec.describe()
-
-
-def lean_weights(model, dtype: torch.dtype) -> LeanWeights:
-    cache = model.__dict__.setdefault("_specserve_lean", {})
-    if dtype not in cache and cache and getattr(model, "specserve_quant", None) is not None:
-        raise ValueError(f"a quantized model computes in {next(iter(cache))}, not {dtype}")
-    if dtype not in cache:
-        cache[dtype] = LeanWeights(model, dtype)
-    return cache[dtype]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -215,7 +136,8 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
         rows = x[total - keeps[0] :]
     else:
         rows = x[torch.cat([torch.arange(offsets[j + 1] - keep, offsets[j + 1]) for j, keep in enumerate(keeps)])]
-    return linear(_rms(rows, w.norm, w.eps), w.head).float()
+    logits = linear(_rms(rows, w.norm, w.eps), w.head).float()
+    return logits if w.tp is None else w.tp.gather_columns(logits, w.vocab_rows)
 
 
 def rotated_qkv(w: LeanWeights, layer: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -232,9 +154,17 @@ def rotated_qkv(w: LeanWeights, layer: tuple, x: torch.Tensor, cos: torch.Tensor
 def layer_output(w: LeanWeights, layer: tuple, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
     """x after one layer: the attention output att [T, heads·d] projected and added, then the MLP."""
     _, _, _, w_o, b_o, norm_post, w_gate_up, w_down = layer
-    x = x + linear(att, w_o, b_o)
+    if w.tp is None:
+        x = x + linear(att, w_o, b_o)
+    else:  # each rank's heads' share of the projection, summed over the ranks
+        x = x + _bias(w.tp.all_reduce(linear(att, w_o)), b_o)
     gate, up = linear(_rms(x, norm_post, w.eps), w_gate_up).chunk(2, -1)
-    return x + linear(F.silu(gate) * up, w_down)
+    down = linear(F.silu(gate) * up, w_down)
+    return x + (down if w.tp is None else w.tp.all_reduce(down))
+
+
+def _bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias
 
 
 def _attend(w: LeanWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None

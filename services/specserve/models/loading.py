@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from specserve.models import embedded, quant
+from specserve.models.tp import Shard
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
@@ -92,7 +93,7 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 def load_model(
     spec: Any, dtype: str | torch.dtype | None = None, device: str | None = None, device_map: Any = None,
-    quantization: str | None = None,
+    quantization: str | None = None, shard: Shard | None = None,
 ) -> LoadedModel:
     """Load a causal LM from any accepted spec.
 
@@ -104,6 +105,7 @@ def load_model(
     loads anything else dense; "none" loads dense; "int8" / "int4" quantize the
     linear layers at load (a passed model in place: its dense linear weights are
     dropped). Quantized models compute in bfloat16 unless dtype says otherwise.
+    shard: a tensor-parallel rank's part (`models.tp`); a quantized model packs only that part.
     """
     from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -127,7 +129,7 @@ def load_model(
         loaded = LoadedModel(model.eval(), None, type(model).__name__)
         if method == "gguf":
             raise ValueError("quantization 'gguf' keeps a GGUF file's weights; this model was passed loaded")
-        return _quantize(loaded, method, group) if method in ("int8", "int4") else loaded
+        return _quantize(loaded, method, group, shard=shard) if method in ("int8", "int4") else loaded
     if not isinstance(spec, (str, pathlib.Path)):
         raise TypeError(f"model must be a name, a path or a PreTrainedModel, got {type(spec).__name__}")
 
@@ -152,7 +154,7 @@ def load_model(
     if device_map is None:
         model = model.to(device)
     loaded = LoadedModel(model.eval(), _tokenizer_at(path), name)
-    return loaded if method == "none" else _quantize(loaded, method, group, gguf)
+    return loaded if method == "none" else _quantize(loaded, method, group, gguf, shard)
 
 
 def _refuse_prequantized(path, name: str) -> None:
@@ -183,7 +185,8 @@ def _quantized_dtype(dtype: torch.dtype | None) -> torch.dtype:
     return dtype or torch.bfloat16
 
 
-def _quantize(loaded: LoadedModel, method: str, group: int, gguf: pathlib.Path | None = None) -> LoadedModel:
+def _quantize(loaded: LoadedModel, method: str, group: int, gguf: pathlib.Path | None = None,
+              shard: Shard | None = None) -> LoadedModel:
     """Give the model's linear layers packed quantized weights (`quant.QuantSpec`, made into the lean forward's
     weights now) and drop their dense copies."""
     from specserve.models.lean import lean_weights, unsupported_reason
@@ -196,7 +199,7 @@ def _quantize(loaded: LoadedModel, method: str, group: int, gguf: pathlib.Path |
     stored = quant.gguf_linears(gguf, model.config) if method == "gguf" else None
     model.specserve_quant = quant.QuantSpec(method, group, stored, quant.dense_from(loaded.device),
                                             stored["source"] if stored else "")
-    lean_weights(model, loaded.dtype)
+    lean_weights(model, loaded.dtype, shard)
     model.specserve_quant.stored = None  # packed by now
     for layer in model.model.layers:
         for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,

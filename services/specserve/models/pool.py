@@ -31,6 +31,7 @@ import torch
 from specserve.models.kv import TokenSequence
 from specserve.models.lean import lean_weights, lean_forward, widen
 from specserve.models.runner import StepRunner
+from specserve.models.tp import Collective
 
 # Whether pools get a static-shape step runner. Off by default: its CUDA graphs are not yet checked on a GPU,
 # and on a CPU (not launch-bound) it measured slower from 4 sequences on (docs/benchmarks.md). The environment
@@ -114,9 +115,12 @@ class KVPool:
     """
 
     def __init__(self, model, tokens: int, dtype: torch.dtype | None = None, max_length: int | None = None,
-                 min_block: int = 32, runner: bool | None = None, max_width: int = 9):
+                 min_block: int = 32, runner: bool | None = None, max_width: int = 9, tp: Collective | None = None):
         param = next(model.parameters())
-        self.w = lean_weights(model, dtype or param.dtype)
+        self.tp = tp
+        self.w = lean_weights(model, dtype or param.dtype, None if tp is None else tp.shard)
+        self.w.tp = tp
+        self._moves: list[tuple[int, int, int]] = []  # blocks moved since the last step (for the other ranks)
         self.vocab = model.config.vocab_size
         max_length = max_length or getattr(model.config, "max_position_embeddings", None) or 4096
         top = min(_next_pow2(max_length), 1 << (max(tokens, min_block).bit_length() - 1))
@@ -126,7 +130,9 @@ class KVPool:
         shape = (len(self.w.layers), self.w.kv_heads, self.allocator.capacity + 1, self.w.head_dim)
         self.k = torch.empty(shape, dtype=self.w.dtype, device=self.w.device)
         self.v = torch.empty_like(self.k)
-        runner = STEP_RUNNER if runner is None else runner
+        runner = STEP_RUNNER and tp is None if runner is None else runner
+        if runner and tp is not None:
+            raise ValueError("the step runner does not run tensor-parallel yet")
         # max_width: the widest step it takes (a verify of gamma_max + 1 tokens)
         self.runner = StepRunner(self.w, (self.k, self.v), self.max_length, max_width=max_width) if runner else None
         self._lock = threading.Lock()  # allocations may come from any thread; forwards from one
@@ -172,10 +178,15 @@ class KVPool:
                 )
             if seq.block is not None:
                 (old, old_size), held = seq.block, len(seq.tokens)
-                self.k[:, :, block[0] : block[0] + held] = self.k[:, :, old : old + held]
-                self.v[:, :, block[0] : block[0] + held] = self.v[:, :, old : old + held]
+                self._move(old, block[0], held)
+                if self.tp is not None:
+                    self._moves.append((old, block[0], held))
                 self.allocator.release(old, old_size)
             seq.block = block
+
+    def _move(self, old: int, new: int, held: int) -> None:
+        self.k[:, :, new : new + held] = self.k[:, :, old : old + held]
+        self.v[:, :, new : new + held] = self.v[:, :, old : old + held]
 
     def _static_step(self, seqs: list[PooledSequence], new_tokens: list[list[int]], keeps: list[int]
                      ) -> torch.Tensor | None:
@@ -209,6 +220,11 @@ class KVPool:
             if not tokens:
                 raise ValueError("feed needs at least one token")
             self.reserve(seq, len(seq.tokens) + len(tokens))
+        if self.tp is not None:  # the other ranks run this step too, on their shards
+            with self._lock:
+                moves, self._moves = self._moves, []
+            self.tp.send_step(moves, [seq.block for seq in seqs], [len(seq.tokens) for seq in seqs], new_tokens,
+                              keeps)
         logits = self._static_step(seqs, new_tokens, keeps)
         if logits is None:
             logits = lean_forward(self.w, seqs, new_tokens, keeps, (self.k, self.v, [seq.block[0] for seq in seqs]))
@@ -222,6 +238,8 @@ class KVPool:
         """A decode step whose tokens are still on the device (ids: [len(seqs)], one each; a draft's samples):
         head logits [len(seqs), n] on the device, read from nowhere on the host. The sequences hold UNKNOWN (-1)
         in place of these tokens until the caller, having read them back, fills them in."""
+        if self.tp is not None:
+            raise ValueError("a draft's device-side steps do not run tensor-parallel")
         for seq in seqs:
             self.reserve(seq, len(seq.tokens) + 1)
         blocks, starts = [seq.block[0] for seq in seqs], [len(seq.tokens) for seq in seqs]
@@ -234,6 +252,38 @@ class KVPool:
             seq.tokens.append(UNKNOWN)
             seq.forward_calls += 1
         return logits
+
+
+    @torch.inference_mode()
+    def follow(self) -> int:
+        """A tensor-parallel rank other than 0: run every step rank 0 describes on this rank's shard of the
+        weights and of the arena, until rank 0 stops the group (`close`). Returns the steps run."""
+        if self.tp is None or self.tp.rank == 0:
+            raise ValueError("only a tensor-parallel rank other than 0 follows")
+        steps = 0
+        while (step := self.tp.receive_step()) is not None:
+            moves, blocks, starts, new_tokens, keeps = step
+            for move in moves:
+                self._move(*move)
+            caches = [_Mirror(self, block, start) for block, start in zip(blocks, starts)]
+            lean_forward(self.w, caches, new_tokens, keeps, (self.k, self.v, [block[0] for block in blocks]))
+            steps += 1
+        return steps
+
+    def close(self) -> None:
+        """Rank 0 of a tensor-parallel group: end the other ranks' `follow`."""
+        if self.tp is not None and self.tp.rank == 0:
+            self.tp.stop()
+
+
+class _Mirror:
+    """A sequence as a following rank sees it during one step: its block of this rank's arena, its length."""
+
+    def __init__(self, pool: KVPool, block: tuple[int, int], start: int):
+        self.pool, self.block, self.tokens = pool, block, range(start)
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return PooledSequence.kv(self, layer)
 
 
 class PooledSequence(TokenSequence):

@@ -1,4 +1,4 @@
-"""Weight-only quantized linear layers for the lean forward (`lean.LeanWeights`), target and draft alike.
+"""Weight-only quantized linear layers for the lean forward (`weights.LeanWeights`), target and draft alike.
 
 A decode step reads every weight once per token, so its time is the bytes read; int8 halves them against
 bfloat16 and int4 quarters them. Activations stay in the compute dtype (bfloat16: torch's packed CPU kernels
@@ -83,6 +83,10 @@ class Int8Rows:
     def rows(self, index: torch.Tensor) -> Int8Rows:
         return Int8Rows(self.codes[index], self.scale[index])
 
+    def cols(self, start: int, stop: int) -> Int8Rows:
+        """Inputs [start, stop) of every row (a row-parallel shard keeps the whole row's scale)."""
+        return Int8Rows(self.codes[:, start:stop].contiguous(), self.scale)
+
 
 @dataclass
 class Int4Groups:
@@ -117,13 +121,21 @@ class Int4Groups:
     def rows(self, index: torch.Tensor) -> Int4Groups:
         return Int4Groups(self.codes[index], self.scale[index], self.zero[index], self.group)
 
+    def cols(self, start: int, stop: int) -> Int4Groups:
+        """Inputs [start, stop) of every row, whole groups only."""
+        if start % self.group or stop % self.group:
+            raise ValueError(f"a shard's inputs [{start}, {stop}) split int4 groups of {self.group}")
+        g = slice(start // self.group, stop // self.group)
+        return Int4Groups(self.codes[:, start:stop].contiguous(), self.scale[:, g].contiguous(),
+                          self.zero[:, g].contiguous(), self.group)
+
 
 Quantized = Int8Rows | Int4Groups
 
 
 @dataclass
 class QuantSpec:
-    """How a loaded model's linear layers are quantized (`model.specserve_quant`, read by `lean.LeanWeights`).
+    """How a loaded model's linear layers are quantized (`model.specserve_quant`, read by `weights.LeanWeights`).
 
     method: "gguf" (as `stored`, from the file), "int8" or "int4" (groups of `group`, quantized at load).
     """

@@ -31,6 +31,7 @@ import grpc
 from specserve.engine.proposers import Proposer, TargetVerifier
 from specserve.models.lean import unsupported_reason
 from specserve.models.pool import KVCacheFull, KVPool
+from specserve.models.tp import Collective
 from specserve.rpc.convert import (
     logprobs_to_wire,
     proposal_from_wire,
@@ -236,19 +237,23 @@ class DraftWorkerServicer(_SessionService, workers_pb2_grpc.DraftWorkerServicer)
 class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerServicer):
     """batching: run Llama-family targets through the KV pool, one forward per step over all sessions
     (kv_cache_tokens positions in all; max_step_tokens and prefill_chunk bound a step, see `StepScheduler`).
-    Other models, stage pipelines (`new_sequence`) and batching=False run one session at a time."""
+    Other models, stage pipelines (`new_sequence`) and batching=False run one session at a time.
+    tp: this worker is rank 0 of a tensor-parallel group (`models.tp`): its pool's steps run on every rank."""
 
     def __init__(self, model, vocab: int, threads: int | None = None, new_sequence: Callable | None = None, *,
                  batching: bool = True, kv_cache_tokens: int = 65536, max_step_tokens: int = 512,
-                 prefill_chunk: int = 256, scheduler: StepScheduler | None = None):
+                 prefill_chunk: int = 256, scheduler: StepScheduler | None = None, tp: Collective | None = None):
         self.model = model
         self.new_sequence = new_sequence
         self.sessions = SessionTable(vocab)
         self._init_compute(threads, scheduler, max_step_tokens=max_step_tokens, prefill_chunk=prefill_chunk)
         self.pool = None
         if batching and new_sequence is None and model is not None and unsupported_reason(model) is None:
-            self.pool = self.scheduler.pool = self.on_compute_thread(KVPool, model, kv_cache_tokens)
+            pool = functools.partial(KVPool, tp=tp)
+            self.pool = self.scheduler.pool = self.on_compute_thread(pool, model, kv_cache_tokens)
             self.new_sequence = self.pool.sequence
+        elif tp is not None:
+            raise ValueError("tensor_parallel: needs batching and a Llama-family target (the pooled step)")
         self.kv_cache_tokens = kv_cache_tokens
         self.colocated: ColocatedSessions | None = None
 

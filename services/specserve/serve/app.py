@@ -57,7 +57,7 @@ from specserve.serve.protocol import (
     usage,
 )
 from specserve.v1 import generator_pb2
-from specserve.workers.actors import start_workers
+from specserve.workers.actors import release_workers, start_workers
 from specserve.workers.quiet import data_plane_priority
 
 GRPC_SERVICER_FUNCTION = "specserve.serve.grpc_api.add_GeneratorServicer_to_server"
@@ -233,6 +233,11 @@ class SpecServe:
         self.codec = PromptCodec(load_tokenizer(cfg.target), info["vocab"], info["max_positions"],
                                  cfg.special_tokens_in_messages)
         self.created = int(time.time())
+
+    def __del__(self):
+        """Serve's graceful replica shutdown: give back the workers' placement (the actors end with this one)."""
+        if getattr(self, "target", None) is not None:
+            release_workers(self.target)
 
     # -- the shared session path ----------------------------------------------
     def _prepare(self, inp: GenerationInput, field_prefix: str = "") -> SessionRequest:
@@ -541,7 +546,8 @@ class SpecServe:
         them; a restarting actor refuses calls until its __init__ is done). A coordinator in this replica (a
         colocated draft) reports the replica's own."""
         calls = {"coordinator": self.coordinator.pid, "target": self.target.pid.remote,
-                 "draft": self.draft.pid.remote if self.draft is not None else None}
+                 "draft": self.draft.pid.remote if self.draft is not None else None,
+                 "target-ranks": self.target.rank_pids.remote}  # a tensor-parallel target's ranks 1..
         deadline = time.monotonic() + timeout_s
         pids = {}
         for role, call in calls.items():
@@ -552,6 +558,8 @@ class SpecServe:
                     if time.monotonic() > deadline:
                         raise
                     await asyncio.sleep(0.2)
+        for rank, pid in enumerate(pids.pop("target-ranks"), 1):
+            pids[f"target-rank-{rank}"] = pid
         return pids
 
     async def worker_sessions(self) -> dict[str, int]:

@@ -65,11 +65,12 @@ def worker_groups(serve_config: dict[str, Any]) -> list[dict[str, Any]]:
                 key = "cpu"
             group = groups.setdefault(key, {"name": key, "roles": [], "cpus": 0.0, "gpus": 0.0, "resources": {},
                                             "accelerator": res.accelerator_type if res.num_gpus > 0 else None})
-            group["roles"].append(role)
-            group["cpus"] += res.num_cpus
-            group["gpus"] += res.num_gpus
+            ranks = res.tensor_parallel  # a tensor-parallel target: that many actors, packed on one node
+            group["roles"].append(role if ranks == 1 else f"{role}-tp{ranks}")
+            group["cpus"] += res.num_cpus * ranks
+            group["gpus"] += res.num_gpus * ranks
             for name, amount in res.resources.items():
-                group["resources"][name] = group["resources"].get(name, 0) + amount
+                group["resources"][name] = group["resources"].get(name, 0) + amount * ranks
     return list(groups.values())
 
 

@@ -65,6 +65,8 @@ def config_from_flags(args) -> dict[str, Any]:
         app_args["draft_lookup"] = False
     if args.model_name:
         app_args["model_name"] = args.model_name
+    if getattr(args, "tensor_parallel", 1) != 1:
+        app_args["target_resources"] = {"tensor_parallel": args.tensor_parallel}
     if getattr(args, "api_key", None):
         app_args["api_key"] = args.api_key
     return {

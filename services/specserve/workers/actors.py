@@ -118,13 +118,28 @@ class TargetWorkerActor(_GrpcActor):
     def __init__(self, target: Any, dtype: str | None = None, threads: int | None = None, stages: list | None = None,
                  scheduling: dict | None = None, draft: Any = None, gamma_max: int = 8, draft_top_k: int = 0,
                  session_idle_s: float = 300.0, token: str | None = None, quantization: str = "auto",
-                 draft_quantization: str = "auto"):
+                 draft_quantization: str = "auto", tensor_parallel: int = 1, rank_options: dict | None = None):
         """scheduling: TargetWorkerServicer's batching / kv_cache_tokens / max_step_tokens / prefill_chunk.
-        draft: a model draft to hold here too (colocated: whole sessions run in this worker)."""
+        draft: a model draft to hold here too (colocated: whole sessions run in this worker).
+        tensor_parallel: ranks the target is split over, this worker rank 0 (`workers.ranks`; the others are
+        actors with rank_options, started here)."""
         import torch
 
         self._profile: dict[int, float] = {}
         compute = self._compute_thread(threads)
+        tp = None
+        if tensor_parallel > 1:
+            from specserve.models.tp import Shard
+            from specserve.workers import ranks
+
+            kv_tokens = (scheduling or {}).get("kv_cache_tokens", 65536)
+            followers, store = ranks.start_followers(target, dtype, quantization, tensor_parallel, kv_tokens,
+                                                     threads or os.cpu_count() or 1, rank_options or {})
+            loaded = compute.call(load_model, target, dtype, None, None, quantization,
+                                  Shard(0, tensor_parallel)).result()
+            tp = ranks.join(followers, store, tensor_parallel, loaded.device)
+            tp.lost = self._rank_lost
+            self._group = (followers, store, ranks.watch(followers, self._rank_lost))
         if stages:
             from specserve.workers.stages import StagedSequence
 
@@ -134,19 +149,21 @@ class TargetWorkerActor(_GrpcActor):
             new_sequence = lambda: StagedSequence(stages)  # noqa: E731
             model = None
         else:
-            # A target that owns several GPUs shards its layers over them (accelerate device_map).
-            device_map = "auto" if torch.cuda.device_count() > 1 else None
-            loaded = compute.call(load_model, target, dtype, None, device_map, quantization).result()
+            if tp is None:
+                # A target that owns several GPUs shards its layers over them (accelerate device_map).
+                device_map = "auto" if torch.cuda.device_count() > 1 else None
+                loaded = compute.call(load_model, target, dtype, None, device_map, quantization).result()
             self._info = {
                 "vocab": loaded.vocab_size, "eos_ids": sorted(loaded.eos_ids), "max_positions": loaded.max_positions,
                 "name": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "device": str(loaded.device),
-                "stages": 1, "quantization": loaded.quantization,
+                "stages": 1, "quantization": loaded.quantization, "tensor_parallel": tensor_parallel,
             }
             new_sequence, model = None, loaded.model
         self.model = model
         self.vocab = self._info["vocab"]
         self._start(
-            TargetWorkerServicer(model, self.vocab, threads, new_sequence, scheduler=compute, **(scheduling or {})),
+            TargetWorkerServicer(model, self.vocab, threads, new_sequence, scheduler=compute, tp=tp,
+                                 **(scheduling or {})),
             workers_pb2_grpc.add_TargetWorkerServicer_to_server, session_idle_s, token,
         )
         if draft is not None:
@@ -159,13 +176,33 @@ class TargetWorkerActor(_GrpcActor):
             self.servicer.colocated.cost_profile()  # calibrate `auto` now, not during the first request
             self._info["colocated_draft"] = drafted.name
 
+    def rank_pids(self) -> list[int]:
+        """The process ids of tensor-parallel ranks 1.. (none without tensor parallelism)."""
+        import ray
+
+        followers = getattr(self, "_group", ((),))[0]
+        return ray.get([f.pid.remote() for f in followers])
+
+    def _rank_lost(self, error: BaseException) -> None:
+        """A follower rank is gone: end this process, so Ray restarts the whole group (`workers.ranks`)."""
+        log.error("tensor-parallel rank lost (%s); restarting the target's group", error)
+        os._exit(1)
+
     def info(self) -> dict[str, Any]:
         pool, scheduler = self.servicer.pool, self.servicer.scheduler
+        if pool is not None and pool.tp is not None:
+            self._info.update(pool.tp.stats())
         steps = {"steps": scheduler.steps, "draft_steps": scheduler.draft_steps,
                  # how many sessions shared each target (draft) step so far: {sessions: steps}
                  "sessions_per_step": dict(sorted(scheduler.sessions_per_step.items())),
                  "sessions_per_draft_step": dict(sorted(scheduler.sessions_per_draft_step.items()))}
         return {**self._info, "batching": pool is not None, **(pool.describe() if pool is not None else {}), **steps}
+
+    def stop(self, grace: float = 1.0) -> None:
+        super().stop(grace)
+        pool = self.servicer.pool
+        if pool is not None and pool.tp is not None:  # end the other ranks' loops
+            self.servicer.on_compute_thread(pool.close)
 
     def verify_profile(self, max_positions: int) -> dict[int, float]:
         """Seconds per target forward over n = 1..max_positions new tokens (measured once, on the compute thread)."""
@@ -217,10 +254,19 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
     scheduling = {"batching": config.batching, "kv_cache_tokens": config.kv_cache_tokens,
                   "max_step_tokens": config.max_step_tokens, "prefill_chunk": config.prefill_chunk}
     colocated = draft_spec if config.colocated(draft_spec) else None
-    target_actor = _remote(TargetWorkerActor, config.target_resources, config.max_restarts).remote(
-        target_spec, config.dtype, config.target_resources.threads(), stages, scheduling, colocated, gamma_max,
+    resources, placement = config.target_resources, {}
+    if resources.tensor_parallel > 1:
+        from specserve.workers.ranks import check_model
+
+        check_model(target_spec, resources.tensor_parallel)
+        placement = {"scheduling_strategy": _rank_group(resources)}
+    target_actor = _remote(TargetWorkerActor, resources, config.max_restarts, **placement).remote(
+        target_spec, config.dtype, resources.threads(), stages, scheduling, colocated, gamma_max,
         config.draft_top_k, config.session_idle_s, token, config.quantization, config.draft_quantization,
+        resources.tensor_parallel, resources.actor_options(),
     )
+    if placement:
+        _RANK_GROUPS[target_actor._actor_id.hex()] = placement["scheduling_strategy"].placement_group
     vocab = ray.get(target_actor.info.remote())["vocab"]
     draft_actor = None
     if config.has_draft_worker(draft_spec) and colocated is None:
@@ -231,12 +277,46 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
     return target_actor, draft_actor
 
 
-def _remote(cls, resources: RoleResources, max_restarts: int = 0):
-    """A worker actor class placed as `resources` say; Ray restarts its process up to max_restarts times (its
-    replacement runs __init__ again: loads the model, serves on a new port)."""
+_RANK_GROUPS: dict[str, Any] = {}  # a tensor-parallel target's placement group, by the target actor's id
+
+
+def release_workers(target_actor) -> None:
+    """Give back what `start_workers` reserved beside the actors themselves (a tensor-parallel target's placement
+    group; removing it ends the ranks in it). The owner of the actors calls this when it shuts down."""
     import ray
 
-    return ray.remote(cls).options(**resources.actor_options(), max_restarts=max_restarts)
+    group = _RANK_GROUPS.pop(target_actor._actor_id.hex(), None)
+    if group is not None:
+        ray.util.remove_placement_group(group)
+
+
+def _rank_group(resources: RoleResources, timeout_s: float = 600.0):
+    """A placement group of one bundle per tensor-parallel rank, on one node; the strategy that puts an actor
+    in its first bundle (rank 0). Fails naming the resources when Ray cannot find such a node in time."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundles = [resources.bundle() for _ in range(resources.tensor_parallel)]
+    group = placement_group(bundles, strategy="STRICT_PACK", name="")
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        ray.util.remove_placement_group(group)
+        raise RuntimeError(f"target_resources.tensor_parallel: no node has {len(bundles)} x {bundles[0]} free "
+                           f"(waited {timeout_s:.0f} s)")
+    return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+
+
+def _remote(cls, resources: RoleResources, max_restarts: int = 0, **placement):
+    """A worker actor class placed as `resources` say (or in a placement group's bundle, which carries them);
+    Ray restarts its process up to max_restarts times (its replacement runs __init__ again: loads the model,
+    serves on a new port)."""
+    import ray
+
+    options = resources.actor_options()
+    if placement:
+        options.pop("accelerator_type", None)
+    return ray.remote(cls).options(**options, **placement, max_restarts=max_restarts)
 
 
 def _node_ip() -> str:

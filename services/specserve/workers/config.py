@@ -20,11 +20,29 @@ class RoleResources(BaseModel):
     accelerator_type: str | None = Field(None, description="Ray accelerator type, e.g. 'L4' or 'H100'.")
     resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources, e.g. {'small_gpu': 1}.")
     torch_threads: int | None = Field(
-        None, ge=1, description="CPU threads for torch in the worker (default: the cores of the machine that starts it)."
+        None, ge=1, description="CPU threads for torch in the worker, per rank (default: the cores of the machine that "
+        "starts it, shared among tensor_parallel ranks)."
+    )
+    tensor_parallel: int = Field(
+        1, ge=1,
+        description="Target only: ranks the target's layers are split over (tensor parallelism). Each rank is an actor "
+        "with the resources above (num_gpus: 1 for one GPU per rank), all packed on one node in a placement group; "
+        "gloo between CPU ranks, NCCL between GPU ranks. At most the model's key/value heads, and a divisor of its "
+        "MLP width.",
     )
 
     def threads(self) -> int:
-        return self.torch_threads or os.cpu_count() or 1
+        """torch threads per process: torch_threads, else the machine's cores shared among its ranks."""
+        return self.torch_threads or max(1, (os.cpu_count() or 1) // self.tensor_parallel)
+
+    def bundle(self) -> dict[str, float]:
+        """One rank's share of a placement group: what `actor_options` asks for."""
+        bundle = {"CPU": max(self.num_cpus, 0.01), **self.resources}
+        if self.num_gpus:
+            bundle["GPU"] = self.num_gpus
+        if self.accelerator_type:
+            bundle[f"accelerator_type:{self.accelerator_type}"] = 0.001
+        return bundle
 
     def actor_options(self) -> dict[str, Any]:
         # Ray starts actors with OMP_NUM_THREADS=1; set before torch loads, it decides the thread pool
@@ -145,6 +163,17 @@ class WorkersConfig(BaseModel):
                 raise ValueError(f"{key}: {exc}") from None
         if self.target_stages and self.quantization not in ("auto", "none"):
             raise ValueError("quantization: target_stages run the dense HF layers; a quantized target is one worker")
+        return self
+
+    @model_validator(mode="after")
+    def _check_tensor_parallel(self) -> WorkersConfig:
+        if self.draft_resources.tensor_parallel > 1 or any(r.tensor_parallel > 1 for r in self.target_stages):
+            raise ValueError("tensor_parallel: only target_resources split the target over ranks")
+        if self.target_resources.tensor_parallel > 1:
+            if self.target_stages:
+                raise ValueError("target_resources.tensor_parallel: not with target_stages yet (one or the other)")
+            if not self.batching:
+                raise ValueError("target_resources.tensor_parallel: needs batching (the ranks share the pooled step)")
         return self
 
     @model_validator(mode="after")

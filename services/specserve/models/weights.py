@@ -1,0 +1,127 @@
+"""The weights the lean forward (`models.lean`) multiplies: a model's layers fused (q|k|v, gate|up), cast to the
+compute dtype, packed (dense, or quantized: `models.quant`) and, for a tensor-parallel rank, cut to its shard
+(`models.tp`). Made once per model, dtype and shard; the forward never looks at the HF modules again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.models.quant import QuantizedLinear, quantize
+from specserve.models.quant import dense as packed_dense
+from specserve.models.tp import Collective, Shard, take
+
+
+class LeanWeights:
+    """A model's weights fused for `LeanSequence`, made once per model and compute dtype (and shard).
+
+    A model loaded with a quantization (`loading.load_model`, `model.specserve_quant`) gets its linear layers as
+    `quant.QuantizedLinear`s: quantized here from the dense weights (int8, int4), or taken as the GGUF file
+    stores them; norms, biases and the embedding stay dense.
+
+    shard: one rank's part of a tensor-parallel group (`models.tp`): its key/value groups' heads, its slice of
+    the MLP and of the vocabulary; `heads` and `kv_heads` are then this rank's. The weights are quantized whole
+    first, then cut, so every rank computes the values the unsharded model would.
+    """
+
+    def __init__(self, model, dtype: torch.dtype, shard: Shard | None = None):
+        cfg = model.config
+        spec = getattr(model, "specserve_quant", None)
+
+        def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.detach().to(dtype).contiguous()
+
+        def fuse(parts: list, device: torch.device) -> object:
+            """One (fused) linear weight from its roles' weights, dense tensors or `quant.Quantized` alike."""
+            if spec is None:
+                return packed_dense(cast(torch.cat(parts)))
+            return QuantizedLinear(parts[0].cat(parts), dtype, device, spec.dense_from)
+
+        def quantized(stored, weight: torch.Tensor, spec):
+            """A role's weight as the unsharded model holds it: dense, the file's, or quantized here."""
+            if spec is None:
+                return weight.detach()
+            return stored if stored is not None else quantize(weight.detach(), spec.method, spec.group)
+
+        device = model.lm_head.weight.device
+        stored = spec.stored if spec is not None else None
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        d, per_group = self.head_dim, self.heads // self.kv_heads
+        rows = {role: None for role in ("q", "k", "v", "gate", "up")}
+        cols = {"o": None, "down": None}
+        if shard is not None:
+            groups = shard.kv_groups(self.kv_heads)
+            heads = slice(groups.start * per_group * d, groups.stop * per_group * d)
+            kv, mlp = slice(groups.start * d, groups.stop * d), shard.part(cfg.intermediate_size)
+            rows = {"q": heads, "k": kv, "v": kv, "gate": mlp, "up": mlp}
+            cols = {"o": heads, "down": mlp}
+            self.heads, self.kv_heads = len(groups) * per_group, len(groups)
+        self.eps = cfg.rms_norm_eps
+        self.layers = []
+        for i, layer in enumerate(model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            own = stored["layers"][i] if stored is not None else {}
+            dense = {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj, "o": attn.o_proj, "gate": mlp.gate_proj,
+                     "up": mlp.up_proj, "down": mlp.down_proj}
+
+            def weight(role: str):
+                w = quantized(own.get(role), dense[role].weight, spec)
+                return take(w, rows.get(role), cols.get(role))
+
+            def bias(role: str):
+                b = dense[role].bias
+                return b if b is None or rows[role] is None else b[rows[role]]
+
+            at = attn.q_proj.weight.device
+            b_qkv = [bias("q"), bias("k"), bias("v")]
+            self.layers.append((
+                cast(layer.input_layernorm.weight),
+                fuse([weight("q"), weight("k"), weight("v")], at),
+                None if b_qkv[0] is None else cast(torch.cat(b_qkv)),
+                fuse([weight("o")], at),
+                cast(attn.o_proj.bias),  # added once, after the all-reduce
+                cast(layer.post_attention_layernorm.weight),
+                fuse([weight("gate"), weight("up")], at),
+                fuse([weight("down")], at),
+            ))
+        self.norm = cast(model.model.norm.weight)
+        head = model.lm_head.weight
+        head_stored = stored["head"] if stored is not None else None
+        subset = getattr(model, "token_subset", None)
+        if subset is not None:
+            if shard is not None:
+                raise ValueError("a draft over a token subset does not run tensor-parallel")
+            order = torch.argsort(subset)
+            subset, head = subset[order], head[order]
+            head_stored = None if head_stored is None else head_stored.rows(order)
+            self.token_subset = subset.to("cpu")
+        else:
+            self.token_subset = None
+        self.vocab_rows = head.shape[0]  # the head's rows in the unsharded model
+        # the head stays int8 under int4 (as llama.cpp's Q4 files keep theirs at 6-8 bits)
+        head_spec = None if spec is None else spec.for_head()
+        head = quantized(head_stored, head, head_spec)
+        if shard is not None:
+            head = take(head, shard.vocab(self.vocab_rows))
+        self.head = packed_dense(cast(head)) if head_spec is None else \
+            QuantizedLinear(head, dtype, device, head_spec.dense_from)
+        self.embed = model.model.embed_tokens.weight  # indexed per call; cast only the rows used
+        self.inv_freq = model.model.rotary_emb.inv_freq.detach().float()
+        self.scale = self.head_dim**-0.5
+        self.dtype = dtype
+        self.device = device
+        self.quantization = "none" if spec is None else spec.describe()
+        self.tp: Collective | None = None  # set by a tensor-parallel pool (`KVPool`)
+
+
+def lean_weights(model, dtype: torch.dtype, shard: Shard | None = None) -> LeanWeights:
+    cache = model.__dict__.setdefault("_specserve_lean", {})
+    key = dtype if shard is None else (dtype, shard)
+    dtypes = {k if isinstance(k, torch.dtype) else k[0] for k in cache}
+    if dtype not in dtypes and dtypes and getattr(model, "specserve_quant", None) is not None:
+        raise ValueError(f"a quantized model computes in {next(iter(dtypes))}, not {dtype}")
+    if key not in cache:
+        cache[key] = LeanWeights(model, dtype, shard)
+    return cache[key]

@@ -1,0 +1,141 @@
+"""A tensor-parallel target as a group of Ray actors: rank 0 is the TargetWorker, ranks 1.. follow its steps.
+
+`start_workers` asks Ray for a placement group of one bundle per rank, packed on one node (STRICT_PACK), and
+puts the TargetWorker in bundle 0. The TargetWorker starts the other ranks in the other bundles (so they die
+with it), serves a TCP store for them to meet at, and loads its own shard meanwhile. Each follower loads its
+shard of the same model (`models.tp`), joins the group and runs `KVPool.follow` on its compute thread: every
+step rank 0 takes, it takes too. Only rank 0 has a gRPC face, sessions and a scheduler.
+
+A lost rank takes the group down: rank 0 exits as soon as it sees a follower gone (a collective fails, or the
+watch below finds the actor dead), Ray restarts it as it restarts any worker, it starts a fresh group, and
+the coordinator's sessions go on from their committed tokens (`coordinator.links`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from specserve.models import load_model
+from specserve.models.pool import KVPool
+from specserve.models.tp import Collective, Shard, check, connect
+from specserve.scheduler.steps import torch_threads
+from specserve.workers.quiet import data_plane_priority
+
+log = logging.getLogger("specserve.workers")
+
+WATCH_S = 2.0  # how often rank 0 checks that its followers live
+
+
+class TargetRankActor:
+    """Rank `shard.rank` > 0 of a tensor-parallel target (see the module docstring)."""
+
+    def __init__(self, target: Any, dtype: str | None, quantization: str, shard: Shard, store_host: str,
+                 store_port: int, kv_cache_tokens: int, threads: int):
+        data_plane_priority()
+        self.shard = shard
+        self.steps = 0
+        self._failed: BaseException | None = None
+        self._loaded = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="specserve-rank", daemon=True, args=(
+            target, dtype, quantization, store_host, store_port, kv_cache_tokens, threads))
+        self._thread.start()
+
+    def _run(self, target, dtype, quantization, host, port, kv_cache_tokens, threads) -> None:
+        import torch.distributed as dist
+
+        torch_threads(threads)  # this thread is the rank's compute thread: its forwards use these cores
+        try:
+            model = load_model(target, dtype, None, None, quantization, self.shard).model
+        except BaseException as exc:  # noqa: BLE001 - reported through `ready`
+            self._failed = exc
+            return
+        finally:
+            self._loaded.set()
+        store = dist.TCPStore(host, port, self.shard.world, is_master=False)
+        pool = KVPool(model, kv_cache_tokens, tp=connect(self.shard, store, next(model.parameters()).device))
+        try:
+            self.steps = pool.follow()
+        except BaseException as exc:  # noqa: BLE001 - rank 0 is gone or failed: this rank is done
+            log.warning("tensor-parallel rank %d stops: %s", self.shard.rank, exc)
+            os._exit(1)
+        os._exit(0)  # rank 0 closed the group
+
+    def ready(self) -> int:
+        """Block until this rank's model is loaded; raises what loading raised. Returns its rank."""
+        self._loaded.wait()
+        if self._failed is not None:
+            raise self._failed
+        return self.shard.rank
+
+    def ping(self) -> int:
+        return self.shard.rank
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def start_followers(target: Any, dtype: str | None, quantization: str, world: int, kv_cache_tokens: int,
+                    threads: int, rank_options: dict[str, Any]) -> tuple[list, Any]:
+    """From rank 0, inside its placement group: the store the ranks meet at and actors for ranks 1..world-1,
+    each in its own bundle, loading their shards (call `join` next)."""
+    import ray
+    import torch.distributed as dist
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from specserve.workers.actors import _node_ip
+
+    host = _node_ip()
+    store = dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False)
+    group = ray.util.get_current_placement_group()
+    followers = []
+    for rank in range(1, world):
+        options = dict(rank_options)
+        if group is not None:
+            options.pop("accelerator_type", None)  # the bundle carries it
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, rank)
+        followers.append(ray.remote(TargetRankActor).options(max_restarts=0, **options).remote(
+            target, dtype, quantization, Shard(rank, world), host, store.port, kv_cache_tokens, threads))
+    return followers, store
+
+
+def join(followers: list, store, world: int, device) -> Collective:
+    """Rank 0: wait for the followers' models (their load errors raise here), then form the group."""
+    import ray
+
+    ray.get([f.ready.remote() for f in followers])
+    return connect(Shard(0, world), store, device)
+
+
+def watch(followers: list, on_lost) -> threading.Thread:
+    """Call on_lost(error) once a follower is found dead (checked every WATCH_S seconds); a daemon thread."""
+    import ray
+
+    def loop() -> None:
+        while True:
+            try:
+                ray.get([f.ping.remote() for f in followers], timeout=max(30.0, 10 * WATCH_S))
+            except Exception as exc:  # noqa: BLE001 - any failure to answer is a lost rank
+                on_lost(exc)
+                return
+            threading.Event().wait(WATCH_S)
+
+    thread = threading.Thread(target=loop, name="specserve-rank-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def check_model(spec: Any, world: int) -> None:
+    """The model `spec` names can be split over `world` ranks (ValueError naming tensor_parallel otherwise)."""
+    if world == 1:
+        return
+    config = getattr(spec, "config", None)
+    if config is None:
+        from transformers import AutoConfig
+
+        from specserve.models.loading import resolve_model_path
+
+        config = AutoConfig.from_pretrained(str(resolve_model_path(spec)[0]))
+    check(config, world)

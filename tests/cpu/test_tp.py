@@ -1,0 +1,196 @@
+"""Tensor parallelism (`models.tp`): a target split over ranks computes what the whole target computes.
+
+The ranks here are threads of this process, each with its own gloo group over a shared HashStore: the same
+collectives, sharded weights and step broadcasts as rank processes placed by Ray, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specserve.models import load_model
+from specserve.models.pool import KVPool
+from specserve.models.quant import Int4Groups
+from specserve.models.tp import Shard, check, connect
+from specserve.scheduler.steps import StepScheduler
+from specserve.speculation import rejection
+from tests.conftest import perturbed_copy
+from tests.cpu.test_batching import CONCURRENT, batched_first_two
+from tests.cpu.test_exactness import chi_square_pvalue, target_joint
+
+VOCAB = 41
+
+
+def tiny(heads: int, kv_heads: int, dtype=torch.float64, vocab: int = VOCAB, scale: float = 0.2):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                         initializer_range=scale, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def run_group(world: int, model_for, run, **pool_args):
+    """run(rank 0's pool) with ranks 1.. following in threads; returns (its result, rank 0's counters, the
+    followers' step counts). model_for(shard) gives each rank its model (on a GPU: an NCCL group)."""
+    store = dist.HashStore()
+    followed: dict[int, int] = {}
+
+    def pool(shard: Shard) -> KVPool:
+        model = model_for(shard)
+        return KVPool(model, tp=connect(shard, store, next(model.parameters()).device), **pool_args)
+
+    def follower(rank: int) -> None:
+        followed[rank] = pool(Shard(rank, world)).follow()
+
+    threads = [threading.Thread(target=follower, args=(rank,)) for rank in range(1, world)]
+    for thread in threads:
+        thread.start()
+    first = pool(Shard(0, world))
+    try:
+        return run(first), first.tp.stats(), followed
+    finally:
+        first.close()
+        for thread in threads:
+            thread.join(timeout=60)
+
+
+def ragged_steps(pool: KVPool) -> torch.Tensor:
+    """Prefill chunks, verify blocks and decode steps of four sequences in shared steps, blocks that outgrow
+    their place (moved), a rollback, a sequence freed and a new one in its place: every step's logits."""
+    rng = random.Random(0)
+    seqs = [pool.sequence() for _ in range(4)]
+    out = [pool.forward(seqs, [[rng.randrange(VOCAB) for _ in range(n)] for n in (3, 9, 1, 17)], [1, 3, 1, 2])]
+    for _ in range(4):
+        out.append(pool.forward(seqs, [[rng.randrange(VOCAB) for _ in range(n)] for n in (1, 5, 1, 30)],
+                                [1, 5, 1, 1]))
+    seqs[1].rollback(4)
+    seqs[2].release()
+    seqs[2] = pool.sequence()
+    out.append(pool.forward(seqs, [[1, 2, 3], [4], [5, 6], [7]], [3, 1, 2, 1]))
+    return torch.cat(out)
+
+
+POOL = dict(tokens=1024, max_length=256, min_block=4)
+
+
+@pytest.mark.parametrize("heads,kv_heads,world", [(4, 2, 2), (6, 3, 2), (6, 3, 3)])
+def test_sharded_forward_equals_the_whole_model(heads, kv_heads, world):
+    """Even and uneven head splits (3 KV heads over 2 ranks: 2 + 1), in float64: the same logits to rounding."""
+    model = tiny(heads, kv_heads)
+    whole = ragged_steps(KVPool(model, **POOL))
+    logits, stats, followed = run_group(world, lambda shard: model, ragged_steps, **POOL)
+    assert logits.shape == whole.shape and torch.allclose(logits, whole, atol=1e-10, rtol=0)
+    steps = 6
+    assert followed == {rank: steps for rank in range(1, world)}
+    # per step: one all-reduce after o and one after down in each layer, one gather of the head's logits
+    assert stats["tp_steps"] == steps and stats["tp_all_reduces"] == 2 * 2 * steps and stats["tp_gathers"] == steps
+    new_tokens = 30 + 4 * 37 + 7  # every step's new tokens, all sequences
+    assert stats["tp_all_reduce_bytes"] == 2 * 2 * new_tokens * 48 * 8
+
+
+# CUDA runs only where there is a GPU (a device session: `pytest tests -k cuda`); CI has none
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_group_of_one_equals_the_plain_pool(device):
+    """The group path with one rank (gloo on a CPU, NCCL on a GPU): the same logits as no group at all."""
+    model = tiny(4, 2, torch.float32).to(device)
+    plain = ragged_steps(KVPool(model, **POOL))
+    grouped, stats, _ = run_group(1, lambda shard: model, ragged_steps, **POOL)
+    assert torch.allclose(grouped, plain, atol=1e-5, rtol=0) and stats["tp_all_reduces"] == 2 * 2 * 6
+
+
+def test_each_rank_holds_its_heads_and_its_share_of_the_kv_pool():
+    model = tiny(6, 3)
+    shapes = [run_group(2, lambda shard: model, lambda pool: (pool.w.heads, pool.w.kv_heads, pool.k.shape[1]),
+                        **POOL)[0]]
+    pools = [KVPool(model, tp=None, **POOL)]
+    assert (pools[0].w.heads, pools[0].w.kv_heads) == (6, 3)
+    assert shapes == [(4, 2, 2)]  # rank 0 of 2: two of the three KV groups
+
+
+def test_greedy_decoding_through_the_group_equals_the_whole_model():
+    model = tiny(4, 2, torch.float32)
+
+    def greedy(pool: KVPool) -> list[int]:
+        seq, tokens = pool.sequence(), [3, 1, 4, 1, 5]
+        logits = pool.forward([seq], [tokens], [1])
+        for _ in range(24):
+            tokens.append(int(logits[-1].argmax()))
+            logits = pool.forward([seq], [tokens[-1:]], [1])
+        return tokens
+
+    assert run_group(2, lambda shard: model, greedy, **POOL)[0] == greedy(KVPool(model, **POOL))
+
+
+def test_the_embedded_target_split_over_two_ranks():
+    """The shipped Q4_1 target (9 heads, 3 KV heads): each rank packs only its part of the file's int4 blocks;
+    logits equal the whole model's up to bfloat16 rounding (the partial sums round per rank), same argmax."""
+
+    def steps(pool: KVPool) -> torch.Tensor:
+        seqs = [pool.sequence() for _ in range(2)]
+        out = [pool.forward(seqs, [list(range(100, 160)), list(range(200, 233))], [1, 1])]
+        for i in range(3):
+            out.append(pool.forward(seqs, [[300 + i], [400 + i, 401, 402]], [1, 3]))
+        return torch.cat(out)
+
+    whole = steps(KVPool(load_model("embedded").model, 1024))
+    split, stats, _ = run_group(2, lambda shard: load_model("embedded", shard=shard).model, steps, tokens=1024)
+    assert split.shape == whole.shape == (2 + 3 * 4, 49152)
+    assert (split - whole).abs().max() < 1.0 and torch.equal(split.argmax(-1), whole.argmax(-1))
+    assert stats["tp_all_reduces"] == 4 * 2 * 30
+
+
+@pytest.mark.parametrize("mode", [dict(temperature=1.0), dict(temperature=0.8, top_k=5)], ids=["T=1", "top-k"])
+def test_speculative_tokens_through_the_group_follow_the_target(mode, monkeypatch):
+    """Chi-square of the first two tokens, 16 sessions at a time sharing the group's steps (test_batching's
+    harness), with the missing-residual negative control."""
+    target = tiny(4, 2, vocab=8, scale=0.5)
+    draft = perturbed_copy(target, 0.3)
+    expected = target_joint(target, mode)
+
+    def sample(pool: KVPool) -> tuple[float, float]:
+        scheduler = StepScheduler(pool, expected=lambda: CONCURRENT, gather=0.5)
+        try:
+            p = chi_square_pvalue(batched_first_two(scheduler, pool, target, draft, mode), expected)
+            with monkeypatch.context() as patch:
+                patch.setattr(rejection, "residual_distribution", lambda p, q: p)
+                broken = chi_square_pvalue(batched_first_two(scheduler, pool, target, draft, mode), expected)
+            assert pool.used_tokens == 0 and max(scheduler.sessions_per_step) >= CONCURRENT // 2
+            return p, broken
+        finally:
+            scheduler.close()
+
+    p, broken = run_group(2, lambda shard: target, sample, tokens=CONCURRENT * 64, min_block=8)[0]
+    assert p > 1e-3
+    assert broken < 1e-3, "the test cannot tell a missing residual step"
+
+
+def test_splits_that_cannot_be_made_are_refused_by_name():
+    config = tiny(6, 3).config
+    check(config, 3)
+    with pytest.raises(ValueError, match="tensor_parallel: 4 ranks need at least 4 key/value heads"):
+        check(config, 4)
+    config.intermediate_size = 95
+    with pytest.raises(ValueError, match="tensor_parallel: 2 ranks must divide the MLP's 95"):
+        check(config, 2)
+    with pytest.raises(ValueError, match="tensor_parallel must be >= 1"):
+        check(config, 0)
+    groups = Int4Groups.quantize(torch.randn(8, 128), 64)
+    assert groups.cols(64, 128).codes.shape == (8, 64)
+    with pytest.raises(ValueError, match="split int4 groups of 64"):
+        groups.cols(0, 32)
+
+
+@pytest.mark.parametrize("world,kv_heads,expect", [(2, 3, [range(0, 2), range(2, 3)]), (3, 3, [range(i, i + 1)
+                                                   for i in range(3)]), (2, 8, [range(0, 4), range(4, 8)])])
+def test_kv_groups_cover_every_head_once(world, kv_heads, expect):
+    assert [Shard(rank, world).kv_groups(kv_heads) for rank in range(world)] == expect
+    assert [Shard(rank, world).vocab(5) for rank in range(world)][-1].stop == 5

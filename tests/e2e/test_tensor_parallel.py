@@ -1,0 +1,116 @@
+"""A tensor-parallel target served for real: two rank actors in a placement group (gloo), Serve, the `openai`
+client; the same tokens as the unsplit target in process, and a rank killed mid-stream costs no request."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import requests
+from ray import serve
+
+from specserve import SamplingParams, SpeculativeDecoder
+from specserve.serve import build_app
+from tests.conftest import save_tokenized_pair, start_local_serve, stop_local_serve
+from tests.e2e.test_faults import MAX_TOKENS, PROMPT, TOP_K, _Clients, _request
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = save_tokenized_pair(tmp_path_factory.mktemp("tp-models"), noise=0.05, kv_heads=2)
+    addresses = start_local_serve()
+    args = {"target": str(root / "target"), "draft": str(root / "draft"), "dtype": "float32", "gamma": 3,
+            "model_name": "tiny", "draft_placement": "colocated",
+            "target_resources": {"torch_threads": 1, "tensor_parallel": 2}}
+    serve.run(build_app(args), name="faults", route_prefix="/")  # the name test_faults' clients address
+    # the draft in a worker of its own, pipelined, beside the split target
+    serve.run(build_app({**args, "draft_placement": "split", "pipelined": True, "draft_top_k": 64,
+                         "draft_resources": {"torch_threads": 1}}), name="split", route_prefix="/split")
+    yield {"root": root, **addresses, "app": serve.get_app_handle("faults"), "split": serve.get_app_handle("split")}
+    stop_local_serve()
+
+
+def _reference(root) -> SpeculativeDecoder:
+    return SpeculativeDecoder(str(root / "target"), str(root / "draft"), gamma=3, dtype="float32", draft_top_k=64)
+
+
+def _expected(reference: SpeculativeDecoder, kind: str, seed: int):
+    params = SamplingParams(temperature=1.0, top_p=0.95, top_k=TOP_K, seed=seed, ignore_eos=True)
+    result = reference.generate(PROMPT, params, MAX_TOKENS)
+    return result.token_ids if kind.startswith("grpc") else result.text
+
+
+def test_the_split_target_serves_the_unsplit_targets_tokens(server):
+    import openai
+
+    health = requests.get(server["http"] + "/health", timeout=30).json()
+    assert health["target"]["tensor_parallel"] == 2 and health["target"]["tp_all_reduces"] > 0
+    reference = _reference(server["root"])
+    client = openai.OpenAI(base_url=f"{server['http']}/v1", api_key="-", max_retries=0, timeout=180)
+    greedy = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    want = reference.generate(PROMPT, SamplingParams(temperature=0, ignore_eos=True), MAX_TOKENS).text
+    assert greedy.choices[0].text == want
+    for kind, seed in (("http-stream", 1), ("grpc", 2)):
+        assert _request(server, kind, seed) == _expected(reference, kind, seed)
+        assert _request(server, kind, seed, app="split") == _expected(reference, kind, seed)
+    pids = server["app"].process_ids.remote().result(timeout_s=120)
+    assert set(pids) == {"target", "target-rank-1", "coordinator"}
+    assert set(server["split"].process_ids.remote().result(timeout_s=120)) == {
+        "target", "target-rank-1", "draft", "coordinator"}
+
+
+def test_a_lost_rank_restarts_the_group_and_streams_go_on(server):
+    """SIGKILL rank 1 with a session mid-stream, twice: rank 0 sees it gone and exits, Ray restarts the group,
+    and every stream completes equal to the uninterrupted run."""
+    app = server["app"]
+    clients = _Clients(server, ["http-stream", "grpc-stream"], first_seed=7000)
+    killed, degraded = [], 0
+    try:
+        for _ in range(2):
+            clients.wait_for_one_more(300)
+            pids = app.process_ids.remote().result(timeout_s=180)
+            deadline = time.time() + 300
+            while app.worker_sessions.remote().result()["target"] == 0 and time.time() < deadline:
+                time.sleep(0.01)
+            os.kill(pids["target-rank-1"], signal.SIGKILL)
+            killed.append(pids)
+            seen, until = False, time.time() + 30
+            while not seen and time.time() < until:  # rank 0 goes down with it: the group restarts
+                health = requests.get(server["http"] + "/health", timeout=30)
+                seen = health.status_code == 503 and health.json()["status"] == "degraded"
+                time.sleep(0.1)
+            degraded += seen
+            healed = app.process_ids.remote().result(timeout_s=180)
+            while healed["target"] == pids["target"] and time.time() < deadline:
+                time.sleep(0.5)
+                healed = app.process_ids.remote().result(timeout_s=180)
+        time.sleep(2.0)
+    finally:
+        clients.stop()
+    assert healed["target"] not in {p["target"] for p in killed}  # rank 0 went down with its rank and came back
+    assert healed["target-rank-1"] not in {p["target-rank-1"] for p in killed}
+    assert degraded >= 1  # /health told the truth while the group was down
+    assert not clients.errors, clients.errors
+    assert len(clients.results) >= 3, len(clients.results)
+    reference = _reference(server["root"])
+    mismatched = [(kind, seed) for kind, seed, got in clients.results if got != _expected(reference, kind, seed)]
+    assert not mismatched, f"{len(mismatched)} of {len(clients.results)} replies differ from the uninterrupted run"
+
+
+def test_deleting_an_application_gives_back_its_ranks_placement(server):
+    import ray
+
+    def reserved() -> int:
+        return sum(g["state"] == "CREATED" for g in ray.util.placement_group_table().values())
+
+    before = reserved()
+    serve.delete("split")
+    deadline = time.time() + 60
+    while reserved() != before - 1 and time.time() < deadline:
+        time.sleep(0.2)
+    assert reserved() == before - 1
