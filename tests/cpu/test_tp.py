@@ -62,7 +62,8 @@ def run_group(world: int, model_for, run, **pool_args):
 
 def ragged_steps(pool: KVPool) -> torch.Tensor:
     """Prefill chunks, verify blocks and decode steps of four sequences in shared steps, blocks that outgrow
-    their place (moved), a rollback, a sequence freed and a new one in its place: every step's logits."""
+    their place (moved), a rollback, a sequence freed and a new one in its place, then a decode and a verify
+    step of equal widths: every step's logits."""
     rng = random.Random(0)
     seqs = [pool.sequence() for _ in range(4)]
     out = [pool.forward(seqs, [[rng.randrange(VOCAB) for _ in range(n)] for n in (3, 9, 1, 17)], [1, 3, 1, 2])]
@@ -73,24 +74,33 @@ def ragged_steps(pool: KVPool) -> torch.Tensor:
     seqs[2].release()
     seqs[2] = pool.sequence()
     out.append(pool.forward(seqs, [[1, 2, 3], [4], [5, 6], [7]], [3, 1, 2, 1]))
+    for width in (1, 3):  # a decode step and a verify step: every sequence the same width (runner buckets)
+        out.append(pool.forward(seqs, [[rng.randrange(VOCAB) for _ in range(width)] for _ in seqs], [width] * 4))
     return torch.cat(out)
 
 
 POOL = dict(tokens=1024, max_length=256, min_block=4)
 
 
-@pytest.mark.parametrize("heads,kv_heads,world", [(4, 2, 2), (6, 3, 2), (6, 3, 3)])
-def test_sharded_forward_equals_the_whole_model(heads, kv_heads, world):
-    """Even and uneven head splits (3 KV heads over 2 ranks: 2 + 1), in float64: the same logits to rounding."""
+@pytest.mark.parametrize("heads,kv_heads,world,runner", [(4, 2, 2, False), (6, 3, 2, False), (6, 3, 3, False),
+                                                        (6, 3, 2, True)])
+def test_sharded_forward_equals_the_whole_model(heads, kv_heads, world, runner):
+    """Even and uneven head splits (3 KV heads over 2 ranks: 2 + 1), in float64: the same logits to rounding;
+    also with the static-shape step runner on every rank (its decode and verify steps)."""
     model = tiny(heads, kv_heads)
     whole = ragged_steps(KVPool(model, **POOL))
-    logits, stats, followed = run_group(world, lambda shard: model, ragged_steps, **POOL)
+    def steps_and_buckets(pool: KVPool):
+        return ragged_steps(pool), sorted(pool.runner.buckets) if pool.runner else []
+
+    (logits, buckets), stats, followed = run_group(world, lambda shard: model, steps_and_buckets, runner=runner,
+                                                   **POOL)
     assert logits.shape == whole.shape and torch.allclose(logits, whole, atol=1e-10, rtol=0)
-    steps = 6
+    assert len(buckets) == (2 if runner else 0)  # the equal-width steps went through the runner
+    steps = 8
     assert followed == {rank: steps for rank in range(1, world)}
     # per step: one all-reduce after o and one after down in each layer, one gather of the head's logits
     assert stats["tp_steps"] == steps and stats["tp_all_reduces"] == 2 * 2 * steps and stats["tp_gathers"] == steps
-    new_tokens = 30 + 4 * 37 + 7  # every step's new tokens, all sequences
+    new_tokens = 30 + 4 * 37 + 7 + 4 + 12  # every step's new tokens, all sequences
     assert stats["tp_all_reduce_bytes"] == 2 * 2 * new_tokens * 48 * 8
 
 
@@ -104,7 +114,7 @@ def test_a_group_of_one_equals_the_plain_pool(device):
     model = tiny(4, 2, torch.float32).to(device)
     plain = ragged_steps(KVPool(model, **POOL))
     grouped, stats, _ = run_group(1, lambda shard: model, ragged_steps, **POOL)
-    assert torch.allclose(grouped, plain, atol=1e-5, rtol=0) and stats["tp_all_reduces"] == 2 * 2 * 6
+    assert torch.allclose(grouped, plain, atol=1e-5, rtol=0) and stats["tp_all_reduces"] == 2 * 2 * 8
 
 
 def test_each_rank_holds_its_heads_and_its_share_of_the_kv_pool():

@@ -136,7 +136,12 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
         rows = x[total - keeps[0] :]
     else:
         rows = x[torch.cat([torch.arange(offsets[j + 1] - keep, offsets[j + 1]) for j, keep in enumerate(keeps)])]
-    logits = linear(_rms(rows, w.norm, w.eps), w.head).float()
+    return head_logits(w, rows)
+
+
+def head_logits(w: LeanWeights, x: torch.Tensor) -> torch.Tensor:
+    """The head's float32 logits of x [n, hidden]: [n, head rows] (a tensor-parallel group's, on rank 0)."""
+    logits = linear(_rms(x, w.norm, w.eps), w.head).float()
     return logits if w.tp is None else w.tp.gather_columns(logits, w.vocab_rows)
 
 

@@ -130,9 +130,7 @@ class KVPool:
         shape = (len(self.w.layers), self.w.kv_heads, self.allocator.capacity + 1, self.w.head_dim)
         self.k = torch.empty(shape, dtype=self.w.dtype, device=self.w.device)
         self.v = torch.empty_like(self.k)
-        runner = STEP_RUNNER and tp is None if runner is None else runner
-        if runner and tp is not None:
-            raise ValueError("the step runner does not run tensor-parallel yet")
+        runner = STEP_RUNNER if runner is None else runner
         # max_width: the widest step it takes (a verify of gamma_max + 1 tokens)
         self.runner = StepRunner(self.w, (self.k, self.v), self.max_length, max_width=max_width) if runner else None
         self._lock = threading.Lock()  # allocations may come from any thread; forwards from one
@@ -266,7 +264,8 @@ class KVPool:
             for move in moves:
                 self._move(*move)
             caches = [_Mirror(self, block, start) for block, start in zip(blocks, starts)]
-            lean_forward(self.w, caches, new_tokens, keeps, (self.k, self.v, [block[0] for block in blocks]))
+            if self._static_step(caches, new_tokens, keeps) is None:  # the path rank 0 takes, by the same rule
+                lean_forward(self.w, caches, new_tokens, keeps, (self.k, self.v, [block[0] for block in blocks]))
             steps += 1
         return steps
 

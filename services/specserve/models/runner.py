@@ -26,8 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from specserve.models.lean import LeanWeights, _rms, layer_output, rotated_qkv
-from specserve.models.quant import linear
+from specserve.models.lean import LeanWeights, head_logits, layer_output, rotated_qkv
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 MIN_CONTEXT = 64  # the shortest context bucket; others double up to the pool's longest sequence
@@ -146,7 +145,7 @@ class StepRunner:
             att = F.scaled_dot_product_attention(queries, keys, values, attn_mask=b.mask, scale=w.scale)
             att = att.reshape(batch, h, width, d).permute(0, 2, 1, 3).reshape(rows, h * d)
             x = layer_output(w, layer, x, att)
-        out = linear(_rms(x, w.norm, w.eps), w.head).float()
+        out = head_logits(w, x)
         if b.logits is None:
             b.logits = out
         else:
