@@ -40,9 +40,10 @@ def run_group(world: int, model_for, run, **pool_args):
     followers' step counts). model_for(shard) gives each rank its model (on a GPU: an NCCL group)."""
     store = dist.HashStore()
     followed: dict[int, int] = {}
+    models = {rank: model_for(Shard(rank, world)) for rank in range(world)}  # loaded one after another
 
     def pool(shard: Shard) -> KVPool:
-        model = model_for(shard)
+        model = models[shard.rank]
         return KVPool(model, tp=connect(shard, store, next(model.parameters()).device), **pool_args)
 
     def follower(rank: int) -> None:
@@ -124,6 +125,24 @@ def test_each_rank_holds_its_heads_and_its_share_of_the_kv_pool():
     pools = [KVPool(model, tp=None, **POOL)]
     assert (pools[0].w.heads, pools[0].w.kv_heads) == (6, 3)
     assert shapes == [(4, 2, 2)]  # rank 0 of 2: two of the three KV groups
+
+
+def test_a_dense_rank_keeps_only_its_part_after_loading(tmp_path):
+    """Loaded from a checkpoint with a shard, a dense rank builds its part and drops the whole model's linear
+    weights (it then holds 1/N of them); the group still computes the whole model's logits."""
+    tiny(6, 3, torch.float32).save_pretrained(str(tmp_path))
+    whole = ragged_steps(KVPool(load_model(str(tmp_path), "float32").model, **POOL))
+    ranks = {}
+
+    def rank_model(shard: Shard):
+        ranks[shard.rank] = load_model(str(tmp_path), "float32", shard=shard).model
+        return ranks[shard.rank]
+
+    split = run_group(2, rank_model, ragged_steps, **POOL)[0]
+    assert torch.allclose(split, whole, atol=1e-4, rtol=0)
+    for model in ranks.values():
+        assert model.model.layers[0].mlp.down_proj.weight.numel() == 0
+        assert model.model.layers[0].self_attn.q_proj.weight.numel() == 0
 
 
 def test_greedy_decoding_through_the_group_equals_the_whole_model():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import pathlib
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +92,11 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
         raise ValueError(f"dtype must be one of {sorted(set(DTYPES))} or None, got {dtype!r}") from None
 
 
+# transformers builds a model with torch's parameter registration patched process-wide (weights on the meta
+# device until loaded): two threads loading at once can leave each other's model, or the patch, behind
+_LOADING = threading.Lock()
+
+
 def load_model(
     spec: Any, dtype: str | torch.dtype | None = None, device: str | None = None, device_map: Any = None,
     quantization: str | None = None, shard: Shard | None = None,
@@ -146,7 +152,8 @@ def load_model(
     torch_dtype = torch_dtype or default_dtype(device)
     _refuse_prequantized(path, name)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, device_map=device_map)
+        with _LOADING:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, device_map=device_map)
     except OSError as exc:
         raise ValueError(
             f"could not load model {name!r}: {exc}. Pass a local directory or .gguf file when offline."
@@ -154,7 +161,9 @@ def load_model(
     if device_map is None:
         model = model.to(device)
     loaded = LoadedModel(model.eval(), _tokenizer_at(path), name)
-    return loaded if method == "none" else _quantize(loaded, method, group, gguf, shard)
+    if method == "none":
+        return loaded if shard is None else _keep_shard(loaded, shard)
+    return _quantize(loaded, method, group, gguf, shard)
 
 
 def _refuse_prequantized(path, name: str) -> None:
@@ -201,13 +210,31 @@ def _quantize(loaded: LoadedModel, method: str, group: int, gguf: pathlib.Path |
                                             stored["source"] if stored else "")
     lean_weights(model, loaded.dtype, shard)
     model.specserve_quant.stored = None  # packed by now
+    _drop_linears(model)
+    return loaded
+
+
+def _keep_shard(loaded: LoadedModel, shard: Shard) -> LoadedModel:
+    """A dense tensor-parallel rank: its part of the weights made (`weights.LeanWeights`), the whole model's
+    linear weights dropped, so the rank holds 1/N of them after loading."""
+    from specserve.models.lean import lean_weights, unsupported_reason
+
+    reason = unsupported_reason(loaded.model)
+    if reason is not None:
+        raise ValueError(f"tensor_parallel runs the lean forward of Llama-family models; {loaded.name} has {reason}")
+    lean_weights(loaded.model, loaded.dtype, shard)
+    _drop_linears(loaded.model)
+    return loaded
+
+
+def _drop_linears(model) -> None:
+    """Free the HF modules' linear weights (and an untied head) once the lean forward holds its own."""
     for layer in model.model.layers:
         for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                        layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
             module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
     if model.lm_head.weight is not model.model.embed_tokens.weight:
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.new_empty(0), requires_grad=False)
-    return loaded
 
 
 def resolve_draft(target: Any, draft: Any, model_draft_pays: bool = True) -> Any:
