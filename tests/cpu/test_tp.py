@@ -120,11 +120,10 @@ def test_a_group_of_one_equals_the_plain_pool(device):
 
 def test_each_rank_holds_its_heads_and_its_share_of_the_kv_pool():
     model = tiny(6, 3)
-    shapes = [run_group(2, lambda shard: model, lambda pool: (pool.w.heads, pool.w.kv_heads, pool.k.shape[1]),
-                        **POOL)[0]]
-    pools = [KVPool(model, tp=None, **POOL)]
-    assert (pools[0].w.heads, pools[0].w.kv_heads) == (6, 3)
-    assert shapes == [(4, 2, 2)]  # rank 0 of 2: two of the three KV groups
+    whole = KVPool(model, **POOL)
+    assert (whole.w.heads, whole.w.kv_heads, whole.k.shape[1]) == (6, 3, 3)
+    rank0 = run_group(2, lambda shard: model, lambda pool: (pool.w.heads, pool.w.kv_heads, pool.k.shape[1]), **POOL)
+    assert rank0[0] == (4, 2, 2)  # rank 0 of 2: two of the three KV groups
 
 
 def test_a_dense_rank_keeps_only_its_part_after_loading(tmp_path):

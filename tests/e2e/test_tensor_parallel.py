@@ -11,10 +11,10 @@ import pytest
 import requests
 from ray import serve
 
-from specserve import SamplingParams, SpeculativeDecoder
+from specserve import SamplingParams
 from specserve.serve import build_app
 from tests.conftest import save_tokenized_pair, start_local_serve, stop_local_serve
-from tests.e2e.test_faults import MAX_TOKENS, PROMPT, TOP_K, _Clients, _request
+from tests.e2e.test_faults import MAX_TOKENS, PROMPT, _Clients, _mismatched, _reference, _request
 
 pytestmark = pytest.mark.slow
 
@@ -34,30 +34,20 @@ def server(tmp_path_factory):
     stop_local_serve()
 
 
-def _reference(root) -> SpeculativeDecoder:
-    return SpeculativeDecoder(str(root / "target"), str(root / "draft"), gamma=3, dtype="float32", draft_top_k=64)
-
-
-def _expected(reference: SpeculativeDecoder, kind: str, seed: int):
-    params = SamplingParams(temperature=1.0, top_p=0.95, top_k=TOP_K, seed=seed, ignore_eos=True)
-    result = reference.generate(PROMPT, params, MAX_TOKENS)
-    return result.token_ids if kind.startswith("grpc") else result.text
-
-
 def test_the_split_target_serves_the_unsplit_targets_tokens(server):
     import openai
 
     health = requests.get(server["http"] + "/health", timeout=30).json()
     assert health["target"]["tensor_parallel"] == 2 and health["target"]["tp_all_reduces"] > 0
-    reference = _reference(server["root"])
+    reference = _reference(server)
     client = openai.OpenAI(base_url=f"{server['http']}/v1", api_key="-", max_retries=0, timeout=180)
     greedy = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
                                        extra_body={"ignore_eos": True})
     want = reference.generate(PROMPT, SamplingParams(temperature=0, ignore_eos=True), MAX_TOKENS).text
     assert greedy.choices[0].text == want
-    for kind, seed in (("http-stream", 1), ("grpc", 2)):
-        assert _request(server, kind, seed) == _expected(reference, kind, seed)
-        assert _request(server, kind, seed, app="split") == _expected(reference, kind, seed)
+    replies = [(kind, seed, _request(server, kind, seed, app)) for kind, seed in (("http-stream", 1), ("grpc", 2))
+               for app in ("faults", "split")]
+    assert not _mismatched(reference, replies)
     pids = server["app"].process_ids.remote().result(timeout_s=120)
     assert set(pids) == {"target", "target-rank-1", "coordinator"}
     assert set(server["split"].process_ids.remote().result(timeout_s=120)) == {
@@ -97,8 +87,7 @@ def test_a_lost_rank_restarts_the_group_and_streams_go_on(server):
     assert degraded >= 1  # /health told the truth while the group was down
     assert not clients.errors, clients.errors
     assert len(clients.results) >= 3, len(clients.results)
-    reference = _reference(server["root"])
-    mismatched = [(kind, seed) for kind, seed, got in clients.results if got != _expected(reference, kind, seed)]
+    mismatched = _mismatched(_reference(server), clients.results)
     assert not mismatched, f"{len(mismatched)} of {len(clients.results)} replies differ from the uninterrupted run"
 
 

@@ -162,14 +162,11 @@ def layer_output(w: LeanWeights, layer: tuple, x: torch.Tensor, att: torch.Tenso
     if w.tp is None:
         x = x + linear(att, w_o, b_o)
     else:  # each rank's heads' share of the projection, summed over the ranks
-        x = x + _bias(w.tp.all_reduce(linear(att, w_o)), b_o)
+        y = w.tp.all_reduce(linear(att, w_o))
+        x = x + (y if b_o is None else y + b_o)
     gate, up = linear(_rms(x, norm_post, w.eps), w_gate_up).chunk(2, -1)
     down = linear(F.silu(gate) * up, w_down)
     return x + (down if w.tp is None else w.tp.all_reduce(down))
-
-
-def _bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return y if bias is None else y + bias
 
 
 def _attend(w: LeanWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None

@@ -198,13 +198,10 @@ def _quantize(loaded: LoadedModel, method: str, group: int, gguf: pathlib.Path |
               shard: Shard | None = None) -> LoadedModel:
     """Give the model's linear layers packed quantized weights (`quant.QuantSpec`, made into the lean forward's
     weights now) and drop their dense copies."""
-    from specserve.models.lean import lean_weights, unsupported_reason
+    from specserve.models.lean import lean_weights
 
     model = loaded.model
-    reason = unsupported_reason(model)
-    if reason is not None:
-        raise ValueError(f"quantization {method} runs in the lean forward of Llama-family models; "
-                         f"{loaded.name} has {reason}")
+    _require_lean(loaded, f"quantization {method}")
     stored = quant.gguf_linears(gguf, model.config) if method == "gguf" else None
     model.specserve_quant = quant.QuantSpec(method, group, stored, quant.dense_from(loaded.device),
                                             stored["source"] if stored else "")
@@ -217,14 +214,20 @@ def _quantize(loaded: LoadedModel, method: str, group: int, gguf: pathlib.Path |
 def _keep_shard(loaded: LoadedModel, shard: Shard) -> LoadedModel:
     """A dense tensor-parallel rank: its part of the weights made (`weights.LeanWeights`), the whole model's
     linear weights dropped, so the rank holds 1/N of them after loading."""
-    from specserve.models.lean import lean_weights, unsupported_reason
+    from specserve.models.lean import lean_weights
 
-    reason = unsupported_reason(loaded.model)
-    if reason is not None:
-        raise ValueError(f"tensor_parallel runs the lean forward of Llama-family models; {loaded.name} has {reason}")
+    _require_lean(loaded, "tensor_parallel")
     lean_weights(loaded.model, loaded.dtype, shard)
     _drop_linears(loaded.model)
     return loaded
+
+
+def _require_lean(loaded: LoadedModel, what: str) -> None:
+    from specserve.models.lean import unsupported_reason
+
+    reason = unsupported_reason(loaded.model)
+    if reason is not None:
+        raise ValueError(f"{what} runs in the lean forward of Llama-family models; {loaded.name} has {reason}")
 
 
 def _drop_linears(model) -> None:

@@ -251,6 +251,10 @@ class KVPool:
             seq.forward_calls += 1
         return logits
 
+    def block_kv(self, block: tuple[int, int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s keys and values over the arena block (offset, size): views, no copy."""
+        offset, size = block
+        return self.k[layer, :, offset : offset + size], self.v[layer, :, offset : offset + size]
 
     @torch.inference_mode()
     def follow(self) -> int:
@@ -282,7 +286,7 @@ class _Mirror:
         self.pool, self.block, self.tokens = pool, block, range(start)
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return PooledSequence.kv(self, layer)
+        return self.pool.block_kv(self.block, layer)
 
 
 class PooledSequence(TokenSequence):
@@ -296,8 +300,7 @@ class PooledSequence(TokenSequence):
         self.forward_calls = 0
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        offset, size = self.block
-        return self.pool.k[layer, :, offset : offset + size], self.pool.v[layer, :, offset : offset + size]
+        return self.pool.block_kv(self.block, layer)
 
     def rollback(self, length: int) -> None:
         del self.tokens[length:]  # rows past `length` are overwritten by the next feed

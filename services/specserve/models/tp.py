@@ -66,9 +66,7 @@ def check(config, world: int) -> None:
 
 
 def take(weight, rows: slice | None = None, cols: slice | None = None):
-    """A shard of one linear weight [N, K]: a dense tensor, `Int8Rows` or `Int4Groups` (None stays None)."""
-    if weight is None:
-        return None
+    """A shard of one linear weight [N, K]: a dense tensor, `Int8Rows` or `Int4Groups`."""
     if isinstance(weight, (Int8Rows, Int4Groups)):
         if rows is not None:
             weight = weight.rows(torch.arange(rows.start, rows.stop))

@@ -126,6 +126,7 @@ class TargetWorkerActor(_GrpcActor):
         import torch
 
         self._profile: dict[int, float] = {}
+        self._followers: list = []  # tensor-parallel ranks 1.. (`workers.ranks`)
         compute = self._compute_thread(threads)
         tp = None
         if tensor_parallel > 1:
@@ -139,7 +140,8 @@ class TargetWorkerActor(_GrpcActor):
                                   Shard(0, tensor_parallel)).result()
             tp = ranks.join(followers, store, tensor_parallel, loaded.device)
             tp.lost = self._rank_lost
-            self._group = (followers, store, ranks.watch(followers, self._rank_lost))
+            self._followers, self._store = followers, store  # the store lives as long as the group
+            ranks.watch(followers, self._rank_lost)
         if stages:
             from specserve.workers.stages import StagedSequence
 
@@ -180,8 +182,7 @@ class TargetWorkerActor(_GrpcActor):
         """The process ids of tensor-parallel ranks 1.. (none without tensor parallelism)."""
         import ray
 
-        followers = getattr(self, "_group", ((),))[0]
-        return ray.get([f.pid.remote() for f in followers])
+        return ray.get([f.pid.remote() for f in self._followers])
 
     def _rank_lost(self, error: BaseException) -> None:
         """A follower rank is gone: end this process, so Ray restarts the whole group (`workers.ranks`)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 from specserve.models import load_model
@@ -36,7 +37,6 @@ class TargetRankActor:
                  store_port: int, kv_cache_tokens: int, threads: int):
         data_plane_priority()
         self.shard = shard
-        self.steps = 0
         self._failed: BaseException | None = None
         self._loaded = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specserve-rank", daemon=True, args=(
@@ -57,7 +57,7 @@ class TargetRankActor:
         store = dist.TCPStore(host, port, self.shard.world, is_master=False)
         pool = KVPool(model, kv_cache_tokens, tp=connect(self.shard, store, next(model.parameters()).device))
         try:
-            self.steps = pool.follow()
+            pool.follow()
         except BaseException as exc:  # noqa: BLE001 - rank 0 is gone or failed: this rank is done
             log.warning("tensor-parallel rank %d stops: %s", self.shard.rank, exc)
             os._exit(1)
@@ -120,7 +120,7 @@ def watch(followers: list, on_lost) -> threading.Thread:
             except Exception as exc:  # noqa: BLE001 - any failure to answer is a lost rank
                 on_lost(exc)
                 return
-            threading.Event().wait(WATCH_S)
+            time.sleep(WATCH_S)
 
     thread = threading.Thread(target=loop, name="specserve-rank-watch", daemon=True)
     thread.start()
@@ -129,8 +129,6 @@ def watch(followers: list, on_lost) -> threading.Thread:
 
 def check_model(spec: Any, world: int) -> None:
     """The model `spec` names can be split over `world` ranks (ValueError naming tensor_parallel otherwise)."""
-    if world == 1:
-        return
     config = getattr(spec, "config", None)
     if config is None:
         from transformers import AutoConfig
