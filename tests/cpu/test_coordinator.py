@@ -44,10 +44,11 @@ def setup():
         servicer.close()
 
 
-def coordinator(setup, max_sessions: int = 64, **kwargs) -> Coordinator:
+def coordinator(setup, max_sessions: int = 64, max_queued: int = 256, queue_timeout_s: float = 300.0,
+                **kwargs) -> Coordinator:
     a = setup["addresses"]
     driver = SplitDriver(a["target"], VOCAB, [], draft="remote", draft_address=a["draft"], gamma=3, **kwargs)
-    return Coordinator(driver, max_sessions=max_sessions)
+    return Coordinator(driver, max_sessions=max_sessions, max_queued=max_queued, queue_timeout_s=queue_timeout_s)
 
 
 async def collect(coord, request):
@@ -82,14 +83,14 @@ def test_non_streaming_request_is_one_chunk(setup):
 
 
 def test_cancel_and_overload(setup):
-    coord = coordinator(setup, max_sessions=1)
+    coord = coordinator(setup, max_sessions=1, max_queued=0)
 
     async def scenario():
         first = SessionRequest(PROMPT, SamplingParams(temperature=1.0, seed=4, ignore_eos=True), 400)
         stream = coord.generate(first)
         await stream.__anext__()
         assert open_sessions(setup) == [1, 1]
-        with pytest.raises(Overloaded, match="max_sessions=1"):
+        with pytest.raises(Overloaded, match="max_sessions=1.*max_queued=0"):
             await collect(coord, SessionRequest(PROMPT, SamplingParams(seed=5), 5))
         assert coord.cancel(first.request_id) and not coord.cancel("no-such-request")
         rest = [chunk async for chunk in stream]
@@ -98,6 +99,65 @@ def test_cancel_and_overload(setup):
     rest = asyncio.run(scenario())
     assert len(rest) <= 2  # at most the round in flight and the one after, then it stops
     assert open_sessions(setup) == [0, 0] and coord.active_sessions() == 0
+
+
+def test_requests_over_max_sessions_wait_their_turn(setup):
+    """max_sessions=2, max_queued=3: five requests at once all finish, each as it would alone (seeded), the last
+    three after waiting, in arrival order; a sixth is refused at once; a waiting one cancelled leaves the queue;
+    one that waits too long is refused; nothing is left running or waiting afterwards."""
+    coord = coordinator(setup, max_sessions=2, max_queued=3)
+    params = [SamplingParams(temperature=1.0, seed=10 + i, ignore_eos=True) for i in range(6)]
+    requests = [SessionRequest(PROMPT, p, 12) for p in params]
+
+    async def burst():
+        started: list[int] = []
+
+        async def run(i):
+            chunks = []
+            async for chunk in coord.generate(requests[i]):
+                if not chunks:
+                    started.append(i)
+                chunks.append(chunk)
+            return chunks
+
+        tasks = [asyncio.ensure_future(run(i)) for i in range(5)]
+        while coord.queued() < 3:
+            await asyncio.sleep(0.001)
+        assert coord.active_sessions() == 2 and coord.describe()["queued"] == 3
+        with pytest.raises(Overloaded, match="max_queued=3"):
+            await collect(coord, requests[5])
+        return await asyncio.gather(*tasks), started
+
+    results, started = asyncio.run(burst())
+    assert sorted(started[:2]) == [0, 1] and started[2:] == [2, 3, 4]  # first come, first served
+    for p, chunks in zip(params, results):
+        assert [t for c in chunks for t in c.tokens] == setup["local"].generate(PROMPT, p, 12).token_ids
+    waits = [chunks[-1].stats["queue_time_s"] for chunks in results]
+    assert waits[0] == waits[1] == 0.0 and all(w > 0 for w in waits[2:])
+    assert coord.refused == 1 and coord.queued() == 0 and coord.active_sessions() == 0 and coord._taken == 0
+
+    slow = coordinator(setup, max_sessions=1, max_queued=4, queue_timeout_s=0.2)
+
+    async def timeout_and_cancel():
+        hog = slow.generate(SessionRequest(PROMPT, SamplingParams(seed=1, ignore_eos=True), 400))
+        await hog.__anext__()
+        with pytest.raises(Overloaded, match="queue_timeout_s"):
+            await collect(slow, SessionRequest(PROMPT, SamplingParams(seed=2), 5))
+        assert not slow._waiting  # a request that gave up holds no place in the queue
+        slow.queue_timeout_s = 300.0
+        waiting = SessionRequest(PROMPT, SamplingParams(seed=3), 5)
+        task = asyncio.ensure_future(collect(slow, waiting))
+        while slow.queued() < 1:
+            await asyncio.sleep(0.001)
+        assert slow.cancel(waiting.request_id)
+        assert await task == [] and slow.queued() == 0 and not slow._waiting  # left the queue without running
+        assert slow.cancel(hog_id := next(iter(slow._sessions)))
+        rest = [chunk async for chunk in hog]
+        return hog_id, rest
+
+    asyncio.run(timeout_and_cancel())
+    assert slow.refused == 1 and slow.queued() == 0 and slow.active_sessions() == 0 and slow._taken == 0
+    assert open_sessions(setup) == [0, 0]
 
 
 def test_worker_errors_reach_the_caller(setup):

@@ -158,6 +158,31 @@ def test_greedy_decoding_through_the_group_equals_the_whole_model():
     assert run_group(2, lambda shard: model, greedy, **POOL)[0] == greedy(KVPool(model, **POOL))
 
 
+def test_cached_prefixes_reach_every_rank():
+    """Prefix caching under TP: a prefix copied into a new block (copy-on-admit) is copied on every rank's shard
+    of the arena before the next step; a taken-over block needs nothing sent."""
+    model = tiny(4, 2)
+    system, rng = [7] * 20 + list(range(20)), random.Random(1)
+
+    def turns(pool: KVPool) -> torch.Tensor:
+        out, first = [], pool.sequence()
+        out.append(first.logits_after(system + [1, 2, 3]))
+        first.release()
+        for tail in ([4, 5], [6, 7, 8]):  # two others with the same system prompt: copied
+            seq = pool.sequence()
+            out.append(seq.logits_after(system + tail + [rng.randrange(VOCAB) for _ in range(5)], 3))
+        again = pool.sequence()  # the first conversation's next turn: taken over
+        out.append(again.logits_after(system + [1, 2, 3, 9, 9], 2))
+        return torch.cat(out)
+
+    whole = turns(KVPool(model, **POOL))
+    rng = random.Random(1)
+    logits, stats, _ = run_group(2, lambda shard: model, turns, prefix_caching=True, **POOL)
+    assert torch.allclose(logits, whole, atol=1e-10, rtol=0)
+    # what was fed: 43, then 7 and 8 after the 40 shared, then 2 after the 43 held (not 43 + 47 + 48 + 45)
+    assert stats["tp_all_reduce_bytes"] == 2 * 2 * (43 + 7 + 8 + 2) * 48 * 8
+
+
 def test_the_embedded_target_split_over_two_ranks():
     """The shipped Q4_1 target (9 heads, 3 KV heads): each rank packs only its part of the file's int4 blocks;
     logits equal the whole model's up to bfloat16 rounding (the partial sums round per rank), same argmax."""

@@ -10,6 +10,7 @@ bytes) and count the statuses: none may be a 5xx or UNKNOWN / INTERNAL.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import json
 import time
 
@@ -26,7 +27,7 @@ from tests.conftest import save_tokenized_pair, start_local_serve, stop_local_se
 
 pytestmark = pytest.mark.slow
 
-LIMITS = {"max_sessions": 2, "max_body_bytes": 65536, "max_prompt_tokens": 200, "max_tokens_limit": 64,
+LIMITS = {"max_sessions": 2, "max_queued": 2, "max_body_bytes": 65536, "max_prompt_tokens": 200, "max_tokens_limit": 64,
           "default_max_tokens": 4}
 HTTP_STATUSES: collections.Counter = collections.Counter()  # of the fuzz requests
 GRPC_CODES: collections.Counter = collections.Counter()
@@ -139,18 +140,25 @@ def test_grpc_bad_input_and_undecodable_messages(server):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_overload_refuses_streams_before_they_start(server):
-    """max_sessions=2 busy: a third request gets 503 + Retry-After (streaming or not) or RESOURCE_EXHAUSTED on
-    gRPC (unary and stream), never 200 with an error event; once the two finish, requests succeed again."""
+def test_overload_queues_then_refuses_streams_before_they_start(server):
+    """max_sessions=2 busy: the next two requests wait (max_queued=2); a fifth gets 503 + Retry-After (streaming
+    or not) or RESOURCE_EXHAUSTED on gRPC (unary and stream), never 200 with an error event; the waiting two
+    answer once the running two finish, and requests succeed again."""
     long = {**BASE, "max_tokens": 64, "ignore_eos": True, "stream": True}
+    refused_before = requests.get(server["http"] + "/health", timeout=60).json()["refused"]
     opened = []
     for _ in range(2):
         response = requests.post(server["http"] + "/v1/completions", json=long, stream=True, timeout=60)
         assert response.status_code == 200
         opened.append(response)
+    waiting = concurrent.futures.ThreadPoolExecutor(2)
+    queued = [waiting.submit(post, server, "/v1/completions", {**BASE, "seed": s}) for s in (1, 2)]
     try:
         deadline = time.time() + 30
         while server["app"].worker_sessions.remote().result()["coordinator"] < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        while requests.get(server["http"] + "/health", timeout=60).json().get("queued") != 2:
+            assert time.time() < deadline, "two requests should be waiting"
             time.sleep(0.05)
         for stream in (True, False):
             refused = post(server, "/v1/completions", {**BASE, "stream": stream})
@@ -165,7 +173,15 @@ def test_overload_refuses_streams_before_they_start(server):
         for response in opened:
             assert response.text.rstrip().endswith("data: [DONE]")  # the two running streams were not disturbed
             response.close()
-    assert post(server, "/v1/completions", BASE).status_code == 200
+    for future, seed in zip(queued, (1, 2)):
+        answer = future.result(timeout=120)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["specserve"]["queue_time_s"] > 0  # it waited for a slot
+        assert answer.json()["choices"][0]["text"] == post(server, "/v1/completions", {**BASE, "seed": seed}).json()[
+            "choices"][0]["text"]  # as it answers alone
+    waiting.shutdown()
+    health = requests.get(server["http"] + "/health", timeout=60).json()
+    assert health["queued"] == 0 and health["active_sessions"] == 0 and health["refused"] == refused_before + 4
 
 
 # -- fuzz -------------------------------------------------------------------------------------------------------

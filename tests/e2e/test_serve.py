@@ -56,6 +56,8 @@ def local(server):
         # as served: prompt lookup first, then the model draft
         "spec": SpeculativeDecoder(str(root / "target"), str(root / "draft"), gamma=3, dtype="float32", draft_top_k=64),
         "plain": SpeculativeDecoder(str(root / "target"), None, dtype="float32"),
+        "uncached": SpeculativeDecoder(str(root / "target"), str(root / "draft"), gamma=3, dtype="float32",
+                                       draft_top_k=64, prefix_caching=False),
     }
 
 
@@ -352,6 +354,42 @@ def test_metrics_endpoint_counts_real_requests(server):
     itl = moved("inter_token_latency_seconds")
     assert 0 < itl <= sum(c for _, c in usage) - 3
     assert total(after, series["active_sessions"]) == 0
+
+
+@pytest.mark.parametrize("app", ["pipelined", "colocated"])
+def test_prefix_caching_changes_no_token(server, local, app):
+    """A long system prompt shared by a chat's turns and by other users' requests, greedy and seeded (fixed γ=3):
+    the served answers, with the target's and the draft's prefix caches on (the default), equal an in-process
+    engine's with prefix caching off; the workers report prompt tokens served from their caches."""
+    url = server["http"] + APPS[app].rstrip("/") + "/health"
+    before = requests.get(url).json()["target"]
+    c = client(server, app)
+    system = " ".join(f"Rule {k}: answer briefly, kindly and in plain words." for k in range(12))
+    conversation = [{"role": "system", "content": system}]
+    asks = [("Tell me about the sea.", dict(temperature=0.0)), ("And rivers?", dict(temperature=1.0, seed=3)),
+            ("Lakes?", dict(temperature=1.0, top_k=5, seed=4)), ("Ponds?", dict(temperature=0.7, top_p=0.8, seed=5))]
+    for question, params in asks:
+        conversation.append({"role": "user", "content": question})
+        expected = local["uncached"].generate(conversation, SamplingParams(**params), 16)
+        params = dict(params)
+        extra = {"top_k": params.pop("top_k")} if "top_k" in params else None  # not an openai client argument
+        served = c.chat.completions.create(model="tiny", messages=conversation, max_tokens=16, extra_body=extra,
+                                           **params)
+        assert served.choices[0].message.content == expected.text, question
+        conversation.append({"role": "assistant", "content": expected.text})
+    for seed in (6, 7):  # other users, the same system prompt
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": f"Question {seed}?"}]
+        expected = local["uncached"].generate(messages, SamplingParams(temperature=1.0, seed=seed), 16)
+        served = c.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=1.0, seed=seed)
+        assert served.choices[0].message.content == expected.text
+    assert wait_for_no_sessions(app) == {k: 0 for k in sessions(app)}
+    after = requests.get(url).json()["target"]
+    system_tokens = len(local["uncached"].encode([{"role": "system", "content": system}]))
+    # every request after the first found at least the system prompt cached in the target (and a colocated draft)
+    assert after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] >= 5 * (system_tokens - 16)
+    assert after["prefix_cache_entries"] > 0 and after["kv_used_tokens"] == 0
+    if app == "colocated":
+        assert after["draft_kv"]["prefix_cache_hit_tokens"] - before["draft_kv"]["prefix_cache_hit_tokens"] > 0
 
 
 def test_load_bench_drives_concurrent_streams_and_writes_its_report(server, tmp_path):

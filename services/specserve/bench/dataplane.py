@@ -126,12 +126,14 @@ def _worker(role: str, spec: dict, conn) -> None:
                      if spec.get("draft_shape") else None)
             actor = TargetWorkerActor(target, threads=spec["threads"], draft=draft, gamma_max=spec["gamma_max"],
                                       scheduling={"kv_cache_tokens": spec["kv_cache_tokens"],
-                                                  "max_step_tokens": spec["max_step_tokens"]})
+                                                  "max_step_tokens": spec["max_step_tokens"],
+                                                  "prefix_caching": False})  # one prompt, many runs
             reply = {"address": actor.address(), "info": actor.info(),
                      "profile": actor.verify_profile(spec["gamma_max"] + 1)}
         else:
             draft = synthetic_llama(spec["shape"], vocab, spec["alpha"], spec["device"], spec["dtype"])
-            actor = DraftWorkerActor(draft, vocab, threads=spec["threads"], kv_cache_tokens=spec["kv_cache_tokens"])
+            actor = DraftWorkerActor(draft, vocab, threads=spec["threads"], kv_cache_tokens=spec["kv_cache_tokens"],
+                                     prefix_caching=False)
             reply = {"address": actor.address(), "step_s": actor.step_time()}
         conn.send(reply)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
@@ -292,7 +294,7 @@ def bench_rounds(args, shape: str, log) -> list[dict[str, Any]]:
     for alpha in args.alphas:
         draft_model = synthetic_llama(args.draft_shape, args.vocab, alpha, args.device, args.dtype)
         decoder = SpeculativeDecoder(target_model, draft_model, gamma=args.gamma, gamma_max=args.gamma_max,
-                                     draft_lookup=False, kv_cache_tokens=kv_one)
+                                     draft_lookup=False, kv_cache_tokens=kv_one, prefix_caching=False)
         row("in-process", alpha, args.device, args.gamma,
             run_in_process(decoder, prompt_ids, args.gamma, args.max_tokens, args.vocab))
         if alpha == args.alphas[0]:

@@ -9,11 +9,17 @@ latency (per request: (end − first token) / (tokens − 1)) at p50/p95, accept
 configuration meets the machine in the same state. A small machine's speed drifts within minutes, so
 `--load-rounds N` runs each level's configurations N times, in ABBA order (every other round reversed), and
 reports each configuration's median run and the median of its paired ratios to the first configuration
-(runs of the same round side by side). Writes load.json and load.png.
+(runs of the same round side by side). Queue time (how long a request waited for a session slot, from the
+server's statistics) is reported beside TTFT, which includes it. Writes load.json and load.png.
+
+`--system-prompt N` puts the same ~N-token system prompt in front of every request (as chat products do), and
+first runs the prefix-caching check on each server: 8 requests in a row with different questions, then a
+4-turn chat, TTFT of each and whether the answers equal those of a server with prefix caching off.
 
 Without `--url` it starts Ray and one Serve application per server configuration itself: `batched`
 (serves both `γ=0` and `auto` through the per-request `gamma`) and, with `--load-configs` naming it,
-`unbatched` (the target worker running one session at a time, as before batching).
+`unbatched` (the target worker running one session at a time, as before batching) and `uncached`
+(prefix caching off).
 """
 
 from __future__ import annotations
@@ -32,7 +38,26 @@ CONFIGS = {  # name -> (application, per-request gamma or None for the server's 
     "auto": ("batched", "auto"),
     "unbatched": ("unbatched", 0),
     "unbatched-auto": ("unbatched", "auto"),
+    "uncached": ("uncached", 0),
+    "uncached-auto": ("uncached", "auto"),
 }
+
+_SYSTEM_TEXT = ("You are the support assistant of a company that rents bicycles in a seaside town. Answer briefly "
+                "and politely, quote prices in euros, and never promise a bicycle that is not in stock. ")
+
+
+def system_prompt(tokens: int) -> str:
+    """About `tokens` tokens of instructions (numbered, so no two sentences repeat exactly)."""
+    rules, k = [], 0
+    while len(" ".join(rules)) < 4.4 * tokens:  # ~4.4 characters a token for this English text (SmolLM2)
+        k += 1
+        rules.append(f"Rule {k}: {_SYSTEM_TEXT}")
+    return " ".join(rules)
+
+
+def _messages(prompt: str, system: str | None) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -42,32 +67,38 @@ def _quantile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-async def _stream(client, model: str, prompt: str, max_tokens: int, gamma) -> dict:
+async def _stream(client, model: str, prompt: str | list[dict], max_tokens: int, gamma,
+                  system: str | None = None) -> dict:
+    """One streamed chat request (prompt: the user's text, or the whole message list)."""
     body = {"ignore_eos": True}
     if gamma is not None:
         body["gamma"] = gamma
     t0 = time.perf_counter()
     first = None
     stats: dict = {}
-    tokens = 0
+    tokens = prompt_tokens = 0
+    text = []
+    messages = prompt if isinstance(prompt, list) else _messages(prompt, system)
     response = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0,
         stream=True, stream_options={"include_usage": True}, extra_body=body,
     )
     async for chunk in response:
-        if first is None and chunk.choices and chunk.choices[0].delta.content:
-            first = time.perf_counter()
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.perf_counter()
+            text.append(chunk.choices[0].delta.content)
         extra = chunk.model_extra or {}
         if chunk.usage is not None:  # the last chunk (include_usage)
-            tokens = chunk.usage.completion_tokens
+            tokens, prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
         stats = extra.get("specserve") or stats
     end = time.perf_counter()
     first = first or end
-    return {"start": t0, "end": end, "ttft": first - t0, "tokens": tokens,
-            "itl": (end - first) / (tokens - 1) if tokens > 1 else 0.0, "stats": stats}
+    return {"start": t0, "end": end, "ttft": first - t0, "tokens": tokens, "prompt_tokens": prompt_tokens,
+            "itl": (end - first) / (tokens - 1) if tokens > 1 else 0.0, "stats": stats, "text": "".join(text)}
 
 
-async def _level(base_url: str, concurrency: int, requests: int, max_tokens: int, gamma, prompts: list[str]) -> dict:
+async def _level(base_url: str, concurrency: int, requests: int, max_tokens: int, gamma, prompts: list[str],
+                 system: str | None = None) -> dict:
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key="-", timeout=1800, max_retries=0)
@@ -78,7 +109,8 @@ async def _level(base_url: str, concurrency: int, requests: int, max_tokens: int
     async def stream(k: int) -> None:
         for r in range(requests):
             try:
-                results.append(await _stream(client, model, prompts[(k + r) % len(prompts)], max_tokens, gamma))
+                results.append(await _stream(client, model, prompts[(k + r) % len(prompts)], max_tokens, gamma,
+                                             system))
             except Exception as exc:  # noqa: BLE001 - counted and reported
                 errors.append(f"{type(exc).__name__}: {exc}"[:200])
 
@@ -91,6 +123,7 @@ async def _level(base_url: str, concurrency: int, requests: int, max_tokens: int
     accepted = sum(r["stats"].get("accepted", 0) for r in results)
     gammas = [g for r in results for g in r["stats"].get("gamma_history", [])]
     ttft = [r["ttft"] for r in results]
+    queue = [r["stats"].get("queue_time_s", 0.0) for r in results]
     itl = [r["itl"] for r in results if r["tokens"] > 1]
     return {
         "concurrency": concurrency, "requests": len(results), "errors": len(errors), "error_samples": errors[:3],
@@ -98,6 +131,8 @@ async def _level(base_url: str, concurrency: int, requests: int, max_tokens: int
         "per_stream_tokens_per_s": statistics.mean(r["tokens"] / (r["end"] - r["start"]) for r in results)
         if results else 0.0,
         "ttft_p50_s": _quantile(ttft, 0.5), "ttft_p95_s": _quantile(ttft, 0.95),
+        "queue_p50_s": _quantile(queue, 0.5), "queue_p95_s": _quantile(queue, 0.95),
+        "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in results) if results else 0.0,
         "itl_p50_s": _quantile(itl, 0.5), "itl_p95_s": _quantile(itl, 0.95),
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_gamma": statistics.mean(gammas) if gammas else 0.0,
@@ -127,6 +162,30 @@ async def _with_long_prompt(base_url: str, concurrency: int, max_tokens: int, ga
     return short
 
 
+async def _prefix_check(base_url: str, system: str, prompts: list[str], max_tokens: int, gamma) -> dict:
+    """8 requests in a row sharing `system` (different questions; the first finds nothing cached), then a 4-turn
+    chat under a system prompt of its own (each turn resends the conversation so far): TTFT and text of each."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="-", timeout=1800, max_retries=0)
+    model = (await client.models.list()).data[0].id
+    keep = ("ttft", "prompt_tokens", "text")
+    singles = []
+    for i in range(8):
+        row = await _stream(client, model, prompts[i % len(prompts)], max_tokens, gamma, system)
+        singles.append({k: row[k] for k in keep})
+    turns, messages = [], [{"role": "system", "content": "Second desk. " + system}]
+    for t in range(4):
+        messages.append({"role": "user", "content": prompts[(t + 3) % len(prompts)]})
+        row = await _stream(client, model, list(messages), max_tokens, gamma)
+        turns.append({k: row[k] for k in keep})
+        messages.append({"role": "assistant", "content": row["text"]})
+    await client.close()
+    rest = statistics.median(r["ttft"] for r in singles[1:])
+    return {"requests": singles, "turns": turns, "ttft_first_s": singles[0]["ttft"], "ttft_rest_median_s": rest,
+            "ttft_rest_over_first": rest / singles[0]["ttft"] if singles[0]["ttft"] else 0.0}
+
+
 def _start_servers(args, apps: set[str]) -> tuple[str, dict[str, str]]:
     import ray
     from ray import serve
@@ -146,7 +205,8 @@ def _start_servers(args, apps: set[str]) -> tuple[str, dict[str, str]]:
     for name in sorted(apps):
         prefix = "/" if name == "batched" else f"/{name}"
         print(f"  deploying the {name} application (draft={args.draft}) ...", flush=True)
-        serve.run(build_app({**app_args, "batching": name == "batched"}), name=name, route_prefix=prefix)
+        serve.run(build_app({**app_args, "batching": name != "unbatched", "prefix_caching": name != "uncached"}),
+                  name=name, route_prefix=prefix)
         urls[name] = f"http://127.0.0.1:{port}{prefix.rstrip('/')}/v1"
     yield_control_plane(include_root=False)  # this driver runs the clients: it keeps its priority
     return port, urls
@@ -171,16 +231,20 @@ def run_load_bench(args) -> int:
     if started:
         _, urls = _start_servers(args, {CONFIGS[c][0] for c in configs})
     else:
-        urls = {"batched": args.url.rstrip("/"), "unbatched": args.url.rstrip("/")}
+        urls = {app: args.url.rstrip("/") for app, _ in CONFIGS.values()}
+    system = system_prompt(args.system_prompt) if getattr(args, "system_prompt", 0) else None
     report = {"config": {"target": args.target, "draft": args.draft, "max_new_tokens": args.max_new_tokens,
                          "quantization": getattr(args, "quantization", "auto"),
                          "requests_per_stream": args.load_requests, "sampling": "greedy, eos ignored",
-                         "url": args.url, "configs": configs, "concurrency": levels, "rounds": rounds},
+                         "url": args.url, "configs": configs, "concurrency": levels, "rounds": rounds,
+                         "system_prompt_tokens": getattr(args, "system_prompt", 0)},
               "levels": {c: [] for c in configs}, "ratio_to_first": {c: [] for c in configs[1:]}}
     try:
-        for name in configs:  # warm every path once
+        if system:
+            report["prefix"] = _prefix_checks(urls, configs, system, prompts, args.max_new_tokens)
+        for name in configs:  # warm every path once, and the prefix caches with every prompt
             app, gamma = CONFIGS[name]
-            asyncio.run(_level(urls[app], 1, 1, 8, gamma, prompts))
+            asyncio.run(_level(urls[app], len(prompts), 1, 8, gamma, prompts, system))
         for level in levels:
             runs: dict[str, list[dict]] = {c: [] for c in configs}
             for r in range(rounds):
@@ -189,11 +253,12 @@ def run_load_bench(args) -> int:
                     label = name if rounds == 1 else f"{name} ({r + 1}/{rounds})"
                     print(f"  concurrency {level:3d}  {label:15s} ...", end="", flush=True)
                     row = asyncio.run(_level(urls[app], level, args.load_requests, args.max_new_tokens, gamma,
-                                             prompts))
+                                             prompts, system))
                     runs[name].append(row)
                     print(f" {row['aggregate_tokens_per_s']:7.1f} tok/s aggregate, "
                           f"{row['per_stream_tokens_per_s']:6.1f} per stream, TTFT p50/p95 {row['ttft_p50_s']:.2f}/"
-                          f"{row['ttft_p95_s']:.2f} s, ITL p50 {1000 * row['itl_p50_s']:.0f} ms, γ "
+                          f"{row['ttft_p95_s']:.2f} s (queue p50/p95 {row['queue_p50_s']:.2f}/"
+                          f"{row['queue_p95_s']:.2f} s), ITL p50 {1000 * row['itl_p50_s']:.0f} ms, γ "
                           f"{row['mean_gamma']:.2f}, acceptance {row['acceptance_rate']:.2f}, errors {row['errors']}",
                           flush=True)
             for name in configs:
@@ -231,6 +296,29 @@ def run_load_bench(args) -> int:
     _plot(report, out / "load.png")
     print(f"\nwrote {out / 'load.json'} and {out / 'load.png'}")
     return 0
+
+
+def _prefix_checks(urls: dict[str, str], configs: list[str], system: str, prompts: list[str], max_tokens: int
+                   ) -> dict:
+    """`_prefix_check` on each server the configurations use (γ of the first configuration on it), printed."""
+    out: dict[str, dict] = {}
+    for name in configs:
+        app, gamma = CONFIGS[name]
+        if app in out:
+            continue
+        print(f"  {app}: 8 requests sharing a system prompt, then a 4-turn chat ...", flush=True)
+        row = out[app] = asyncio.run(_prefix_check(urls[app], system, prompts, max_tokens, gamma))
+        print(f"    prompt {row['requests'][0]['prompt_tokens']} tokens: TTFT first {row['ttft_first_s']:.2f} s, "
+              f"requests 2-8 median {row['ttft_rest_median_s']:.2f} s ({row['ttft_rest_over_first']:.2f}x); chat "
+              "turns " + ", ".join(f"{t['prompt_tokens']} tokens {t['ttft']:.2f} s" for t in row["turns"]), flush=True)
+    if len(out) > 1:
+        first, *others = out
+        for other in others:
+            same = [a["text"] == b["text"] for a, b in zip(out[first]["requests"] + out[first]["turns"],
+                                                           out[other]["requests"] + out[other]["turns"])]
+            out[f"same_text_{first}_{other}"] = same
+            print(f"    answers equal between {first} and {other}: {sum(same)} of {len(same)}", flush=True)
+    return out
 
 
 def _median_run(runs: list[dict]) -> dict:

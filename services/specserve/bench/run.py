@@ -211,7 +211,8 @@ def run_bench(args) -> int:
                                                          dtype=args.dtype, gamma_max=args.gamma_max,
                                                          draft_stop_below=args.draft_stop_below,
                                                          quantization=args.quantization,
-                                                         draft_quantization=args.draft_quantization)
+                                                         draft_quantization=args.draft_quantization,
+                                                         prefix_caching=False)  # every config prefills alike
     decoder = next(iter(decoders.values()))
     print(f"  target {decoder.target.name} ({decoder.target.dtype}, {decoder.target.device}), "
           f"drafts {', '.join(f'{k} ({d.draft_kind})' for k, d in decoders.items())}")

@@ -144,7 +144,7 @@ def run_served_bench(args) -> int:
     print(f"specserve bench --served: loading target={args.target} draft={args.draft} γ={gamma} ...", flush=True)
     decoder = SpeculativeDecoder(args.target, draft, gamma=gamma, dtype=args.dtype, gamma_max=args.gamma_max,
                                  draft_top_k=top_k, quantization=args.quantization,
-                                 draft_quantization=args.draft_quantization)
+                                 draft_quantization=args.draft_quantization, prefix_caching=False)
     prompts = [(w, decoder.encode([{"role": "user", "content": p}])) for w in workloads
                for p in SUITE[w][: args.prompts]]
 

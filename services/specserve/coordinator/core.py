@@ -1,7 +1,8 @@
 """The coordinator: runs many generation sessions at once against the workers.
 
 One `Coordinator` (in serving a Ray actor, or with a colocated draft an object in the ingress replica:
-`hosting`) admits sessions (up to `max_sessions`), runs each on a thread of its own (the gRPC calls release
+`hosting`) admits sessions (up to `max_sessions`; more wait in a bounded FIFO queue, `max_queued`, for at
+most `queue_timeout_s`, and take a slot as a session ends), runs each on a thread of its own (the gRPC calls release
 the GIL) and hands its rounds to asyncio as `Chunk`s, so the event loop stays free for new requests and
 cancellations. What a session runs is its driver's (`drivers`): the speculation loop over remote proxies
 (split placement) or a relay of the target worker's own session (colocated draft). When a worker is lost the
@@ -18,6 +19,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -39,7 +41,8 @@ log = logging.getLogger("specserve.coordinator")
 
 
 class Overloaded(RuntimeError):
-    """The coordinator already runs `max_sessions` sessions (HTTP 503 / gRPC RESOURCE_EXHAUSTED)."""
+    """No session slot for the request: the waiting queue is full, or it waited `queue_timeout_s` (HTTP 503 with
+    Retry-After / gRPC RESOURCE_EXHAUSTED)."""
 
 
 @dataclass
@@ -107,7 +110,8 @@ class Coordinator:
     """Sessions over a driver's workers (`SplitDriver` or `ColocatedRelay`)."""
 
     def __init__(self, driver: SplitDriver | ColocatedRelay, *, max_sessions: int = 64, model_name: str = "",
-                 export_metrics: bool = False, restart_timeout_s: float = 120.0):
+                 export_metrics: bool = False, restart_timeout_s: float = 120.0, max_queued: int = 256,
+                 queue_timeout_s: float = 300.0):
         data_plane_priority()  # on the request path (`workers.quiet`)
         self.driver = driver
         self.restart_timeout_s = restart_timeout_s
@@ -115,6 +119,14 @@ class Coordinator:
                                         initializer=one_thread_torch)
         self._sessions: dict[str, threading.Event] = {}
         self.max_sessions = max_sessions
+        self.max_queued, self.queue_timeout_s = max_queued, queue_timeout_s
+        # Admission runs on the event loop only (no lock): slots taken by running sessions and by waiters
+        # already handed one; the waiters in arrival order, by request id.
+        self._taken = 0
+        self._waiting: deque[tuple[str, asyncio.Future]] = deque()
+        self._waiters: dict[str, asyncio.Future] = {}
+        self._abandoned: set[str] = set()  # cancelled after a slot was handed over, before they ran
+        self.refused = 0  # requests refused: queue full or waited too long
         # Prometheus metrics (coordinator/metrics.py) need a Ray worker; in-process tests run without them.
         self._metrics = ServingMetrics(model_name, driver.gamma_max) if export_metrics else None
 
@@ -125,9 +137,20 @@ class Coordinator:
     def pid(self) -> int:
         return os.getpid()
 
+    def queued(self) -> int:
+        return len(self._waiters)
+
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
-        """Stop a session after its current round; its worker caches are released. False if unknown.
-        reason: the finish reason its metrics record ("stop": the ingress found a stop string)."""
+        """Stop a session after its current round; its worker caches are released; a request still waiting for
+        a slot leaves the queue. False if unknown. reason: the finish reason its metrics record ("stop": the
+        ingress found a stop string)."""
+        waiter = self._waiters.get(request_id)
+        if waiter is not None:
+            if waiter.done():
+                self._abandoned.add(request_id)
+            else:
+                waiter.get_loop().call_soon_threadsafe(waiter.cancel)
+            return True
         event = self._sessions.get(request_id)
         if event is None:
             return False
@@ -138,6 +161,8 @@ class Coordinator:
     def describe(self) -> dict[str, Any]:
         return {
             **self.driver.describe(), "active_sessions": self.active_sessions(), "max_sessions": self.max_sessions,
+            "queued": self.queued(), "max_queued": self.max_queued, "queue_timeout_s": self.queue_timeout_s,
+            "refused": self.refused,
             # a worker some session found gone, not back yet (Ray is restarting it)
             "workers_down": [link.role for link in self.driver.links() if link.recovering],
         }
@@ -146,24 +171,90 @@ class Coordinator:
     async def generate(self, request: SessionRequest) -> AsyncIterator[Chunk]:
         """Yield the session's rounds in `Chunk`s (one per round while the consumer keeps up). Raises ValueError /
         grpc.RpcError from the workers unchanged."""
-        if request.request_id in self._sessions:
+        if request.request_id in self._sessions or request.request_id in self._waiters:
             raise ValueError(f"request_id: {request.request_id!r} is already running")
-        if len(self._sessions) >= self.max_sessions:
-            raise Overloaded(f"too many concurrent sessions (max_sessions={self.max_sessions}); retry later")
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        session = _Session(request.seeded(), self.driver, SessionMetrics(self._metrics, len(request.prompt_ids)),
-                           lambda item: loop.call_soon_threadsafe(queue.put_nowait, item), self._recover)
-        self._sessions[request.request_id] = session.cancel
-        self._gauge_sessions()
-        self._pool.submit(session.drive)
+        waited = await self._admit(request.request_id)
+        if waited is None:
+            return  # cancelled while it waited
+        if request.request_id in self._abandoned:  # cancelled as its slot came: the slot goes on
+            self._abandoned.discard(request.request_id)
+            self._free_slot()
+            return
+        session = None
         try:
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue = asyncio.Queue()
+            session = _Session(request.seeded(), self.driver, SessionMetrics(self._metrics, len(request.prompt_ids)),
+                               lambda item: loop.call_soon_threadsafe(queue.put_nowait, item), self._recover)
+            session.stats.queue_time_s = waited
+            self._sessions[request.request_id] = session.cancel
+            self._gauge_sessions()
+            self._pool.submit(session.drive)
             async for chunk in _handed_over(queue):
                 yield chunk
         finally:
-            session.cancel.set()
-            self._sessions.pop(request.request_id, None)
+            if session is not None:
+                session.cancel.set()
+                self._sessions.pop(request.request_id, None)
+            self._free_slot()
             self._gauge_sessions()
+
+    async def _admit(self, request_id: str) -> float | None:
+        """Take a session slot, waiting in FIFO order behind earlier requests if there is none; the seconds
+        waited, or None if the request was cancelled meanwhile. Raises Overloaded when the queue is full or the
+        wait passes queue_timeout_s."""
+        if self._taken < self.max_sessions and not self._waiting:
+            self._taken += 1
+            self._observe_queue(0.0)
+            return 0.0
+        if len(self._waiting) >= self.max_queued:
+            self._refuse()
+            raise Overloaded(f"the server is full: {self._taken} sessions running (max_sessions="
+                             f"{self.max_sessions}) and {len(self._waiting)} requests waiting (max_queued="
+                             f"{self.max_queued}); retry later")
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiting.append((request_id, waiter))
+        self._waiters[request_id] = waiter
+        self._gauge_sessions()
+        t0 = time.perf_counter()
+        try:
+            await asyncio.wait_for(waiter, self.queue_timeout_s)
+        except asyncio.CancelledError:
+            if _handed(waiter):  # the slot came with the cancel: pass it on
+                self._free_slot()
+            if waiter.cancelled() and asyncio.current_task().cancelling() == 0:
+                return None  # `cancel` (the client went away), not this task's own cancellation
+            raise
+        except asyncio.TimeoutError:
+            self._refuse()
+            raise Overloaded(f"waited {self.queue_timeout_s:g} s for a session slot (queue_timeout_s; "
+                             f"max_sessions={self.max_sessions}); retry later") from None
+        finally:
+            self._waiters.pop(request_id, None)
+            if (request_id, waiter) in self._waiting:  # timed out or cancelled: it no longer holds a place
+                self._waiting.remove((request_id, waiter))
+            self._gauge_sessions()
+        waited = time.perf_counter() - t0
+        self._observe_queue(waited)
+        return waited
+
+    def _free_slot(self) -> None:
+        """A session ended: its slot goes to the longest-waiting request still waiting, else back."""
+        while self._waiting:
+            _, waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self._taken -= 1
+
+    def _refuse(self) -> None:
+        self.refused += 1
+        if self._metrics is not None:
+            self._metrics.inc("requests_refused")
+
+    def _observe_queue(self, seconds: float) -> None:
+        if self._metrics is not None:
+            self._metrics.observe("request_queue_time_seconds", seconds)
 
     def _recover(self, exc: grpc.RpcError, request_id: str, cancelled) -> None:
         """A worker call failed as if the worker were gone: wait for every worker to answer again (a restarted
@@ -176,6 +267,11 @@ class Coordinator:
     def _gauge_sessions(self) -> None:
         if self._metrics is not None:
             self._metrics.set("active_sessions", len(self._sessions))
+            self._metrics.set("num_requests_waiting", len(self._waiters))
+
+
+def _handed(waiter: asyncio.Future) -> bool:
+    return waiter.done() and not waiter.cancelled()
 
 
 class _Cancel(threading.Event):

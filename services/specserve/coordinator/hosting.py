@@ -98,7 +98,8 @@ def start_coordinator(config, target_actor, draft_actor=None, *, gamma="auto", g
     info = ray.get(target_actor.info.remote())
     target_address = ray.get(target_actor.address.remote())
     options = dict(max_sessions=max_sessions, model_name=getattr(config, "model_name", None) or info["name"],
-                   export_metrics=True, restart_timeout_s=getattr(config, "restart_timeout_s", 120.0))
+                   export_metrics=True, restart_timeout_s=getattr(config, "restart_timeout_s", 120.0),
+                   max_queued=getattr(config, "max_queued", 256), queue_timeout_s=getattr(config, "queue_timeout_s", 300.0))
     if info.get("colocated_draft"):  # the worker runs whole sessions and calibrates itself
         relay = ColocatedRelay(target_address, gamma=gamma, gamma_max=gamma_max, lookup=draft_lookup,
                                target_actor=target_actor, worker_token=worker_token)
@@ -120,6 +121,7 @@ def start_coordinator(config, target_actor, draft_actor=None, *, gamma="auto", g
         target_actor=target_actor, draft_actor=draft_actor if draft_mode == "remote" else None,
         worker_token=worker_token,
     )
-    actor = ray.remote(CoordinatorActor).options(num_cpus=0, max_concurrency=max(1000, 4 * max_sessions),
+    concurrency = max(1000, 4 * (max_sessions + options["max_queued"]))  # waiting requests hold a call each
+    actor = ray.remote(CoordinatorActor).options(num_cpus=0, max_concurrency=concurrency,
                                                  max_restarts=getattr(config, "max_restarts", 0))
     return ActorCoordinator(actor.remote((target_address, info["vocab"], info["eos_ids"]), driver_kwargs, **options))

@@ -87,34 +87,77 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("e2e_request_latency_seconds", "histogram", "From accepting the request to its last token.",
                buckets=REQUEST_BUCKETS),
     MetricSpec("active_sessions", "gauge", "Sessions this coordinator is running now."),
+    MetricSpec("num_requests_waiting", "gauge", "Requests waiting for a session slot (max_queued bounds them)."),
+    MetricSpec("request_queue_time_seconds", "histogram", "How long a request waited for a session slot (0 when "
+               "one was free).", buckets=LATENCY_BUCKETS),
+    MetricSpec("requests_refused", "counter", "Requests refused with 503: the waiting queue was full, or they "
+               "waited queue_timeout_s."),
     MetricSpec("session_resumes", "counter", "Times a session lost a worker and went on from its committed tokens "
                "on the worker's replacement."),
 )
 
 
+# recorded by the workers from their KV pools' statistics (`PoolMetrics`), counted in tokens as vLLM's are
+POOL_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("prefix_cache_queries", "counter", "Prompt tokens looked up in a worker's prefix cache (role: target "
+               "or draft).", ("model", "role")),
+    MetricSpec("prefix_cache_hits", "counter", "Prompt tokens whose keys and values came from the prefix cache "
+               "(hits / queries = hit rate).", ("model", "role")),
+    MetricSpec("prefix_cache_evictions", "counter", "Cached prefixes evicted to make room in a KV pool.",
+               ("model", "role")),
+    MetricSpec("prefix_cache_tokens", "gauge", "Tokens the prefix cache holds now.", ("model", "role")),
+)
+
+
 def exported_names() -> set[str]:
     """Every series name a scrape can show (what dashboards may query)."""
-    return {s for m in METRICS for s in m.series()}
+    return {s for m in METRICS + POOL_METRICS for s in m.series()}
+
+
+def _ray_metrics(specs: tuple[MetricSpec, ...], model: str, gamma_max: int = 8) -> dict:
+    from ray.util.metrics import Counter, Gauge, Histogram
+
+    out = {}
+    for spec in specs:
+        if spec.kind == "counter":
+            metric = Counter(spec.full_name, description=spec.description, tag_keys=spec.tags)
+        elif spec.kind == "gauge":
+            metric = Gauge(spec.full_name, description=spec.description, tag_keys=spec.tags)
+        else:
+            buckets = gamma_buckets(gamma_max) if spec.name == "gamma" else spec.buckets
+            metric = Histogram(spec.full_name, description=spec.description, boundaries=list(buckets),
+                               tag_keys=spec.tags)
+        metric.set_default_tags({"model": model})
+        out[spec.name] = metric
+    return out
+
+
+class PoolMetrics:
+    """A worker's prefix-cache counters, published from its pools' running totals (`KVPool.describe`)."""
+
+    COUNTERS = {"prefix_cache_queries": "prefix_cache_query_tokens", "prefix_cache_hits": "prefix_cache_hit_tokens",
+                "prefix_cache_evictions": "prefix_cache_evictions"}
+
+    def __init__(self, model: str):
+        self._m = _ray_metrics(POOL_METRICS, model)
+        self._last: dict[tuple[str, str], float] = {}
+
+    def publish(self, role: str, described: dict) -> None:
+        if not described.get("prefix_caching"):
+            return
+        for name, key in self.COUNTERS.items():
+            delta = described[key] - self._last.get((role, name), 0)
+            self._last[(role, name)] = described[key]
+            if delta > 0:
+                self._m[name].inc(delta, tags={"role": role})
+        self._m["prefix_cache_tokens"].set(described["prefix_cache_tokens"], tags={"role": role})
 
 
 class ServingMetrics:
     """The Ray metric objects of one coordinator (create inside the Ray worker that records them)."""
 
     def __init__(self, model: str, gamma_max: int):
-        from ray.util.metrics import Counter, Gauge, Histogram
-
-        self._m = {}
-        for spec in METRICS:
-            if spec.kind == "counter":
-                metric = Counter(spec.full_name, description=spec.description, tag_keys=spec.tags)
-            elif spec.kind == "gauge":
-                metric = Gauge(spec.full_name, description=spec.description, tag_keys=spec.tags)
-            else:
-                buckets = gamma_buckets(gamma_max) if spec.name == "gamma" else spec.buckets
-                metric = Histogram(spec.full_name, description=spec.description, boundaries=list(buckets),
-                                   tag_keys=spec.tags)
-            metric.set_default_tags({"model": model})
-            self._m[spec.name] = metric
+        self._m = _ray_metrics(METRICS, model, gamma_max)
 
     def inc(self, name: str, value: float = 1.0, **tags: str) -> None:
         if value:

@@ -79,6 +79,8 @@ class SpeculativeDecoder:
     kv_cache_tokens: a Llama-family target runs on the serving workers' lean forward and KV pool (a batch of
       one here); the pool holds this many positions (default: two sequences of the model's full context).
       Other targets run the HF forward with a per-generation cache.
+    prefix_caching: that pool keeps finished generations' keys and values, and a generation whose prompt
+      starts with tokens already computed prefills only the rest (`models.prefix`); same output either way.
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class SpeculativeDecoder:
         kv_cache_tokens: int | None = None,
         quantization: str | None = None,
         draft_quantization: str | None = None,
+        prefix_caching: bool = True,
     ):
         gamma = gamma_spec(gamma)  # before any model loads
         self.gamma_max = gamma_max
@@ -124,7 +127,7 @@ class SpeculativeDecoder:
         self.kv_pool: KVPool | None = None
         if unsupported_reason(self.target.model) is None:
             tokens = kv_cache_tokens or 2 * (self.target.max_positions or 4096)
-            self.kv_pool = KVPool(self.target.model, tokens)
+            self.kv_pool = KVPool(self.target.model, tokens, prefix_caching=prefix_caching)
         self.sessions = SessionFactory(self.target.vocab_size, eos_ids, gamma=gamma, gamma_max=gamma_max,
                                        has_draft=self.draft_kind != "none", cost_profile=self._measure_costs)
 

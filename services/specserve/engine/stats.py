@@ -29,6 +29,7 @@ class GenerationStats:
     new_tokens: int = 0
     controller: str = ""
     resumes: int = 0  # served: times the session went on on a restarted worker
+    queue_time_s: float = 0.0  # served: how long the request waited for a session slot
 
     @property
     def acceptance_rate(self) -> float:

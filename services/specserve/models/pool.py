@@ -19,6 +19,10 @@ number of tokens (decode, verify) go through a static-shape `StepRunner`
 (`models/runner.py`; CUDA graphs on GPUs) where the pool has one: with
 `SPECSERVE_STEP_RUNNER=1` (off by default until a GPU session has checked
 graph replay against eager steps and measured it; `STEP_RUNNER`).
+
+With `prefix_caching`, released sequences' blocks stay as a cache of computed
+prefixes that new sequences start from (`models.prefix`), evicted least
+recently used when an allocation needs their room.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 
 from specserve.models.kv import TokenSequence
 from specserve.models.lean import lean_weights, lean_forward, widen
+from specserve.models.prefix import CHUNK, PrefixCache
 from specserve.models.runner import StepRunner
 from specserve.models.tp import Collective
 
@@ -111,13 +116,16 @@ class KVPool:
     """K/V arena for many sequences of one Llama-family model (see the module docstring).
 
     tokens: positions the arena holds in all (rounded down to whole top blocks); max_length: the longest
-    sequence (default: the model's max_position_embeddings).
+    sequence (default: the model's max_position_embeddings). prefix_caching: keep released sequences'
+    keys and values for new sequences that start with the same tokens (`models.prefix`).
     """
 
     def __init__(self, model, tokens: int, dtype: torch.dtype | None = None, max_length: int | None = None,
-                 min_block: int = 32, runner: bool | None = None, max_width: int = 9, tp: Collective | None = None):
+                 min_block: int = 32, runner: bool | None = None, max_width: int = 9, tp: Collective | None = None,
+                 prefix_caching: bool = False):
         param = next(model.parameters())
         self.tp = tp
+        self.prefix = PrefixCache() if prefix_caching else None
         self.w = lean_weights(model, dtype or param.dtype, None if tp is None else tp.shard)
         self.w.tp = tp
         self._moves: list[tuple[int, int, int]] = []  # blocks moved since the last step (for the other ranks)
@@ -144,14 +152,24 @@ class KVPool:
         return 2 * len(self.w.layers) * self.w.kv_heads * self.w.head_dim * self.k.element_size()
 
     @property
+    def cached_tokens(self) -> int:
+        """Positions held by the prefix cache's blocks (free for sequences that need them)."""
+        return self.prefix.positions if self.prefix is not None else 0
+
+    @property
     def used_tokens(self) -> int:
         """Positions held by sequences' blocks (at most twice the tokens they cache)."""
-        return self.allocator.used
+        return self.allocator.used - self.cached_tokens
 
     def describe(self) -> dict:
-        return {"kv_capacity_tokens": self.capacity, "kv_used_tokens": self.used_tokens,
-                "kv_bytes": self.capacity * self.bytes_per_token, "kv_max_sequence": self.max_length,
-                "kv_dtype": str(self.k.dtype).removeprefix("torch.")}
+        out = {"kv_capacity_tokens": self.capacity, "kv_used_tokens": self.used_tokens,
+               "kv_bytes": self.capacity * self.bytes_per_token, "kv_max_sequence": self.max_length,
+               "kv_dtype": str(self.k.dtype).removeprefix("torch."), "prefix_caching": self.prefix is not None}
+        if self.prefix is not None:
+            with self._lock:
+                out.update(self.prefix.stats.as_dict(), prefix_cache_entries=len(self.prefix),
+                           prefix_cache_tokens=self.prefix.tokens, kv_cached_tokens=self.cached_tokens)
+        return out
 
     def sequence(self) -> PooledSequence:
         return PooledSequence(self)
@@ -163,12 +181,15 @@ class KVPool:
         if length > self.max_length:
             raise KVCacheFull(f"sequence of {length} tokens exceeds the KV pool's longest ({self.max_length})")
         with self._lock:
-            if seq.block is not None:
-                grown = self.allocator.grow_in_place(*seq.block, length)
-                if grown is not None:
-                    seq.block = (seq.block[0], grown)
-                    return
-            block = self.allocator.alloc(length)
+            while True:
+                if seq.block is not None:
+                    grown = self.allocator.grow_in_place(*seq.block, length)
+                    if grown is not None:
+                        seq.block = (seq.block[0], grown)
+                        return
+                block = self.allocator.alloc(length)
+                if block is not None or not self._evict():
+                    break
             if block is None:
                 raise KVCacheFull(
                     f"KV cache full: {length} positions wanted, {self.capacity - self.used_tokens} of "
@@ -176,11 +197,49 @@ class KVPool:
                 )
             if seq.block is not None:
                 (old, old_size), held = seq.block, len(seq.tokens)
-                self._move(old, block[0], held)
-                if self.tp is not None:
-                    self._moves.append((old, block[0], held))
+                self._copy(old, block[0], held)
                 self.allocator.release(old, old_size)
             seq.block = block
+
+    def _evict(self, keep=None) -> bool:
+        """Give the least recently used prefix-cache entry's block back (never `keep`); False if there is none."""
+        block = self.prefix.evict(keep) if self.prefix is not None else None
+        if block is None:
+            return False
+        self.allocator.release(*block)
+        return True
+
+    def _copy(self, old: int, new: int, held: int) -> None:
+        """Rows [old, old + held) to [new, new + held), here and (at the next step) on the other ranks."""
+        self._move(old, new, held)
+        if self.tp is not None:
+            self._moves.append((old, new, held))
+
+    def attach(self, seq: PooledSequence, tokens: list[int], limit: int) -> int:
+        """Start a new sequence from the cached prefix sharing the most of tokens[:limit] (its first feed);
+        how many tokens it now holds."""
+        wanted = tokens[:limit]
+        with self._lock:
+            stats = self.prefix.stats
+            stats.lookups += 1
+            stats.query_tokens += len(wanted)
+            entry, n = self.prefix.match(wanted)
+            if entry is None or len(tokens) > self.max_length:  # (too long: `reserve` refuses it by name)
+                return 0
+            if n == len(entry.tokens):  # all of it: the sequence takes the block over
+                self.prefix.remove(entry)
+                seq.block = entry.block
+            else:  # part of it: copied into a block of the sequence's own, sized for all its tokens
+                block = self.allocator.alloc(len(tokens))
+                while block is None and self._evict(keep=entry):
+                    block = self.allocator.alloc(len(tokens))
+                if block is None:
+                    return 0  # no room for a copy: the sequence prefills, and `reserve` says whether it fits
+                self._copy(entry.block[0], block[0], n)
+                seq.block = block
+            seq.tokens = wanted[:n]
+            stats.hit_tokens += n
+            return n
 
     def _move(self, old: int, new: int, held: int) -> None:
         self.k[:, :, new : new + held] = self.k[:, :, old : old + held]
@@ -201,10 +260,27 @@ class KVPool:
         return out[torch.tensor(rows, dtype=torch.long, device=out.device)]
 
     def free(self, seq: PooledSequence) -> None:
+        """Give the sequence's block back: to the prefix cache with the tokens it holds, if there is one."""
         with self._lock:
-            if seq.block is not None:
-                self.allocator.release(*seq.block)
-                seq.block = None
+            if seq.block is None:
+                return
+            blocks = [seq.block]
+            if self.prefix is not None:
+                held = seq.tokens[: seq.tokens.index(UNKNOWN)] if UNKNOWN in seq.tokens else seq.tokens
+                blocks = self.prefix.insert(list(held), seq.block)
+            for block in blocks:
+                self.allocator.release(*block)
+            seq.block = None
+
+    def clear_prefix_cache(self) -> int:
+        """Drop every cached prefix; the positions given back."""
+        if self.prefix is None:
+            return 0
+        with self._lock:
+            blocks = self.prefix.clear()
+            for block in blocks:
+                self.allocator.release(*block)
+        return sum(size for _, size in blocks)
 
     @torch.inference_mode()
     def forward(self, seqs: list[PooledSequence], new_tokens: list[list[int]], keeps: list[int],
@@ -302,6 +378,11 @@ class PooledSequence(TokenSequence):
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.pool.block_kv(self.block, layer)
 
+    def unfed(self, tokens: list[int], keep_logits: int) -> list[int]:
+        if self.block is None and self.pool.prefix is not None and len(tokens) - keep_logits >= CHUNK:
+            self.pool.attach(self, tokens, len(tokens) - keep_logits)  # a new sequence: from a cached prefix
+        return super().unfed(tokens, keep_logits)
+
     def rollback(self, length: int) -> None:
         del self.tokens[length:]  # rows past `length` are overwritten by the next feed
 
@@ -312,5 +393,5 @@ class PooledSequence(TokenSequence):
         return widen(self.feed_subset(new_tokens, keep_logits), self.token_subset, self.pool.vocab)
 
     def release(self) -> None:
+        self.pool.free(self)  # (to the prefix cache with its tokens, where there is one)
         self.tokens = []
-        self.pool.free(self)

@@ -236,32 +236,34 @@ class DraftWorkerServicer(_SessionService, workers_pb2_grpc.DraftWorkerServicer)
 
 class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerServicer):
     """batching: run Llama-family targets through the KV pool, one forward per step over all sessions
-    (kv_cache_tokens positions in all; max_step_tokens and prefill_chunk bound a step, see `StepScheduler`).
+    (kv_cache_tokens positions in all; max_step_tokens and prefill_chunk bound a step, see `StepScheduler`;
+    prefix_caching: finished sessions' KV kept for new ones with the same prefix, `models.prefix`).
     Other models, stage pipelines (`new_sequence`) and batching=False run one session at a time.
     tp: this worker is rank 0 of a tensor-parallel group (`models.tp`): its pool's steps run on every rank."""
 
     def __init__(self, model, vocab: int, threads: int | None = None, new_sequence: Callable | None = None, *,
                  batching: bool = True, kv_cache_tokens: int = 65536, max_step_tokens: int = 512,
-                 prefill_chunk: int = 256, scheduler: StepScheduler | None = None, tp: Collective | None = None):
+                 prefill_chunk: int = 256, scheduler: StepScheduler | None = None, tp: Collective | None = None,
+                 prefix_caching: bool = True):
         self.model = model
         self.new_sequence = new_sequence
         self.sessions = SessionTable(vocab)
         self._init_compute(threads, scheduler, max_step_tokens=max_step_tokens, prefill_chunk=prefill_chunk)
         self.pool = None
         if batching and new_sequence is None and model is not None and unsupported_reason(model) is None:
-            pool = functools.partial(KVPool, tp=tp)
+            pool = functools.partial(KVPool, tp=tp, prefix_caching=prefix_caching)
             self.pool = self.scheduler.pool = self.on_compute_thread(pool, model, kv_cache_tokens)
             self.new_sequence = self.pool.sequence
         elif tp is not None:
             raise ValueError("tensor_parallel: needs batching and a Llama-family target (the pooled step)")
-        self.kv_cache_tokens = kv_cache_tokens
+        self.kv_cache_tokens, self.prefix_caching = kv_cache_tokens, prefix_caching
         self.colocated: ColocatedSessions | None = None
 
     def attach_draft(self, draft, eos_ids, gamma_max: int = 8, name: str = "draft", top_k_q: int = 0) -> None:
         """Hold a draft model too (colocated): `Generate` then runs whole sessions here."""
         self.colocated = ColocatedSessions(self.scheduler, self.model, draft, self.sessions.vocab, eos_ids,
                                            gamma_max=gamma_max, kv_cache_tokens=self.kv_cache_tokens, name=name,
-                                           top_k_q=top_k_q)
+                                           top_k_q=top_k_q, prefix_caching=self.prefix_caching)
 
     def new_engine(self) -> TargetVerifier:
         sequence = self.new_sequence() if self.new_sequence is not None else None

@@ -30,11 +30,12 @@ class ScheduledDraft:
     proposers are called from the sessions' own threads; only their forwards cross to the compute thread."""
 
     def __init__(self, scheduler: StepScheduler, model, vocab: int, top_k_q: int = 0, name: str = "draft",
-                 kv_cache_tokens: int = 65536, fused: bool | None = None):
+                 kv_cache_tokens: int = 65536, fused: bool | None = None, prefix_caching: bool = True):
         self.scheduler, self.model, self.vocab, self.top_k_q, self.name = scheduler, model, vocab, top_k_q, name
         self.pool: KVPool | None = None
         if unsupported_reason(model) is None:
-            self.pool = scheduler.call(KVPool, model, kv_cache_tokens, draft_dtype(model)).result()
+            self.pool = scheduler.call(lambda: KVPool(model, kv_cache_tokens, draft_dtype(model),
+                                                      prefix_caching=prefix_caching)).result()
         # whole blocks on the device (`scheduler.drafting`) where steps replay CUDA graphs; token by token
         # elsewhere, where stopping at the first unsure token saves real compute
         runner = self.pool.runner if self.pool is not None else None
@@ -50,9 +51,11 @@ class ColocatedSessions:
     """The draft half of a target worker that holds both models (see the module docstring)."""
 
     def __init__(self, scheduler: StepScheduler, target, draft, vocab: int, eos_ids: set[int], *,
-                 gamma_max: int = 8, kv_cache_tokens: int = 65536, name: str = "draft", top_k_q: int = 0):
+                 gamma_max: int = 8, kv_cache_tokens: int = 65536, name: str = "draft", top_k_q: int = 0,
+                 prefix_caching: bool = True):
         self.scheduler, self.target, self.vocab, self.gamma_max = scheduler, target, vocab, gamma_max
-        self.draft = ScheduledDraft(scheduler, draft, vocab, top_k_q, name, kv_cache_tokens)
+        self.draft = ScheduledDraft(scheduler, draft, vocab, top_k_q, name, kv_cache_tokens,
+                                    prefix_caching=prefix_caching)
         self.sessions = SessionFactory(vocab, eos_ids, gamma_max=gamma_max, cost_profile=self._measure_costs)
 
     def proposer(self, lookup: bool = True) -> Proposer:

@@ -409,6 +409,9 @@ class ScheduledSequence(TokenSequence):
     def rollback(self, length: int) -> None:
         self.inner.rollback(length)
 
+    def unfed(self, tokens: list[int], keep_logits: int) -> list[int]:
+        return self.inner.unfed(tokens, keep_logits)  # a pooled cache may start from a cached prefix
+
     def feed_subset(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
         chunk = self.scheduler.prefill_chunk  # a long prompt goes in chunks, between other sessions' draft steps
         while len(new_tokens) > max(chunk, keep_logits):

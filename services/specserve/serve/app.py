@@ -492,6 +492,7 @@ class SpecServe:
             stats = stats_summary(event.stats)
             stats.pop("controller", None)
             stats.pop("worker_verify_time_s", None)
+            stats.pop("queue_time_s", None)  # (HTTP only, for now: SpeculationStats has no field for it)
             response.stats.CopyFrom(generator_pb2.SpeculationStats(**stats))
         return response
 
@@ -573,5 +574,8 @@ class SpecServe:
 def build_app(args: dict[str, Any] | None = None):
     """Serve application builder (`import_path: specserve.serve:build_app`); args are `AppConfig` fields."""
     config = AppConfig(**(args or {}))  # validate before Serve starts a replica
-    return SpecServe.bind(config.model_dump())
+    # Serve holds requests past max_ongoing_requests in its own unbounded queue: let ours (max_queued, with its
+    # timeout and 503) see them all, with room for /health and the like beside them
+    ongoing = config.max_sessions + config.max_queued + 64
+    return SpecServe.options(max_ongoing_requests=ongoing).bind(config.model_dump())
 

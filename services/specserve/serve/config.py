@@ -43,7 +43,18 @@ class AppConfig(WorkersConfig):
         description="The largest HTTP request body (HTTP 413, checked before it is parsed). gRPC messages are "
         "bounded by gRPC's own 4 MiB default (RESOURCE_EXHAUSTED).",
     )
-    max_sessions: int = Field(64, ge=1, description="Concurrent sessions the coordinator runs.")
+    max_sessions: int = Field(
+        64, ge=1, description="Concurrent sessions the coordinator runs; requests beyond it wait in a queue.")
+    max_queued: int = Field(
+        256, ge=0,
+        description="Requests that may wait for a session slot, in arrival order (each takes the next slot that "
+        "frees). One more is refused at once with HTTP 503 + Retry-After / gRPC RESOURCE_EXHAUSTED; 0: no queue.",
+    )
+    queue_timeout_s: float = Field(
+        300.0, gt=0,
+        description="How long a request waits for a slot before it is refused (HTTP 503 + Retry-After / gRPC "
+        "RESOURCE_EXHAUSTED). A client that disconnects while it waits leaves the queue at once.",
+    )
     api_key: str | None = Field(
         None, repr=False, min_length=1, validate_default=True,
         description="Clients must send it (HTTP `Authorization: Bearer KEY`, gRPC metadata `authorization: Bearer "

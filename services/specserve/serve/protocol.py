@@ -88,7 +88,7 @@ def stats_summary(stats: dict[str, Any] | None) -> dict[str, Any]:
     """The per-request speculation statistics clients see (the `specserve` object / SpeculationStats)."""
     stats = stats or {}
     keys = ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "gamma_history",
-            "draft_time_s", "verify_time_s", "worker_verify_time_s", "tokens_per_s", "controller")
+            "draft_time_s", "verify_time_s", "worker_verify_time_s", "tokens_per_s", "controller", "queue_time_s")
     return {k: stats[k] for k in keys if k in stats}
 
 

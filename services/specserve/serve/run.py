@@ -65,6 +65,10 @@ def config_from_flags(args) -> dict[str, Any]:
         app_args["draft_lookup"] = False
     if args.model_name:
         app_args["model_name"] = args.model_name
+    if getattr(args, "no_prefix_caching", False):
+        app_args["prefix_caching"] = False
+    if getattr(args, "max_sessions", None):
+        app_args["max_sessions"] = args.max_sessions
     if getattr(args, "tensor_parallel", 1) != 1:
         app_args["target_resources"] = {"tensor_parallel": args.tensor_parallel}
     if getattr(args, "api_key", None):

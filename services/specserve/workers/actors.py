@@ -65,6 +65,25 @@ class _GrpcActor:
             if dropped:
                 log.warning("released %d session(s) idle for over %.0f s", dropped, idle_s)
 
+    def _export_pools(self, model: str, pools: dict[str, Any]) -> None:
+        """Publish the prefix caches' counters to Prometheus every 5 s (`coordinator.metrics.PoolMetrics`; inside
+        Ray only: the data-plane bench runs these classes without it)."""
+        import ray
+
+        pools = {role: pool for role, pool in pools.items() if pool is not None and pool.prefix is not None}
+        if not pools or not ray.is_initialized():
+            return
+        from specserve.coordinator.metrics import PoolMetrics
+
+        metrics = PoolMetrics(model)
+
+        def publish() -> None:
+            while not self._stopped.wait(5.0):
+                for role, pool in pools.items():
+                    metrics.publish(role, pool.describe())
+
+        threading.Thread(target=publish, name="specserve-pool-metrics", daemon=True).start()
+
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
@@ -87,7 +106,7 @@ class _GrpcActor:
 class DraftWorkerActor(_GrpcActor):
     def __init__(self, draft: Any, vocab: int, dtype: str | None = None, top_k_q: int = 64, threads: int | None = None,
                  kv_cache_tokens: int = 65536, session_idle_s: float = 300.0, token: str | None = None,
-                 quantization: str = "auto"):
+                 quantization: str = "auto", prefix_caching: bool = True):
         compute = self._compute_thread(threads)
         if draft == "ngram":
             new_proposer = lambda: NgramProposer(vocab)  # noqa: E731
@@ -96,11 +115,15 @@ class DraftWorkerActor(_GrpcActor):
             loaded = compute.call(load_model, draft, dtype, None, None, quantization).result()
             if loaded.vocab_size != vocab:
                 raise ValueError(f"draft vocab size {loaded.vocab_size} != target vocab size {vocab}")
-            new_proposer = ScheduledDraft(compute, loaded.model, vocab, top_k_q, loaded.name, kv_cache_tokens).proposer
+            scheduled = ScheduledDraft(compute, loaded.model, vocab, top_k_q, loaded.name, kv_cache_tokens,
+                                       prefix_caching=prefix_caching)
+            new_proposer = scheduled.proposer
             self.free = False
         self.vocab = vocab
         self._start(DraftWorkerServicer(new_proposer, vocab, threads, compute, scheduled=not self.free),
                     workers_pb2_grpc.add_DraftWorkerServicer_to_server, session_idle_s, token)
+        if not self.free:
+            self._export_pools(loaded.name, {"draft": scheduled.pool})
 
     def is_free(self) -> bool:
         return self.free
@@ -119,7 +142,8 @@ class TargetWorkerActor(_GrpcActor):
                  scheduling: dict | None = None, draft: Any = None, gamma_max: int = 8, draft_top_k: int = 0,
                  session_idle_s: float = 300.0, token: str | None = None, quantization: str = "auto",
                  draft_quantization: str = "auto", tensor_parallel: int = 1, rank_options: dict | None = None):
-        """scheduling: TargetWorkerServicer's batching / kv_cache_tokens / max_step_tokens / prefill_chunk.
+        """scheduling: TargetWorkerServicer's batching / kv_cache_tokens / max_step_tokens / prefill_chunk /
+        prefix_caching.
         draft: a model draft to hold here too (colocated: whole sessions run in this worker).
         tensor_parallel: ranks the target is split over, this worker rank 0 (`workers.ranks`; the others are
         actors with rank_options, started here)."""
@@ -177,6 +201,11 @@ class TargetWorkerActor(_GrpcActor):
             self.servicer.attach_draft(drafted.model, loaded.eos_ids, gamma_max, drafted.name, draft_top_k)
             self.servicer.colocated.cost_profile()  # calibrate `auto` now, not during the first request
             self._info["colocated_draft"] = drafted.name
+        self._export_pools(self._info.get("name", "target"), {"target": self.servicer.pool, "draft": self._draft_pool()})
+
+    def _draft_pool(self):
+        colocated = self.servicer.colocated
+        return colocated.draft.pool if colocated is not None else None
 
     def rank_pids(self) -> list[int]:
         """The process ids of tensor-parallel ranks 1.. (none without tensor parallelism)."""
@@ -197,7 +226,9 @@ class TargetWorkerActor(_GrpcActor):
                  # how many sessions shared each target (draft) step so far: {sessions: steps}
                  "sessions_per_step": dict(sorted(scheduler.sessions_per_step.items())),
                  "sessions_per_draft_step": dict(sorted(scheduler.sessions_per_draft_step.items()))}
-        return {**self._info, "batching": pool is not None, **(pool.describe() if pool is not None else {}), **steps}
+        draft = self._draft_pool()
+        return {**self._info, "batching": pool is not None, **(pool.describe() if pool is not None else {}), **steps,
+                **({"draft_kv": draft.describe()} if draft is not None else {})}
 
     def stop(self, grace: float = 1.0) -> None:
         super().stop(grace)
@@ -253,7 +284,8 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
         layers = describe_model(target_spec)["num_layers"]
         stages = start_stages(target_spec, config.dtype, config.target_stages, layers)
     scheduling = {"batching": config.batching, "kv_cache_tokens": config.kv_cache_tokens,
-                  "max_step_tokens": config.max_step_tokens, "prefill_chunk": config.prefill_chunk}
+                  "max_step_tokens": config.max_step_tokens, "prefill_chunk": config.prefill_chunk,
+                  "prefix_caching": config.prefix_caching}
     colocated = draft_spec if config.colocated(draft_spec) else None
     resources, placement = config.target_resources, {}
     if resources.tensor_parallel > 1:
@@ -273,7 +305,7 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
     if config.has_draft_worker(draft_spec) and colocated is None:
         draft_actor = _remote(DraftWorkerActor, config.draft_resources, config.max_restarts).remote(
             draft_spec, vocab, config.dtype, config.draft_top_k, config.draft_resources.threads(),
-            config.kv_cache_tokens, config.session_idle_s, token, config.draft_quantization,
+            config.kv_cache_tokens, config.session_idle_s, token, config.draft_quantization, config.prefix_caching,
         )
     return target_actor, draft_actor
 

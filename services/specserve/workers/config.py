@@ -98,6 +98,13 @@ class WorkersConfig(BaseModel):
         "A session gets a power-of-two block (at most 2x its tokens); one that does not fit fails with HTTP 503 / "
         "RESOURCE_EXHAUSTED.",
     )
+    prefix_caching: bool = Field(
+        True,
+        description="Keep the keys and values of finished requests in the KV pools (target and model draft) and "
+        "start a new request from the longest cached prefix of its prompt (a shared system prompt, the earlier "
+        "turns of a chat), prefilling only the rest; evicted least recently used when the pool needs room. The "
+        "output is the same with it off.",
+    )
     max_step_tokens: int = Field(
         512, ge=16, description="New tokens one batched target step may carry (verify blocks and prefill chunks)."
     )
