@@ -152,7 +152,9 @@ def test_overload_queues_then_refuses_streams_before_they_start(server):
         assert response.status_code == 200
         opened.append(response)
     waiting = concurrent.futures.ThreadPoolExecutor(2)
-    queued = [waiting.submit(post, server, "/v1/completions", {**BASE, "seed": s}) for s in (1, 2)]
+    queued = [waiting.submit(post, server, "/v1/completions", {**BASE, "seed": 1}),  # one waits on HTTP, one on gRPC
+              waiting.submit(server["stub"].Generate, generator_pb2.GenerateRequest(prompt="sea", max_tokens=2),
+                             timeout=120)]
     try:
         deadline = time.time() + 30
         while server["app"].worker_sessions.remote().result()["coordinator"] < 2 and time.time() < deadline:
@@ -173,12 +175,13 @@ def test_overload_queues_then_refuses_streams_before_they_start(server):
         for response in opened:
             assert response.text.rstrip().endswith("data: [DONE]")  # the two running streams were not disturbed
             response.close()
-    for future, seed in zip(queued, (1, 2)):
-        answer = future.result(timeout=120)
-        assert answer.status_code == 200, answer.text
-        assert answer.json()["specserve"]["queue_time_s"] > 0  # it waited for a slot
-        assert answer.json()["choices"][0]["text"] == post(server, "/v1/completions", {**BASE, "seed": seed}).json()[
-            "choices"][0]["text"]  # as it answers alone
+    answer = queued[0].result(timeout=120)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["specserve"]["queue_time_s"] > 0  # it waited for a slot
+    assert answer.json()["choices"][0]["text"] == post(server, "/v1/completions", {**BASE, "seed": 1}).json()[
+        "choices"][0]["text"]  # as it answers alone
+    reply = queued[1].result(timeout=120)
+    assert reply.finish_reason and reply.stats.queue_time_s > 0
     waiting.shutdown()
     health = requests.get(server["http"] + "/health", timeout=60).json()
     assert health["queued"] == 0 and health["active_sessions"] == 0 and health["refused"] == refused_before + 4

@@ -356,6 +356,20 @@ def test_metrics_endpoint_counts_real_requests(server):
     assert total(after, series["active_sessions"]) == 0
 
 
+def test_workers_export_their_prefix_caches(server):
+    """The target worker publishes its prefix cache's counters (every 5 s, in tokens): a long prompt sent twice
+    moves hits by at least the shared part, never above the queries."""
+    url = server["metrics"]
+    before = scrape(url)
+    prompt = "The sea is wide and deep, and the ships that cross it carry grain, wool and stories from far away."
+    for _ in range(2):
+        client(server).completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    hits, queries = "ray_specserve_prefix_cache_hits_total", "ray_specserve_prefix_cache_queries_total"
+    moved = since(scrape_until(url, hits, 16, baseline=before, role="target"), before)
+    assert 16 <= total(moved, hits, role="target", model="tiny") <= total(moved, queries, role="target")
+    assert total(moved, hits, role="draft") <= total(moved, queries, role="draft")
+
+
 @pytest.mark.parametrize("app", ["pipelined", "colocated"])
 def test_prefix_caching_changes_no_token(server, local, app):
     """A long system prompt shared by a chat's turns and by other users' requests, greedy and seeded (fixed γ=3):
@@ -406,7 +420,8 @@ def test_load_bench_drives_concurrent_streams_and_writes_its_report(server, tmp_
         assert one["requests"] == 2 and six["requests"] == 12 and one["errors"] == six["errors"] == 0
         assert six["tokens"] == 12 * 12  # eos ignored: every answer is max_tokens long
         assert six["aggregate_tokens_per_s"] > 0 and 0 < six["ttft_p50_s"] <= six["ttft_p95_s"] <= six["wall_s"]
-    assert report["levels"]["gamma0"][1]["mean_gamma"] == 0 < report["levels"]["auto"][1]["mean_gamma"]
+    # auto speculates alone; at 6 streams on 2 cores its cost model may rightly choose γ=0 (timing-dependent)
+    assert report["levels"]["gamma0"][1]["mean_gamma"] == 0 < report["levels"]["auto"][0]["mean_gamma"]
     # two rounds of each (ABBA): the median run is one of them, and the paired ratio is of the same rounds
     for i, level in enumerate((1, 6)):
         runs = {name: report["levels"][name][i]["runs_aggregate_tokens_per_s"] for name in ("gamma0", "auto")}

@@ -219,7 +219,7 @@ class SessionMetrics:
             self.metrics.observe("e2e_request_latency_seconds", time.perf_counter() - self.start)
 
 
-KEPT_LABELS = {tag for m in METRICS for tag in m.tags} | {"le"}  # Ray adds its own (node, worker, session, ...)
+KEPT_LABELS = {tag for m in METRICS + POOL_METRICS for tag in m.tags} | {"le"}  # Ray adds its own (node, worker, session, ...)
 
 
 def scrape(url: str, timeout: float = 5.0) -> dict[str, float]:

@@ -492,7 +492,6 @@ class SpecServe:
             stats = stats_summary(event.stats)
             stats.pop("controller", None)
             stats.pop("worker_verify_time_s", None)
-            stats.pop("queue_time_s", None)  # (HTTP only, for now: SpeculationStats has no field for it)
             response.stats.CopyFrom(generator_pb2.SpeculationStats(**stats))
         return response
 

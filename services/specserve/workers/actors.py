@@ -106,7 +106,7 @@ class _GrpcActor:
 class DraftWorkerActor(_GrpcActor):
     def __init__(self, draft: Any, vocab: int, dtype: str | None = None, top_k_q: int = 64, threads: int | None = None,
                  kv_cache_tokens: int = 65536, session_idle_s: float = 300.0, token: str | None = None,
-                 quantization: str = "auto", prefix_caching: bool = True):
+                 quantization: str = "auto", prefix_caching: bool = True, served_name: str | None = None):
         compute = self._compute_thread(threads)
         if draft == "ngram":
             new_proposer = lambda: NgramProposer(vocab)  # noqa: E731
@@ -123,7 +123,7 @@ class DraftWorkerActor(_GrpcActor):
         self._start(DraftWorkerServicer(new_proposer, vocab, threads, compute, scheduled=not self.free),
                     workers_pb2_grpc.add_DraftWorkerServicer_to_server, session_idle_s, token)
         if not self.free:
-            self._export_pools(loaded.name, {"draft": scheduled.pool})
+            self._export_pools(served_name or loaded.name, {"draft": scheduled.pool})
 
     def is_free(self) -> bool:
         return self.free
@@ -141,12 +141,14 @@ class TargetWorkerActor(_GrpcActor):
     def __init__(self, target: Any, dtype: str | None = None, threads: int | None = None, stages: list | None = None,
                  scheduling: dict | None = None, draft: Any = None, gamma_max: int = 8, draft_top_k: int = 0,
                  session_idle_s: float = 300.0, token: str | None = None, quantization: str = "auto",
-                 draft_quantization: str = "auto", tensor_parallel: int = 1, rank_options: dict | None = None):
+                 draft_quantization: str = "auto", tensor_parallel: int = 1, rank_options: dict | None = None,
+                 served_name: str | None = None):
         """scheduling: TargetWorkerServicer's batching / kv_cache_tokens / max_step_tokens / prefill_chunk /
         prefix_caching.
         draft: a model draft to hold here too (colocated: whole sessions run in this worker).
         tensor_parallel: ranks the target is split over, this worker rank 0 (`workers.ranks`; the others are
-        actors with rank_options, started here)."""
+        actors with rank_options, started here).
+        served_name: the model id its metrics carry (default: the target's name)."""
         import torch
 
         self._profile: dict[int, float] = {}
@@ -201,7 +203,8 @@ class TargetWorkerActor(_GrpcActor):
             self.servicer.attach_draft(drafted.model, loaded.eos_ids, gamma_max, drafted.name, draft_top_k)
             self.servicer.colocated.cost_profile()  # calibrate `auto` now, not during the first request
             self._info["colocated_draft"] = drafted.name
-        self._export_pools(self._info.get("name", "target"), {"target": self.servicer.pool, "draft": self._draft_pool()})
+        self._export_pools(served_name or self._info.get("name", "target"),
+                           {"target": self.servicer.pool, "draft": self._draft_pool()})
 
     def _draft_pool(self):
         colocated = self.servicer.colocated
@@ -276,6 +279,7 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
     import ray
 
     target_spec = config.target if target is None else target
+    served_name = getattr(config, "model_name", None)  # the workers' metrics carry the model id clients see
     draft_spec = config.draft if draft is None else draft
     stages = None
     if config.target_stages:
@@ -296,7 +300,7 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
     target_actor = _remote(TargetWorkerActor, resources, config.max_restarts, **placement).remote(
         target_spec, config.dtype, resources.threads(), stages, scheduling, colocated, gamma_max,
         config.draft_top_k, config.session_idle_s, token, config.quantization, config.draft_quantization,
-        resources.tensor_parallel, resources.actor_options(),
+        resources.tensor_parallel, resources.actor_options(), served_name=served_name,
     )
     if placement:
         _RANK_GROUPS[target_actor._actor_id.hex()] = placement["scheduling_strategy"].placement_group
@@ -306,6 +310,7 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
         draft_actor = _remote(DraftWorkerActor, config.draft_resources, config.max_restarts).remote(
             draft_spec, vocab, config.dtype, config.draft_top_k, config.draft_resources.threads(),
             config.kv_cache_tokens, config.session_idle_s, token, config.draft_quantization, config.prefix_caching,
+            served_name=served_name,
         )
     return target_actor, draft_actor
 
