@@ -170,30 +170,52 @@ def test_a_session_served_beside_others_gets_exactly_its_tokens_alone(served):
         assert served["servicer"].pool.runner.buckets
 
 
-def test_a_full_kv_pool_is_resource_exhausted_and_spares_the_other_sessions():
+@pytest.mark.parametrize("wait_s", [0.0, 30.0], ids=["refused", "waits"])
+def test_a_full_kv_pool_makes_new_sessions_wait_and_spares_the_running_ones(wait_s):
+    """A new session that finds the pool full of a running one's block waits for it to end (kv_wait_s; 0: refused
+    at once); one longer than any block is refused at once either way. The running session goes on untouched."""
     from specserve.rpc.convert import sampling_to_proto
     from specserve.v1 import workers_pb2
 
     target = tiny_llama(0, vocab=VOCAB, layers=2, hidden=32, scale=8)
-    servicer = TargetWorkerServicer(target, VOCAB, kv_cache_tokens=256)
+    servicer = TargetWorkerServicer(target, VOCAB, kv_cache_tokens=256, kv_wait_s=wait_s)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     workers_pb2_grpc.add_TargetWorkerServicer_to_server(servicer, server)
     stub = workers_pb2_grpc.TargetWorkerStub(
         grpc.insecure_channel(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"))
     server.start()
     sampling = sampling_to_proto(SamplingParams(temperature=0.0), 1)
+
+    def prefill(sid: str, prompt: list[int]):
+        return stub.Prefill(workers_pb2.PrefillRequest(session_id=sid, prompt_ids=prompt, sampling=sampling))
+
     try:
         held = [i % VOCAB for i in range(150)]
-        stub.Prefill(workers_pb2.PrefillRequest(session_id="a", prompt_ids=held, sampling=sampling))
-        for sid, prompt in (("b", held), ("c", held * 2)):  # the pool is full / longer than any block
-            with pytest.raises(grpc.RpcError) as info:
-                stub.Prefill(workers_pb2.PrefillRequest(session_id=sid, prompt_ids=prompt, sampling=sampling))
-            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV" in info.value.details()
-        update = workers_pb2.SessionUpdate(session_id="a", base_length=len(held))
-        reply = stub.Verify(workers_pb2.VerifyRequest(update=update))  # "a" goes on untouched
-        alone = SpeculativeDecoder(target, None, gamma=0).generate(held, SamplingParams(temperature=0.0), 1)
-        assert reply.next_token == alone.token_ids[0]
-        stub.Release(workers_pb2.ReleaseRequest(session_id="a"))
+        other = [(7 * i + 3) % VOCAB for i in range(150)]  # shares nothing with `held`
+        prefill("a", held)
+        with pytest.raises(grpc.RpcError) as info:  # longer than any block: never fits
+            prefill("c", held * 2)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV" in info.value.details()
+        with futures.ThreadPoolExecutor(1) as waiter:
+            b = waiter.submit(prefill, "b", other)
+            update = workers_pb2.SessionUpdate(session_id="a", base_length=len(held))
+            reply = stub.Verify(workers_pb2.VerifyRequest(update=update))  # "a" goes on untouched
+            alone = SpeculativeDecoder(target, None, gamma=0).generate(held, SamplingParams(temperature=0.0), 1)
+            assert reply.next_token == alone.token_ids[0]
+            if wait_s:
+                with pytest.raises(futures.TimeoutError):  # "b" waits for room ...
+                    b.result(timeout=1.0)
+                stub.Release(workers_pb2.ReleaseRequest(session_id="a"))
+                b.result(timeout=30)  # ... and gets it once "a" ends
+                update = workers_pb2.SessionUpdate(session_id="b", base_length=len(other))
+                reply = stub.Verify(workers_pb2.VerifyRequest(update=update))
+                alone = SpeculativeDecoder(target, None, gamma=0).generate(other, SamplingParams(temperature=0.0), 1)
+                assert reply.next_token == alone.token_ids[0]
+            else:
+                with pytest.raises(grpc.RpcError) as info:
+                    b.result(timeout=30)
+                assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV" in info.value.details()
+                stub.Release(workers_pb2.ReleaseRequest(session_id="a"))
         stub.Release(workers_pb2.ReleaseRequest(session_id="b"))
         assert servicer.pool.used_tokens == 0
     finally:

@@ -142,3 +142,80 @@ def test_off_keeps_nothing(model):
     assert pool.allocator.used == 0 and "prefix_cache_hit_tokens" not in pool.describe()
     again = pool.sequence()
     assert again.unfed(tokens(60, 1), 1) == tokens(60, 1) and again.block is None
+
+
+def test_requests_arriving_together_compute_their_shared_prompt_once(model):
+    """n choices of one prompt and a burst behind one system prompt, queued together: the first prefills, the
+    others wait for it and copy its keys and values from its running sequence; later arrivals copy from running
+    sequences at once; every session's logits are those of a whole prefill."""
+    from threading import Event
+
+    from specserve.engine.proposers import TargetVerifier
+    from specserve.scheduler.steps import StepScheduler
+
+    pool = KVPool(model, tokens=4096, max_length=256, min_block=16, prefix_caching=True, share_running=True)
+    scheduler = StepScheduler(pool, prefill_chunk=32)  # the prompt takes several steps
+    system = tokens(5 * CHUNK + 3, 30)
+    prompts = [system + [1, 2]] * 3 + [system + tokens(6, 31), system + tokens(4, 32), tokens(90, 33)]
+    engines = [TargetVerifier(model, VOCAB, pool.sequence()) for _ in prompts]
+    try:
+        gate = Event()
+        scheduler.call(gate.wait)  # the compute thread is busy until every prefill is queued
+        prefills = [scheduler.prefill(engine, prompt) for engine, prompt in zip(engines, prompts)]
+        gate.set()
+        for future in prefills:
+            future.result(timeout=60)
+        stats = pool.prefix.stats
+        # the two duplicates copied all of the first's prompt, the two others its system prompt; the unrelated
+        # prompt (last) shared nothing and prefilled beside them
+        assert stats.hit_tokens == 2 * (len(prompts[0]) - 1) + 2 * len(system)
+        # three steps for the two prompts that share nothing (32-token chunks), then ONE for the two that waited
+        # and still had tokens to feed (not one by one); the duplicates had none
+        assert scheduler.sessions_per_step == {2: 4}
+        for engine, prompt in zip(engines, prompts):
+            got = scheduler.call(engine.seq.logits_after, prompt + [7], 2).result()
+            torch.testing.assert_close(got, hf_logits(model, prompt + [7])[-2:], rtol=0, atol=1e-6)
+        # a late arrival copies from a running session: more than the cache has (nothing yet)
+        late = TargetVerifier(model, VOCAB, pool.sequence())
+        before = stats.hit_tokens
+        scheduler.prefill(late, prompts[3] + [7, 9]).result(timeout=60)
+        assert stats.hit_tokens - before == len(prompts[3]) + 1 and len(pool.prefix) == 0
+        for engine in engines + [late]:
+            scheduler.call(engine.release).result()
+        assert pool.used_tokens == 0
+
+        # n choices of a cached prompt: the first takes the entry over, the others copy from it at once
+        again = [TargetVerifier(model, VOCAB, pool.sequence()) for _ in range(3)]
+        before = stats.hit_tokens
+        gate.clear()
+        scheduler.call(gate.wait)
+        prefills = [scheduler.prefill(engine, prompts[0] + [7, 5]) for engine in again]
+        gate.set()
+        for future in prefills:
+            future.result(timeout=60)
+        assert stats.hit_tokens - before == 3 * (len(prompts[0]) + 1)
+        for engine in again:
+            got = scheduler.call(engine.seq.logits_after, prompts[0] + [7, 5], 1).result()
+            torch.testing.assert_close(got, hf_logits(model, prompts[0] + [7, 5])[-1:], rtol=0, atol=1e-6)
+            scheduler.call(engine.release).result()
+    finally:
+        scheduler.close()
+
+
+def test_a_copy_from_a_running_sequence_holds_only_its_current_tokens(model):
+    """A new sequence copies from a running one only the tokens it holds now (not rows a rejection rolled back),
+    and neither is touched by what the other writes afterwards."""
+    pool = KVPool(model, tokens=2048, max_length=256, min_block=16, prefix_caching=True, share_running=True)
+    prompt = tokens(3 * CHUNK + 4, 40)
+    a = pool.sequence()
+    a.logits_after(prompt + [1, 2, 3], 3)
+    a.rollback(2 * CHUNK + 5)  # rejected back into the prompt
+    b = pool.sequence()
+    assert b.unfed(prompt + [5], 1) == (prompt + [5])[2 * CHUNK + 5 :] and pool.prefix.stats.hit_tokens == 2 * CHUNK + 5
+    branch = prompt[: 2 * CHUNK + 5] + tokens(20, 41)  # a takes another branch over the rows b copied
+    torch.testing.assert_close(a.logits_after(branch, 4), hf_logits(model, branch)[-4:], rtol=0, atol=1e-6)
+    torch.testing.assert_close(b.logits_after(prompt + [5], 2), hf_logits(model, prompt + [5])[-2:], rtol=0,
+                               atol=1e-6)
+    a.release()
+    b.release()
+    assert pool.used_tokens == 0 and pool.shares_running and not pool._running

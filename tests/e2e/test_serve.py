@@ -396,6 +396,14 @@ def test_prefix_caching_changes_no_token(server, local, app):
         expected = local["uncached"].generate(messages, SamplingParams(temperature=1.0, seed=seed), 16)
         served = c.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=1.0, seed=seed)
         assert served.choices[0].message.content == expected.text
+    # n choices of a prompt nothing has cached: one computes it, the others copy it (waiting, or from it running)
+    fresh = [{"role": "system", "content": "Answers come slowly. " + system}, {"role": "user", "content": "Why?"}]
+    middle = requests.get(url).json()["target"]
+    reply = c.chat.completions.create(model="tiny", messages=fresh, max_tokens=8, n=3, temperature=1.0, seed=9)
+    assert [ch.message.content for ch in reply.choices] == [
+        local["uncached"].generate(fresh, SamplingParams(temperature=1.0, seed=derived(9, i)), 8).text for i in range(3)]
+    shared = requests.get(url).json()["target"]["prefix_cache_hit_tokens"] - middle["prefix_cache_hit_tokens"]
+    assert shared >= 2 * (len(local["uncached"].encode(fresh)) - 16)
     assert wait_for_no_sessions(app) == {k: 0 for k in sessions(app)}
     after = requests.get(url).json()["target"]
     system_tokens = len(local["uncached"].encode([{"role": "system", "content": system}]))

@@ -34,7 +34,7 @@ import torch
 
 from specserve.models.kv import TokenSequence
 from specserve.models.lean import lean_weights, lean_forward, widen
-from specserve.models.prefix import CHUNK, PrefixCache
+from specserve.models.prefix import CHUNK, PrefixCache, common_prefix
 from specserve.models.runner import StepRunner
 from specserve.models.tp import Collective
 
@@ -117,15 +117,19 @@ class KVPool:
 
     tokens: positions the arena holds in all (rounded down to whole top blocks); max_length: the longest
     sequence (default: the model's max_position_embeddings). prefix_caching: keep released sequences'
-    keys and values for new sequences that start with the same tokens (`models.prefix`).
+    keys and values for new sequences that start with the same tokens (`models.prefix`); share_running: and
+    let them copy a prefix from sequences still running, too (callers that run every step on one thread).
     """
 
     def __init__(self, model, tokens: int, dtype: torch.dtype | None = None, max_length: int | None = None,
                  min_block: int = 32, runner: bool | None = None, max_width: int = 9, tp: Collective | None = None,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, share_running: bool = False):
         param = next(model.parameters())
         self.tp = tp
         self.prefix = PrefixCache() if prefix_caching else None
+        # running sequences a new one may copy its prefix from (`attach`); only where every attach and forward
+        # runs on one thread (a step scheduler's pool), so the rows copied are not being written meanwhile
+        self._running: dict[int, PooledSequence] | None = {} if prefix_caching and share_running else None
         self.w = lean_weights(model, dtype or param.dtype, None if tp is None else tp.shard)
         self.w.tp = tp
         self._moves: list[tuple[int, int, int]] = []  # blocks moved since the last step (for the other ranks)
@@ -199,6 +203,8 @@ class KVPool:
                 (old, old_size), held = seq.block, len(seq.tokens)
                 self._copy(old, block[0], held)
                 self.allocator.release(old, old_size)
+            elif self._running is not None:
+                self._running[id(seq)] = seq
             seq.block = block
 
     def _evict(self, keep=None) -> bool:
@@ -224,22 +230,61 @@ class KVPool:
             stats.lookups += 1
             stats.query_tokens += len(wanted)
             entry, n = self.prefix.match(wanted)
-            if entry is None or len(tokens) > self.max_length:  # (too long: `reserve` refuses it by name)
+            source, m = self._running_match(wanted, n)
+            if len(tokens) > self.max_length or (entry is None and source is None):  # (too long: `reserve` says)
                 return 0
+            if source is not None:  # a running sequence shares more: copied from its block
+                block = self._alloc_evicting(len(tokens))
+                if block is None:
+                    return 0
+                self._copy(source.block[0], block[0], m)
+                seq.block, seq.tokens = block, wanted[:m]
+                self._running[id(seq)] = seq
+                stats.hit_tokens += m
+                return m
             if n == len(entry.tokens):  # all of it: the sequence takes the block over
                 self.prefix.remove(entry)
                 seq.block = entry.block
             else:  # part of it: copied into a block of the sequence's own, sized for all its tokens
-                block = self.allocator.alloc(len(tokens))
-                while block is None and self._evict(keep=entry):
-                    block = self.allocator.alloc(len(tokens))
+                block = self._alloc_evicting(len(tokens), keep=entry)
                 if block is None:
                     return 0  # no room for a copy: the sequence prefills, and `reserve` says whether it fits
                 self._copy(entry.block[0], block[0], n)
                 seq.block = block
             seq.tokens = wanted[:n]
+            if self._running is not None:
+                self._running[id(seq)] = seq
             stats.hit_tokens += n
             return n
+
+    def _alloc_evicting(self, length: int, keep=None) -> tuple[int, int] | None:
+        block = self.allocator.alloc(length)
+        while block is None and self._evict(keep=keep):
+            block = self.allocator.alloc(length)
+        return block
+
+    def _running_match(self, tokens: list[int], beat: int) -> tuple[PooledSequence | None, int]:
+        """The running sequence sharing the longest prefix with `tokens`, if that is a CHUNK or more and longer
+        than `beat` (what the cache has); (None, 0) otherwise."""
+        best, best_len = None, max(beat, CHUNK - 1)
+        for other in (self._running or {}).values():
+            if other.tokens[:CHUNK] == tokens[:CHUNK]:
+                n = common_prefix(other.tokens, tokens)  # (stops at a token still on the device, UNKNOWN)
+                if n > best_len:
+                    best, best_len = other, n
+        return (best, best_len) if best is not None else (None, 0)
+
+    @property
+    def shares_running(self) -> bool:
+        return self._running is not None
+
+    def cached_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` a new sequence would find now, cached or running (0 without a prefix cache)."""
+        if self.prefix is None:
+            return 0
+        with self._lock:
+            n = self.prefix.match(tokens)[1]
+            return max(n, self._running_match(tokens, n)[1])
 
     def _move(self, old: int, new: int, held: int) -> None:
         self.k[:, :, new : new + held] = self.k[:, :, old : old + held]
@@ -264,6 +309,8 @@ class KVPool:
         with self._lock:
             if seq.block is None:
                 return
+            if self._running is not None:
+                self._running.pop(id(seq), None)
             blocks = [seq.block]
             if self.prefix is not None:
                 held = seq.tokens[: seq.tokens.index(UNKNOWN)] if UNKNOWN in seq.tokens else seq.tokens

@@ -19,6 +19,11 @@ deepest chunk any entry holds, then compares tokens (hashes only narrow the sear
 least recently used, and only when the pool needs room (`KVPool.reserve`); a running sequence's block is
 never an entry, so nothing a session reads is evicted under it. An entry that is a prefix of a newer one
 is dropped when the newer one arrives (it can serve nothing the newer cannot).
+
+A pool that runs every step on one thread (the target's) also lets a new sequence copy from a running one
+that shares more (`KVPool.attach`, `share_running`), and its scheduler holds a new prefill back while a
+prefill ahead of it computes the same tokens (`StepScheduler._follows`): requests that arrive together (n > 1
+choices, a burst behind one system prompt) compute their shared prompt once.
 """
 
 from __future__ import annotations
@@ -57,6 +62,16 @@ def chain(tokens: list[int]) -> list[int]:
         h = hash((h, tuple(tokens[end - CHUNK : end])))
         out.append(h)
     return out
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists (compared CHUNK at a time: list slices compare in C)."""
+    n, i = min(len(a), len(b)), 0
+    while i + CHUNK <= n and a[i : i + CHUNK] == b[i : i + CHUNK]:
+        i += CHUNK
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def _shared(a: list[int], b: list[int], start: int) -> int:

@@ -237,21 +237,24 @@ class DraftWorkerServicer(_SessionService, workers_pb2_grpc.DraftWorkerServicer)
 class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerServicer):
     """batching: run Llama-family targets through the KV pool, one forward per step over all sessions
     (kv_cache_tokens positions in all; max_step_tokens and prefill_chunk bound a step, see `StepScheduler`;
-    prefix_caching: finished sessions' KV kept for new ones with the same prefix, `models.prefix`).
+    prefix_caching: finished sessions' KV kept for new ones with the same prefix, `models.prefix`;
+    kv_wait_s: how long a new session waits for room in a full pool).
     Other models, stage pipelines (`new_sequence`) and batching=False run one session at a time.
     tp: this worker is rank 0 of a tensor-parallel group (`models.tp`): its pool's steps run on every rank."""
 
     def __init__(self, model, vocab: int, threads: int | None = None, new_sequence: Callable | None = None, *,
                  batching: bool = True, kv_cache_tokens: int = 65536, max_step_tokens: int = 512,
                  prefill_chunk: int = 256, scheduler: StepScheduler | None = None, tp: Collective | None = None,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, kv_wait_s: float = 60.0):
         self.model = model
         self.new_sequence = new_sequence
         self.sessions = SessionTable(vocab)
-        self._init_compute(threads, scheduler, max_step_tokens=max_step_tokens, prefill_chunk=prefill_chunk)
+        self._init_compute(threads, scheduler, max_step_tokens=max_step_tokens, prefill_chunk=prefill_chunk,
+                           kv_wait_s=kv_wait_s)
         self.pool = None
         if batching and new_sequence is None and model is not None and unsupported_reason(model) is None:
-            pool = functools.partial(KVPool, tp=tp, prefix_caching=prefix_caching)
+            # every attach and forward of this pool runs on the compute thread: new sessions may copy from running ones
+            pool = functools.partial(KVPool, tp=tp, prefix_caching=prefix_caching, share_running=True)
             self.pool = self.scheduler.pool = self.on_compute_thread(pool, model, kv_cache_tokens)
             self.new_sequence = self.pool.sequence
         elif tp is not None:

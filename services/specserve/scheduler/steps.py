@@ -51,6 +51,7 @@ import torch
 from specserve.engine.proposers import Proposal, TargetVerifier, judge_many
 from specserve.models.kv import TokenSequence
 from specserve.models.pool import KVCacheFull, KVPool
+from specserve.models.prefix import CHUNK, common_prefix
 from specserve.scheduler.drafting import DraftBlock, DraftedBlock, draft_blocks, room
 from specserve.speculation import PositionRNG, SamplingParams, Verdict
 
@@ -74,6 +75,9 @@ class _Work:
     keep: int = 0  # logits wanted back (verify: k+1)
     verify: tuple | None = None  # (TargetVerifier, context length, proposal, params, rng)
     block: DraftBlock | None = None
+    started: bool = False  # a prefill: a chunk of it has been fed
+    held: bool = False  # waiting for KV memory; skipped until a call (a session's release) or a retry tick
+    waiting_since: float | None = None
 
 
 def torch_threads(n: int) -> None:
@@ -113,7 +117,8 @@ class StepScheduler:
     """
 
     def __init__(self, pool: KVPool | None = None, *, max_step_tokens: int = 512, prefill_chunk: int = 256,
-                 gather: float = 0.1, expected: Callable[[], int] | None = None, threads: int | None = None):
+                 gather: float = 0.1, expected: Callable[[], int] | None = None, threads: int | None = None,
+                 kv_wait_s: float = 60.0):
         if max_step_tokens < 1 or prefill_chunk < 1:
             raise ValueError("max_step_tokens and prefill_chunk must be >= 1")
         self.pool = pool
@@ -121,6 +126,7 @@ class StepScheduler:
         self.prefill_chunk = prefill_chunk
         self.gather = gather
         self.expected = expected or (lambda: 0)
+        self.kv_wait_s = kv_wait_s
         self.threads = threads
         self.steps = 0
         self.draft_steps = 0
@@ -189,8 +195,9 @@ class StepScheduler:
             torch_threads(self.threads)
         while True:
             with self._cond:
-                while not (self._work or self._calls or self._closed):
-                    self._cond.wait()
+                while not (self._calls or self._closed or any(not w.held for w in self._work)):
+                    if not self._cond.wait(1.0 if self._work else None):
+                        self._retry_held()  # a tick: deadlines, and room freed other than by a release
                 if self._closed:
                     break
                 if not self._calls:
@@ -201,6 +208,8 @@ class StepScheduler:
                 batch = feeds or list(self._work)  # draft steps first: they are cheap and lead to verifies
             for fn, args, future in calls:
                 self._settle(future, fn, *args)
+            if calls:
+                self._retry_held()  # a released session may have made room
             if blocks:
                 self._draft(blocks)
             elif batch:
@@ -208,6 +217,10 @@ class StepScheduler:
         stopped = RuntimeError("the step scheduler stopped")
         for future in [w.future for w in self._work] + [call[2] for call in self._calls]:
             future.set_exception(stopped)
+
+    def _retry_held(self) -> None:
+        for work in self._work:
+            work.held = False
 
     def _gather_locked(self) -> None:
         """Wait (bounded) until every open session has target work queued, so they share the step."""
@@ -231,9 +244,16 @@ class StepScheduler:
         t0 = time.perf_counter()
         taken: list[tuple[_Work, list[int], bool]] = []  # (work, tokens fed this step, finishes this step)
         budget = self.max_step_tokens
+        prefills: list[_Work] = []  # prefills ahead in the queue (`_follows`)
         for work in queued:
             if budget <= 0:
                 break
+            if work.held:
+                continue
+            if work.kind == "prefill" and work.pool is not None and work.pool.shares_running:
+                if self._follows(work, prefills):
+                    continue  # it waits for a prefill ahead of it to share its prompt
+                prefills.append(work)
             try:
                 tail = self._unfed(work)
                 if not tail:  # nothing to feed (a one-token prompt, or a prefix already cached)
@@ -245,11 +265,17 @@ class StepScheduler:
                     chunk = tail
                 else:
                     continue  # a block is fed whole; it leads the next step
-                if work.pool is not None:
-                    work.pool.reserve(work.seq, len(work.seq.tokens) + len(chunk))
-            except (ValueError, KVCacheFull) as exc:
+                if work.pool is not None:  # a prefill's whole prompt at once: it never stops half-way for room
+                    need = len(work.seq.tokens) + len(chunk) if work.kind == "feed" else len(work.tokens)
+                    work.pool.reserve(work.seq, need)
+            except KVCacheFull as exc:
+                if not self._wait_for_room(work):
+                    self._drop(work, exc)
+                continue
+            except ValueError as exc:
                 self._drop(work, exc)
                 continue
+            work.started = True
             taken.append((work, chunk, len(chunk) == len(tail)))
             budget -= len(chunk)
         if not taken:
@@ -326,6 +352,43 @@ class StepScheduler:
             return
         for (work, _), verdict in zip(verifies, verdicts):
             work.future.set_result((verdict, info))
+
+    @staticmethod
+    def _follows(work: _Work, ahead: list[_Work]) -> bool:
+        """Whether a new session's prefill waits for one ahead of it in the queue, to copy its prompt's keys and
+        values once they are computed (`KVPool.attach` copies from running sequences) instead of computing them
+        again: it does when they share a CHUNK or more beyond what the pool could supply now, and at least half
+        of what it would prefill (n > 1 choices; a burst of requests behind one system prompt)."""
+        if work.started or work.seq.block is not None:
+            return False
+        cached = None
+        for other in ahead:
+            if other.future.done():
+                continue  # done (all of it was cached): its sequence runs, and is copied from at once
+            shared = common_prefix(other.tokens, work.tokens)
+            if shared < CHUNK:
+                continue
+            if cached is None:
+                cached = work.pool.cached_prefix(work.tokens)
+            gain = shared - cached
+            if gain >= CHUNK and 2 * gain >= len(work.tokens) - cached:
+                return True
+        return False
+
+    def _wait_for_room(self, work: _Work) -> bool:
+        """A new session's prefill that finds the KV pool full waits (up to kv_wait_s) for running sessions to
+        end, holding nothing meanwhile; False where it must fail now (nothing running, or waited too long)."""
+        pool = work.pool
+        if work.kind != "prefill" or work.started or pool is None or len(work.tokens) > pool.max_length:
+            return False
+        if work.seq.block is not None:  # a copied prefix: back to the cache while it waits
+            work.seq.release()
+        now = time.monotonic()
+        work.waiting_since = work.waiting_since or now
+        if pool.used_tokens == 0 or now - work.waiting_since > self.kv_wait_s:
+            return False
+        work.held = True
+        return True
 
     @staticmethod
     def _unfed(work: _Work) -> list[int]:

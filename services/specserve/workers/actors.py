@@ -143,8 +143,8 @@ class TargetWorkerActor(_GrpcActor):
                  session_idle_s: float = 300.0, token: str | None = None, quantization: str = "auto",
                  draft_quantization: str = "auto", tensor_parallel: int = 1, rank_options: dict | None = None,
                  served_name: str | None = None):
-        """scheduling: TargetWorkerServicer's batching / kv_cache_tokens / max_step_tokens / prefill_chunk /
-        prefix_caching.
+        """scheduling: TargetWorkerServicer's batching / kv_cache_tokens / kv_wait_s / max_step_tokens /
+        prefill_chunk / prefix_caching.
         draft: a model draft to hold here too (colocated: whole sessions run in this worker).
         tensor_parallel: ranks the target is split over, this worker rank 0 (`workers.ranks`; the others are
         actors with rank_options, started here).
@@ -289,7 +289,7 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
         stages = start_stages(target_spec, config.dtype, config.target_stages, layers)
     scheduling = {"batching": config.batching, "kv_cache_tokens": config.kv_cache_tokens,
                   "max_step_tokens": config.max_step_tokens, "prefill_chunk": config.prefill_chunk,
-                  "prefix_caching": config.prefix_caching}
+                  "prefix_caching": config.prefix_caching, "kv_wait_s": config.kv_wait_s}
     colocated = draft_spec if config.colocated(draft_spec) else None
     resources, placement = config.target_resources, {}
     if resources.tensor_parallel > 1:

@@ -95,8 +95,13 @@ class WorkersConfig(BaseModel):
         65536, ge=256,
         description="Token positions the target's KV pool holds across all sessions, preallocated. Bytes = this x 2 "
         "x layers x kv_heads x head_dim x dtype size (23,040 per token for the embedded target in bf16: 1.4 GiB). "
-        "A session gets a power-of-two block (at most 2x its tokens); one that does not fit fails with HTTP 503 / "
-        "RESOURCE_EXHAUSTED.",
+        "A session gets a power-of-two block (at most 2x its tokens); a new one that does not fit waits for "
+        "running sessions to end (kv_wait_s), then fails with HTTP 503 / RESOURCE_EXHAUSTED.",
+    )
+    kv_wait_s: float = Field(
+        60.0, ge=0,
+        description="How long a new session's prefill waits for KV pool room when the pool is full of running "
+        "sessions' blocks (0: fail at once with HTTP 503 / RESOURCE_EXHAUSTED, as one that could never fit does).",
     )
     prefix_caching: bool = Field(
         True,
