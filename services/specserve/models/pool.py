@@ -222,7 +222,7 @@ class KVPool:
             self._moves.append((old, new, held))
 
     def attach(self, seq: PooledSequence, tokens: list[int], limit: int) -> int:
-        """Start a new sequence from the cached prefix sharing the most of tokens[:limit] (its first feed);
+        """Start a new sequence from the cached or running prefix sharing the most of tokens[:limit] (its first feed);
         how many tokens it now holds."""
         wanted = tokens[:limit]
         with self._lock:
@@ -238,11 +238,8 @@ class KVPool:
                 if block is None:
                     return 0
                 self._copy(source.block[0], block[0], m)
-                seq.block, seq.tokens = block, wanted[:m]
-                self._running[id(seq)] = seq
-                stats.hit_tokens += m
-                return m
-            if n == len(entry.tokens):  # all of it: the sequence takes the block over
+                seq.block, n = block, m
+            elif n == len(entry.tokens):  # all of it: the sequence takes the block over
                 self.prefix.remove(entry)
                 seq.block = entry.block
             else:  # part of it: copied into a block of the sequence's own, sized for all its tokens

@@ -74,17 +74,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def _shared(a: list[int], b: list[int], start: int) -> int:
-    """Length of the common prefix of a and b, given that their first `start` tokens agree."""
-    n = min(len(a), len(b))
-    if a[start:n] == b[start:n]:
-        return n
-    i = start
-    while a[i] == b[i]:
-        i += 1
-    return i
-
-
 class PrefixCache:
     """The entries of one pool, by chain hash and in LRU order. Not thread-safe: the pool holds its lock."""
 
@@ -119,7 +108,7 @@ class PrefixCache:
         for entry in reversed(self.index[hashes[depth - 1]].values()):
             if entry.tokens[:start] != tokens[:start]:
                 continue  # a hash collision
-            n = _shared(entry.tokens, tokens, start)
+            n = common_prefix(entry.tokens, tokens)
             if n > best_len or best is None:
                 best, best_len = entry, n
         if best is not None:
