@@ -6,8 +6,6 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specserve.serve.listen import free_port
-
 
 def tiny_llama(seed: int, vocab: int = 8, layers: int = 1, hidden: int = 16, scale: float = 25.0, dtype=torch.float64,
                heads: int = 2, kv_heads: int = 1):
@@ -81,6 +79,7 @@ def start_local_serve(**ray_init) -> dict:
     from ray.serve.config import gRPCOptions, HTTPOptions
 
     from specserve.serve import GRPC_SERVICER_FUNCTION
+    from specserve.serve.listen import free_port
 
     http_port, grpc_port = free_port(), free_port()
     ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False, **ray_init)

@@ -134,5 +134,5 @@ def test_fused_blocks_on_cuda_replay_graphs_and_draft_what_token_by_token_drafts
     for alone, together in zip(results[False], results[None]):
         for (tokens, q, _, _), (f_tokens, f_q, _, f_cache) in zip(alone, together):
             assert f_tokens == tokens and UNKNOWN not in f_cache
-            if q is not None:
-                torch.testing.assert_close(f_q.cpu(), q.cpu(), rtol=1e-9, atol=1e-12)
+            if q is not None:  # float32 q: CUDA's batched and one-row softmax round differently (1.8e-7 seen)
+                torch.testing.assert_close(f_q.cpu(), q.cpu(), rtol=1e-6, atol=1e-8)

@@ -98,3 +98,27 @@ def test_cuda_graph_replay_equals_eager_steps(model):
     assert static.runner.replays >= 4  # the first step of the bucket captured it, the rest replayed
     for a, b in zip(*outs):
         assert torch.allclose(a, b, atol=1e-6, rtol=0)
+
+
+def test_an_in_process_draft_drafts_on_a_pool_where_the_runner_is_on(model, monkeypatch):
+    """Where pools get a step runner (CUDA by default; forced here), SpeculativeDecoder's model draft drafts on a
+    pool of its own, through the runner, with the same tokens as its private cache in every sampling mode."""
+    from specserve import SpeculativeDecoder
+    from specserve.models import pool as pool_module
+    from specserve.speculation import SamplingParams
+
+    draft = tiny_llama(6, vocab=VOCAB, layers=1, hidden=32, scale=8)
+    modes = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3),
+             SamplingParams(temperature=0.8, top_k=5, seed=4), SamplingParams(temperature=1.0, top_p=0.7, seed=5)]
+    outputs = {}
+    for runner in (False, True):
+        monkeypatch.setattr(pool_module, "STEP_RUNNER", runner)
+        decoder = SpeculativeDecoder(model, draft, gamma=3, draft_lookup=False, kv_cache_tokens=1024)
+        assert (decoder.draft_pool is not None) == runner
+        outputs[runner] = [decoder.generate([1, 2, 3, 4, 5], params, 24).token_ids for params in modes]
+        if runner:
+            assert decoder.draft_pool.runner.buckets  # the draft's steps went through it
+            assert decoder.draft_pool.allocator.used == 0  # every generation gave its draft sequence back
+    assert outputs[True] == outputs[False]
+    plain = SpeculativeDecoder(model, None, gamma=0, kv_cache_tokens=1024)
+    assert outputs[True][0] == plain.generate([1, 2, 3, 4, 5], modes[0], 24).token_ids

@@ -22,6 +22,11 @@ import torch
 from specserve.models.quant import nbytes
 
 WARMUP_STEPS = 3
+BLOCK_GAMMA = 4  # the verify block of these parts when --gamma is a policy (auto, heuristic)
+
+
+def block_gamma(args) -> int:
+    return args.gamma if isinstance(args.gamma, int) else BLOCK_GAMMA
 
 
 def synchronize(device: str) -> None:
@@ -56,7 +61,7 @@ def bench_steps(args, shape: str, log) -> list[dict[str, Any]]:
 
     model = synthetic_llama(shape, args.vocab, None, args.device, args.dtype, quantization=args.quantization)
     bandwidth = copy_bandwidth(args.device)
-    widths = sorted({1, args.gamma + 1})
+    widths = sorted({1, block_gamma(args) + 1})
     per_sequence = max(32, 1 << (args.prompt_len + max(widths)).bit_length())  # its buddy block
     rows = []
     for runner in (False, True):
@@ -133,10 +138,11 @@ def bench_accept(args, log) -> list[dict[str, Any]]:
     pool = KVPool(model, tokens=64)
     params = SamplingParams(temperature=1.0)
     gen = torch.Generator(device=args.device).manual_seed(0)
+    gamma = block_gamma(args)
     rows = []
     for batch in args.concurrency:
-        logits = torch.randn(batch, args.gamma + 1, args.vocab, generator=gen, device=args.device)
-        q = torch.softmax(torch.randn(batch, args.gamma, args.vocab, generator=gen, device=args.device), -1)
+        logits = torch.randn(batch, gamma + 1, args.vocab, generator=gen, device=args.device)
+        q = torch.softmax(torch.randn(batch, gamma, args.vocab, generator=gen, device=args.device), -1)
         tokens = q.argmax(-1).tolist()
         verifiers = [TargetVerifier(model, args.vocab, pool.sequence()) for _ in range(batch)]
         blocks = [(verifiers[b], logits[b], 0, Proposal(tokens[b], q[b]), params, PositionRNG(b)) for b in range(batch)]
@@ -152,9 +158,9 @@ def bench_accept(args, log) -> list[dict[str, Any]]:
                 if step >= WARMUP_STEPS:
                     times.append(time.perf_counter() - t0)
             timed[how] = 1000 * statistics.median(times)
-        rows.append({"sequences": batch, "gamma": args.gamma, "vocab": args.vocab, "together_ms": timed["together"],
+        rows.append({"sequences": batch, "gamma": gamma, "vocab": args.vocab, "together_ms": timed["together"],
                      "one_by_one_ms": timed["one by one"]})
-        log(f"  {batch:>3} blocks of γ={args.gamma}  together {timed['together']:8.3f} ms  "
+        log(f"  {batch:>3} blocks of γ={gamma}  together {timed['together']:8.3f} ms  "
             f"one by one {timed['one by one']:8.3f} ms")
     return rows
 

@@ -16,9 +16,9 @@ sequence's keys and values a plain view for attention, so a batched forward
 session runs on it exactly as on a private cache, and many run in one
 forward through `KVPool.forward`. Steps where every sequence feeds the same
 number of tokens (decode, verify) go through a static-shape `StepRunner`
-(`models/runner.py`; CUDA graphs on GPUs) where the pool has one: with
-`SPECSERVE_STEP_RUNNER=1` (off by default until a GPU session has checked
-graph replay against eager steps and measured it; `STEP_RUNNER`).
+(`models/runner.py`; CUDA graphs on GPUs) where the pool has one: by default
+a CUDA pool that is not tensor-parallel; `SPECSERVE_STEP_RUNNER=1` / `=0`
+turns it on / off everywhere (`STEP_RUNNER`).
 
 With `prefix_caching`, released sequences' blocks stay as a cache of computed
 prefixes that new sequences start from (`models.prefix`), evicted least
@@ -38,10 +38,15 @@ from specserve.models.prefix import CHUNK, PrefixCache, common_prefix
 from specserve.models.runner import StepRunner
 from specserve.models.tp import Collective
 
-# Whether pools get a static-shape step runner. Off by default: its CUDA graphs are not yet checked on a GPU,
-# and on a CPU (not launch-bound) it measured slower from 4 sequences on (docs/benchmarks.md). The environment
-# reaches worker processes too; tests set this to run through the runner.
-STEP_RUNNER: bool = os.environ.get("SPECSERVE_STEP_RUNNER", "0") == "1"
+# Whether pools get a static-shape step runner; None: CUDA pools without tensor parallelism only (on a CPU, not
+# launch-bound, it measured slower from 4 sequences on; graphs around NCCL calls are not checked on a GPU yet).
+# The environment reaches worker processes too; tests set this to run through the runner.
+STEP_RUNNER: bool | None = {"1": True, "0": False}.get(os.environ.get("SPECSERVE_STEP_RUNNER", ""))
+
+
+def wants_runner(device: torch.device, tp: Collective | None) -> bool:
+    """Whether a pool on `device` gets a step runner when its caller does not say."""
+    return STEP_RUNNER if STEP_RUNNER is not None else (device.type == "cuda" and tp is None)
 
 
 UNKNOWN = -1  # a token a sequence holds whose id is still on the device (`KVPool.feed_ids`)
@@ -142,7 +147,7 @@ class KVPool:
         shape = (len(self.w.layers), self.w.kv_heads, self.allocator.capacity + 1, self.w.head_dim)
         self.k = torch.empty(shape, dtype=self.w.dtype, device=self.w.device)
         self.v = torch.empty_like(self.k)
-        runner = STEP_RUNNER if runner is None else runner
+        runner = wants_runner(self.w.device, tp) if runner is None else runner
         # max_width: the widest step it takes (a verify of gamma_max + 1 tokens)
         self.runner = StepRunner(self.w, (self.k, self.v), self.max_length, max_width=max_width) if runner else None
         self._lock = threading.Lock()  # allocations may come from any thread; forwards from one

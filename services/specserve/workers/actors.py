@@ -67,9 +67,11 @@ class _GrpcActor:
 
     def _export_pools(self, model: str, pools: dict[str, Any]) -> None:
         """Publish the prefix caches' counters to Prometheus every 5 s (`coordinator.metrics.PoolMetrics`; inside
-        Ray only: the data-plane bench runs these classes without it)."""
-        import ray
-
+        Ray only: the data-plane bench runs these classes where Ray is not installed)."""
+        try:
+            import ray
+        except ImportError:
+            return
         pools = {role: pool for role, pool in pools.items() if pool is not None and pool.prefix is not None}
         if not pools or not ray.is_initialized():
             return
