@@ -45,7 +45,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="default",
                    help="HF id/dir, .gguf file, 'embedded-draft', 'ngram', 'none', or 'default': the shipped distilled "
                    "draft for the embedded target, else ngram (bench: a comma-separated list runs each)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bf16 where fast, else fp32")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float64"],
+                   help="default: bf16 where fast, else fp32; float64 (slow) for checking exactness to rounding")
     p.add_argument("--gamma-max", type=int, default=8, help="deepest speculation auto/heuristic may choose")
     p.add_argument("--quantization", type=_quantization, default="auto",
                    help="target weights: auto (a GGUF file's own quantization, else dense), none, int8, int4 "

@@ -27,6 +27,8 @@ def test_generate_json(model_dirs, capsys):
                                  "draft_time_s", "verify_time_s", "drafted", "accepted", "rounds"}
     assert main(args + ["--no-lookup"]) == 0  # the model draft alone: greedy, so the same tokens
     assert json.loads(capsys.readouterr().out)["token_ids"] == out["token_ids"]
+    assert main(args + ["--dtype", "float64"]) == 0  # for checking exactness up to rounding (serve takes it too)
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) <= 12
 
 
 def test_generate_bad_input_is_a_message_not_a_traceback(model_dirs, tmp_path, capsys):

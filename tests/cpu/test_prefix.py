@@ -76,6 +76,8 @@ def test_a_cached_prefix_gives_the_logits_of_a_whole_prefill(model):
     assert third.block[0] == block[0] and len(pool.prefix) == 0
     stats = pool.describe()
     assert stats["prefix_cache_hit_tokens"] == len(system) + len(held)
+    # each sequence's own count (what a served request reports as its cached prompt tokens)
+    assert (first.hit_tokens, second.hit_tokens, third.hit_tokens) == (0, len(system), len(held))
     assert stats["prefix_cache_query_tokens"] == len(history) - 1 + len(other) - 1 + len(turn) - 4
     for seq in (second, third):
         seq.release()

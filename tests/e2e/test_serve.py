@@ -358,12 +358,19 @@ def test_metrics_endpoint_counts_real_requests(server):
 
 def test_workers_export_their_prefix_caches(server):
     """The target worker publishes its prefix cache's counters (every 5 s, in tokens): a long prompt sent twice
-    moves hits by at least the shared part, never above the queries."""
+    moves hits by at least the shared part, never above the queries. Each request's own count comes back as
+    OpenAI's usage.prompt_tokens_details.cached_tokens and gRPC's SpeculationStats.cached_tokens."""
     url = server["metrics"]
     before = scrape(url)
     prompt = "The sea is wide and deep, and the ships that cross it carry grain, wool and stories from far away."
-    for _ in range(2):
-        client(server).completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    replies = [client(server).completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+               for _ in range(2)]
+    first, again = (r.usage.prompt_tokens_details.cached_tokens for r in replies)
+    assert 16 <= again <= replies[1].usage.prompt_tokens and first < again  # the first computed what the second found
+    grpc_reply = grpc_stub(server).Generate(generator_pb2.GenerateRequest(
+        prompt=prompt, max_tokens=4, model="tiny", sampling=generator_pb2.SamplingParams(temperature=0.0)),
+        metadata=metadata())
+    assert grpc_reply.stats.cached_tokens == again  # the same prompt found the same cached prefix
     hits, queries = "ray_specserve_prefix_cache_hits_total", "ray_specserve_prefix_cache_queries_total"
     moved = since(scrape_until(url, hits, 16, baseline=before, role="target"), before)
     assert 16 <= total(moved, hits, role="target", model="tiny") <= total(moved, queries, role="target")
@@ -391,11 +398,21 @@ def test_prefix_caching_changes_no_token(server, local, app):
                                            **params)
         assert served.choices[0].message.content == expected.text, question
         conversation.append({"role": "assistant", "content": expected.text})
+    system_tokens = len(local["uncached"].encode([{"role": "system", "content": system}]))
     for seed in (6, 7):  # other users, the same system prompt
         messages = [{"role": "system", "content": system}, {"role": "user", "content": f"Question {seed}?"}]
         expected = local["uncached"].generate(messages, SamplingParams(temperature=1.0, seed=seed), 16)
-        served = c.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=1.0, seed=seed)
-        assert served.choices[0].message.content == expected.text
+        streamed = {"stream": True, "stream_options": {"include_usage": True}} if seed == 7 else {}
+        served = c.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=1.0, seed=seed,
+                                           **streamed)
+        if seed == 7:  # streamed: the usage comes in a last chunk without choices
+            chunks = list(served)
+            text, used = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices), chunks[-1].usage
+        else:
+            text, used = served.choices[0].message.content, served.usage
+        assert text == expected.text
+        # the request's own count of prompt tokens its target found cached: at least the system prompt (to a chunk)
+        assert system_tokens - 16 <= used.prompt_tokens_details.cached_tokens <= used.prompt_tokens
     # n choices of a prompt nothing has cached: one computes it, the others copy it (waiting, or from it running)
     fresh = [{"role": "system", "content": "Answers come slowly. " + system}, {"role": "user", "content": "Why?"}]
     middle = requests.get(url).json()["target"]
@@ -406,7 +423,6 @@ def test_prefix_caching_changes_no_token(server, local, app):
     assert shared >= 2 * (len(local["uncached"].encode(fresh)) - 16)
     assert wait_for_no_sessions(app) == {k: 0 for k in sessions(app)}
     after = requests.get(url).json()["target"]
-    system_tokens = len(local["uncached"].encode([{"role": "system", "content": system}]))
     # every request after the first found at least the system prompt cached in the target (and a colocated draft)
     assert after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] >= 5 * (system_tokens - 16)
     assert after["prefix_cache_entries"] > 0 and after["kv_used_tokens"] == 0

@@ -34,6 +34,7 @@ class Round:
     step_time_s: float = 0.0  # compute time of the target step that verified it, where a worker reports it
     prefill_time_s: float = 0.0  # the session's prefill, on the first round after it
     logprobs: list | None = None  # per emitted token, when asked (`speculation.sampling.token_logprobs`)
+    cached_tokens: int = 0  # on the first round: prompt tokens the target's prefill found computed (prefix cache)
 
 
 def draft_block(
@@ -111,6 +112,7 @@ def speculate(
         if proposer is not None:
             proposer.prefill(context)
         prefill_s = time.perf_counter() - t0
+        cached = getattr(verifier, "cached_tokens", 0)
         while produced < max_new_tokens:
             t_round = time.perf_counter()
             remaining = max_new_tokens - produced
@@ -138,8 +140,8 @@ def speculate(
                 reason = "stop"
             logprobs = verdict.logprobs[: len(new)] if verdict.logprobs is not None else None
             yield Round(new, reason, g, proposal.tokens, verdict.n_accepted, looked_up, draft_s, verify_s,
-                        step.seconds if step is not None else 0.0, prefill_s, logprobs)
-            prefill_s = 0.0
+                        step.seconds if step is not None else 0.0, prefill_s, logprobs, cached)
+            prefill_s, cached = 0.0, 0
             if reason is not None:
                 return
     finally:

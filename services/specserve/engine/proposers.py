@@ -276,6 +276,11 @@ class TargetVerifier:
         if len(prompt) > 1:
             self.seq.logits_after(prompt[:-1])
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefill found computed (a KV pool's prefix cache; 0 elsewhere)."""
+        return self.seq.hit_tokens
+
     def verify(self, context: list[int], proposal: Proposal, params: SamplingParams, rng: PositionRNG) -> Verdict:
         k = len(proposal)
         logits = self.seq.logits_after(context + proposal.tokens, keep_logits=k + 1)  # [k+1, vocab]

@@ -30,6 +30,7 @@ class GenerationStats:
     controller: str = ""
     resumes: int = 0  # served: times the session went on on a restarted worker
     queue_time_s: float = 0.0  # served: how long the request waited for a session slot
+    cached_tokens: int = 0  # prompt tokens the target's prefix cache supplied (its first prefill's; not a resume's)
 
     @property
     def acceptance_rate(self) -> float:
@@ -48,6 +49,8 @@ class GenerationStats:
     def record(self, rnd: Round) -> None:
         """Count one `engine.loop.Round` (where the round is consumed, once)."""
         drafted, accepted = len(rnd.drafted), rnd.accepted
+        if not self.rounds:
+            self.cached_tokens = rnd.cached_tokens
         self.rounds += 1
         self.lookup_rounds += rnd.looked_up
         self.drafted += drafted

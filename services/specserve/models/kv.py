@@ -19,6 +19,7 @@ class TokenSequence:
 
     tokens: list[int]
     token_subset: torch.Tensor | None = None  # a head over a token subset: its tokens, sorted (see `feed_subset`)
+    hit_tokens: int = 0  # of its first tokens, how many came from a prefix computed before (a KV pool's cache)
 
     def common_prefix(self, tokens: list[int]) -> int:
         n = min(len(self.tokens), len(tokens))

@@ -257,6 +257,7 @@ class KVPool:
             if self._running is not None:
                 self._running[id(seq)] = seq
             stats.hit_tokens += n
+            seq.hit_tokens = n
             return n
 
     def _alloc_evicting(self, length: int, keep=None) -> tuple[int, int] | None:

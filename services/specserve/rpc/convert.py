@@ -100,11 +100,11 @@ def round_to_wire(rnd: Round) -> workers_pb2.RoundReply:
         tokens=rnd.tokens, finish_reason=rnd.finish_reason or "", gamma=rnd.gamma, drafted_tokens=rnd.drafted,
         accepted=rnd.accepted, looked_up=rnd.looked_up, draft_time_s=rnd.draft_time_s,
         verify_time_s=rnd.verify_time_s, step_time_s=rnd.step_time_s, prefill_time_s=rnd.prefill_time_s,
-        logprobs=logprobs_to_wire(rnd.logprobs),
+        logprobs=logprobs_to_wire(rnd.logprobs), cached_tokens=rnd.cached_tokens,
     )
 
 
 def round_from_wire(reply: workers_pb2.RoundReply) -> Round:
     return Round(list(reply.tokens), reply.finish_reason or None, reply.gamma, list(reply.drafted_tokens),
                  reply.accepted, reply.looked_up, reply.draft_time_s, reply.verify_time_s, reply.step_time_s,
-                 reply.prefill_time_s, logprobs_from_wire(reply.logprobs))
+                 reply.prefill_time_s, logprobs_from_wire(reply.logprobs), reply.cached_tokens)

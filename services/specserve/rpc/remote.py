@@ -31,6 +31,7 @@ class _SessionProxy:
         self.sampling = sampling_to_proto(params, seed)
         self.vocab = vocab
         self.worker_tokens: list[int] = []  # the token list the worker holds for this session
+        self.cached_tokens = 0
 
     def _update(self, tokens: list[int]) -> workers_pb2.SessionUpdate:
         """Keep the common prefix with what the worker holds, append the rest (commit and rollback in one)."""
@@ -42,10 +43,11 @@ class _SessionProxy:
         return workers_pb2.SessionUpdate(session_id=self.session_id, base_length=base, append=tokens[base:])
 
     def prefill(self, prompt: list[int]) -> None:
-        self.stub.Prefill(
+        reply = self.stub.Prefill(
             workers_pb2.PrefillRequest(session_id=self.session_id, prompt_ids=prompt, sampling=self.sampling)
         )
         self.worker_tokens = list(prompt)
+        self.cached_tokens = reply.prefix_hit_tokens  # the worker's prefix cache supplied these
 
     def release(self) -> None:
         self.stub.Release(workers_pb2.ReleaseRequest(session_id=self.session_id))

@@ -198,7 +198,8 @@ class _SessionService:
         # on the compute thread: a re-prefill releases the session's old cache, which a step may be using
         session = self.on_compute_thread(self.sessions.open, request, self.new_engine())
         self._prefill(session)
-        return workers_pb2.PrefillReply(cached_tokens=len(session.tokens))
+        return workers_pb2.PrefillReply(cached_tokens=len(session.tokens),
+                                        prefix_hit_tokens=getattr(session.engine, "cached_tokens", 0))
 
     @_rpc
     def Release(self, request, context):

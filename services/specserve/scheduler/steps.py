@@ -445,6 +445,10 @@ class ScheduledVerifier:
     def prefill(self, prompt: list[int]) -> None:
         self.scheduler.prefill(self.engine, prompt).result()
 
+    @property
+    def cached_tokens(self) -> int:
+        return self.engine.cached_tokens
+
     def verify(self, context: list[int], proposal: Proposal, params: SamplingParams, rng: PositionRNG) -> Verdict:
         verdict, self.last_step = self.scheduler.verify(self.engine, context, proposal, params, rng).result()
         return verdict

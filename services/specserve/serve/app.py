@@ -409,7 +409,8 @@ class SpecServe:
                               "finish_reason": event.finish_reason}
                 for i, event in enumerate(events)
             ],
-            "usage": usage(prompt_tokens, sum(event.completion_tokens for event in events)),
+            "usage": usage(prompt_tokens, sum(event.completion_tokens for event in events),
+                           (events[0].stats or {}).get("cached_tokens", 0)),
             "specserve": stats_summary(events[0].stats),  # the first choice's
         }
 
@@ -420,6 +421,7 @@ class SpecServe:
         chunk's rounds as `specserve_rounds`."""
         created, started = int(time.time()), set()
         completion_tokens: dict[int, int] = {}
+        cached_tokens = 0  # the first choice's (usage counts the prompt once)
         offsets: dict[int, int] = {}  # completions' text_offset: the text each choice streamed so far
         obj = "chat.completion.chunk" if chat else "text_completion"
         try:
@@ -444,10 +446,12 @@ class SpecServe:
                     payload["specserve_rounds"] = [round_view(r, self._token_text) for r in event.chunk.rounds]
                 if event.finish_reason is not None:
                     payload["specserve"] = stats_summary(event.stats)  # extension: this choice's statistics
+                    if index == 0:
+                        cached_tokens = (event.stats or {}).get("cached_tokens", 0)
                 yield f"data: {json.dumps(payload)}\n\n"
             if include_usage:
                 payload = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
-                           "usage": usage(prompt_tokens, sum(completion_tokens.values()))}
+                           "usage": usage(prompt_tokens, sum(completion_tokens.values()), cached_tokens)}
                 yield f"data: {json.dumps(payload)}\n\n"
         except _WorkerError as exc:
             yield f"data: {json.dumps(openai_error(str(exc), None))}\n\n"

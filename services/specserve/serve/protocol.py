@@ -88,13 +88,17 @@ def stats_summary(stats: dict[str, Any] | None) -> dict[str, Any]:
     """The per-request speculation statistics clients see (the `specserve` object / SpeculationStats)."""
     stats = stats or {}
     keys = ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "gamma_history",
-            "draft_time_s", "verify_time_s", "worker_verify_time_s", "tokens_per_s", "controller", "queue_time_s")
+            "draft_time_s", "verify_time_s", "worker_verify_time_s", "tokens_per_s", "controller", "queue_time_s",
+            "cached_tokens")
     return {k: stats[k] for k in keys if k in stats}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; cached_tokens: prompt tokens the prefix cache supplied (for n > 1 choices, the
+    first choice's, as the prompt is counted once)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": min(cached_tokens, prompt_tokens)}}
 
 
 # -- OpenAI HTTP bodies ------------------------------------------------------------

@@ -75,7 +75,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., gamma: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "gamma_history", "draft_time_s", "verify_time_s", "tokens_per_s", "queue_time_s")
+    __slots__ = ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "gamma_history", "draft_time_s", "verify_time_s", "tokens_per_s", "queue_time_s", "cached_tokens")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class SpeculationStats(_message.Message):
     VERIFY_TIME_S_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     drafted: int
     accepted: int
@@ -96,7 +97,8 @@ class SpeculationStats(_message.Message):
     verify_time_s: float
     tokens_per_s: float
     queue_time_s: float
-    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., gamma_history: _Optional[_Iterable[int]] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., queue_time_s: _Optional[float] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., gamma_history: _Optional[_Iterable[int]] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., queue_time_s: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "stats", "logprobs", "index", "choices")

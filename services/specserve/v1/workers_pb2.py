@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specserve.v1 import generator_pb2 as specserve_dot_v1_dot_generator__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecserve/v1/workers.proto\x12\x0cspecserve.v1\x1a\x1cspecserve/v1/generator.proto\"0\n\x12SparseDistribution\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"h\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\"%\n\x0cPrefillReply\x12\x15\n\rcached_tokens\x18\x01 \x01(\x05\"H\n\rSessionUpdate\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61se_length\x18\x02 \x01(\x05\x12\x0e\n\x06\x61ppend\x18\x03 \x03(\x05\"L\n\x0eProposeRequest\x12+\n\x06update\x18\x01 \x01(\x0b\x32\x1b.specserve.v1.SessionUpdate\x12\r\n\x05gamma\x18\x02 \x01(\x05\"n\n\x0cProposeReply\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12+\n\x01q\x18\x02 \x03(\x0b\x32 .specserve.v1.SparseDistribution\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\x14\n\x0c\x64raft_time_s\x18\x04 \x01(\x02\"y\n\rVerifyRequest\x12+\n\x06update\x18\x01 \x01(\x0b\x32\x1b.specserve.v1.SessionUpdate\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12+\n\x01q\x18\x03 \x03(\x0b\x32 .specserve.v1.SparseDistribution\"\xcb\x01\n\x0bVerifyReply\x12\x12\n\nn_accepted\x18\x01 \x01(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x14\n\x0c\x61\x63\x63\x65pt_probs\x18\x03 \x03(\x02\x12\r\n\x05\x62\x65tas\x18\x04 \x03(\x02\x12\x15\n\rverify_time_s\x18\x05 \x01(\x02\x12\x13\n\x0bstep_tokens\x18\x06 \x01(\x05\x12\x15\n\rstep_sessions\x18\x07 \x01(\x05\x12,\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"\x9e\x01\n\x0eSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\r\n\x05gamma\x18\x05 \x01(\t\x12\x11\n\tno_lookup\x18\x06 \x01(\x08\"\x8d\x02\n\nRoundReply\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\r\n\x05gamma\x18\x03 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\x05\x12\x14\n\x0c\x64raft_time_s\x18\x06 \x01(\x02\x12\x15\n\rverify_time_s\x18\x07 \x01(\x02\x12\x11\n\tlooked_up\x18\x08 \x01(\x08\x12\x13\n\x0bstep_time_s\x18\t \x01(\x02\x12,\n\x08logprobs\x18\n \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x16\n\x0e\x64rafted_tokens\x18\x0b \x03(\x05\x12\x16\n\x0eprefill_time_s\x18\x0c \x01(\x02J\x04\x08\x04\x10\x05\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"9\n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x17\n\x0f\x61\x63tive_sessions\x18\x02 \x01(\x05\x32\xdc\x01\n\x0b\x44raftWorker\x12\x43\n\x07Prefill\x12\x1c.specserve.v1.PrefillRequest\x1a\x1a.specserve.v1.PrefillReply\x12\x43\n\x07Propose\x12\x1c.specserve.v1.ProposeRequest\x1a\x1a.specserve.v1.ProposeReply\x12\x43\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1a.specserve.v1.ReleaseReply2\xa0\x02\n\x0cTargetWorker\x12\x43\n\x07Prefill\x12\x1c.specserve.v1.PrefillRequest\x1a\x1a.specserve.v1.PrefillReply\x12@\n\x06Verify\x12\x1b.specserve.v1.VerifyRequest\x1a\x19.specserve.v1.VerifyReply\x12\x43\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1a.specserve.v1.ReleaseReply\x12\x44\n\x08Generate\x12\x1c.specserve.v1.SessionRequest\x1a\x18.specserve.v1.RoundReply0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecserve/v1/workers.proto\x12\x0cspecserve.v1\x1a\x1cspecserve/v1/generator.proto\"0\n\x12SparseDistribution\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"h\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\"@\n\x0cPrefillReply\x12\x15\n\rcached_tokens\x18\x01 \x01(\x05\x12\x19\n\x11prefix_hit_tokens\x18\x02 \x01(\x05\"H\n\rSessionUpdate\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61se_length\x18\x02 \x01(\x05\x12\x0e\n\x06\x61ppend\x18\x03 \x03(\x05\"L\n\x0eProposeRequest\x12+\n\x06update\x18\x01 \x01(\x0b\x32\x1b.specserve.v1.SessionUpdate\x12\r\n\x05gamma\x18\x02 \x01(\x05\"n\n\x0cProposeReply\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12+\n\x01q\x18\x02 \x03(\x0b\x32 .specserve.v1.SparseDistribution\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\x14\n\x0c\x64raft_time_s\x18\x04 \x01(\x02\"y\n\rVerifyRequest\x12+\n\x06update\x18\x01 \x01(\x0b\x32\x1b.specserve.v1.SessionUpdate\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12+\n\x01q\x18\x03 \x03(\x0b\x32 .specserve.v1.SparseDistribution\"\xcb\x01\n\x0bVerifyReply\x12\x12\n\nn_accepted\x18\x01 \x01(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x14\n\x0c\x61\x63\x63\x65pt_probs\x18\x03 \x03(\x02\x12\r\n\x05\x62\x65tas\x18\x04 \x03(\x02\x12\x15\n\rverify_time_s\x18\x05 \x01(\x02\x12\x13\n\x0bstep_tokens\x18\x06 \x01(\x05\x12\x15\n\rstep_sessions\x18\x07 \x01(\x05\x12,\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"\x9e\x01\n\x0eSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\r\n\x05gamma\x18\x05 \x01(\t\x12\x11\n\tno_lookup\x18\x06 \x01(\x08\"\xa4\x02\n\nRoundReply\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\r\n\x05gamma\x18\x03 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\x05\x12\x14\n\x0c\x64raft_time_s\x18\x06 \x01(\x02\x12\x15\n\rverify_time_s\x18\x07 \x01(\x02\x12\x11\n\tlooked_up\x18\x08 \x01(\x08\x12\x13\n\x0bstep_time_s\x18\t \x01(\x02\x12,\n\x08logprobs\x18\n \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x16\n\x0e\x64rafted_tokens\x18\x0b \x03(\x05\x12\x16\n\x0eprefill_time_s\x18\x0c \x01(\x02\x12\x15\n\rcached_tokens\x18\r \x01(\x05J\x04\x08\x04\x10\x05\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"9\n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x17\n\x0f\x61\x63tive_sessions\x18\x02 \x01(\x05\x32\xdc\x01\n\x0b\x44raftWorker\x12\x43\n\x07Prefill\x12\x1c.specserve.v1.PrefillRequest\x1a\x1a.specserve.v1.PrefillReply\x12\x43\n\x07Propose\x12\x1c.specserve.v1.ProposeRequest\x1a\x1a.specserve.v1.ProposeReply\x12\x43\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1a.specserve.v1.ReleaseReply2\xa0\x02\n\x0cTargetWorker\x12\x43\n\x07Prefill\x12\x1c.specserve.v1.PrefillRequest\x1a\x1a.specserve.v1.PrefillReply\x12@\n\x06Verify\x12\x1b.specserve.v1.VerifyRequest\x1a\x19.specserve.v1.VerifyReply\x12\x43\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1a.specserve.v1.ReleaseReply\x12\x44\n\x08Generate\x12\x1c.specserve.v1.SessionRequest\x1a\x18.specserve.v1.RoundReply0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,27 +37,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=124
   _globals['_PREFILLREQUEST']._serialized_end=228
   _globals['_PREFILLREPLY']._serialized_start=230
-  _globals['_PREFILLREPLY']._serialized_end=267
-  _globals['_SESSIONUPDATE']._serialized_start=269
-  _globals['_SESSIONUPDATE']._serialized_end=341
-  _globals['_PROPOSEREQUEST']._serialized_start=343
-  _globals['_PROPOSEREQUEST']._serialized_end=419
-  _globals['_PROPOSEREPLY']._serialized_start=421
-  _globals['_PROPOSEREPLY']._serialized_end=531
-  _globals['_VERIFYREQUEST']._serialized_start=533
-  _globals['_VERIFYREQUEST']._serialized_end=654
-  _globals['_VERIFYREPLY']._serialized_start=657
-  _globals['_VERIFYREPLY']._serialized_end=860
-  _globals['_SESSIONREQUEST']._serialized_start=863
-  _globals['_SESSIONREQUEST']._serialized_end=1021
-  _globals['_ROUNDREPLY']._serialized_start=1024
-  _globals['_ROUNDREPLY']._serialized_end=1293
-  _globals['_RELEASEREQUEST']._serialized_start=1295
-  _globals['_RELEASEREQUEST']._serialized_end=1331
-  _globals['_RELEASEREPLY']._serialized_start=1333
-  _globals['_RELEASEREPLY']._serialized_end=1390
-  _globals['_DRAFTWORKER']._serialized_start=1393
-  _globals['_DRAFTWORKER']._serialized_end=1613
-  _globals['_TARGETWORKER']._serialized_start=1616
-  _globals['_TARGETWORKER']._serialized_end=1904
+  _globals['_PREFILLREPLY']._serialized_end=294
+  _globals['_SESSIONUPDATE']._serialized_start=296
+  _globals['_SESSIONUPDATE']._serialized_end=368
+  _globals['_PROPOSEREQUEST']._serialized_start=370
+  _globals['_PROPOSEREQUEST']._serialized_end=446
+  _globals['_PROPOSEREPLY']._serialized_start=448
+  _globals['_PROPOSEREPLY']._serialized_end=558
+  _globals['_VERIFYREQUEST']._serialized_start=560
+  _globals['_VERIFYREQUEST']._serialized_end=681
+  _globals['_VERIFYREPLY']._serialized_start=684
+  _globals['_VERIFYREPLY']._serialized_end=887
+  _globals['_SESSIONREQUEST']._serialized_start=890
+  _globals['_SESSIONREQUEST']._serialized_end=1048
+  _globals['_ROUNDREPLY']._serialized_start=1051
+  _globals['_ROUNDREPLY']._serialized_end=1343
+  _globals['_RELEASEREQUEST']._serialized_start=1345
+  _globals['_RELEASEREQUEST']._serialized_end=1381
+  _globals['_RELEASEREPLY']._serialized_start=1383
+  _globals['_RELEASEREPLY']._serialized_end=1440
+  _globals['_DRAFTWORKER']._serialized_start=1443
+  _globals['_DRAFTWORKER']._serialized_end=1663
+  _globals['_TARGETWORKER']._serialized_start=1666
+  _globals['_TARGETWORKER']._serialized_end=1954
 # @@protoc_insertion_point(module_scope)

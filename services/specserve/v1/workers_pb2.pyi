@@ -26,10 +26,12 @@ class PrefillRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generator_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("cached_tokens",)
+    __slots__ = ("cached_tokens", "prefix_hit_tokens")
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     cached_tokens: int
-    def __init__(self, cached_tokens: _Optional[int] = ...) -> None: ...
+    prefix_hit_tokens: int
+    def __init__(self, cached_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class SessionUpdate(_message.Message):
     __slots__ = ("session_id", "base_length", "append")
@@ -108,7 +110,7 @@ class SessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generator_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., gamma: _Optional[str] = ..., no_lookup: _Optional[bool] = ...) -> None: ...
 
 class RoundReply(_message.Message):
-    __slots__ = ("tokens", "finish_reason", "gamma", "accepted", "draft_time_s", "verify_time_s", "looked_up", "step_time_s", "logprobs", "drafted_tokens", "prefill_time_s")
+    __slots__ = ("tokens", "finish_reason", "gamma", "accepted", "draft_time_s", "verify_time_s", "looked_up", "step_time_s", "logprobs", "drafted_tokens", "prefill_time_s", "cached_tokens")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +122,7 @@ class RoundReply(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     gamma: int
@@ -131,7 +134,8 @@ class RoundReply(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[_generator_pb2.TokenLogprob]
     drafted_tokens: _containers.RepeatedScalarFieldContainer[int]
     prefill_time_s: float
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., gamma: _Optional[int] = ..., accepted: _Optional[int] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., looked_up: _Optional[bool] = ..., step_time_s: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_generator_pb2.TokenLogprob, _Mapping]]] = ..., drafted_tokens: _Optional[_Iterable[int]] = ..., prefill_time_s: _Optional[float] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., gamma: _Optional[int] = ..., accepted: _Optional[int] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., looked_up: _Optional[bool] = ..., step_time_s: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_generator_pb2.TokenLogprob, _Mapping]]] = ..., drafted_tokens: _Optional[_Iterable[int]] = ..., prefill_time_s: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)

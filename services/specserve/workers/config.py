@@ -70,7 +70,8 @@ class WorkersConfig(BaseModel):
         description="HF id/dir, .gguf file, 'embedded-draft', 'ngram', 'none', or 'default' (the shipped distilled "
         "draft for the embedded target when the draft worker has a GPU, else 'ngram').",
     )
-    dtype: str | None = Field(None, description="'float32', 'bfloat16' or None (bf16 where fast).")
+    dtype: str | None = Field(None, description="'float32', 'bfloat16', 'float64' (slow; for exactness checks) or None "
+                                             "(bf16 where fast).")
     quantization: str = Field(
         "auto",
         description="The target's linear weights: 'auto' (a GGUF file, the embedded target included, is served from "
