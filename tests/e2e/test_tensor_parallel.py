@@ -91,6 +91,35 @@ def test_a_lost_rank_restarts_the_group_and_streams_go_on(server):
     assert not mismatched, f"{len(mismatched)} of {len(clients.results)} replies differ from the uninterrupted run"
 
 
+def test_a_crashed_replica_leaves_no_placement_group_behind(server):
+    """The ranks' placement group is created by the application's replica, a detached actor, so Ray removes it
+    when the replica dies however it dies: a replica killed outright (no graceful shutdown, no `__del__`) is
+    replaced by one that reserves a new group, and the old one is gone (a node with exactly N GPUs would
+    otherwise keep them reserved and the new replica wait for them)."""
+    import ray
+
+    def groups() -> set[str]:
+        return {pid for pid, g in ray.util.placement_group_table().items() if g["state"] == "CREATED"}
+
+    before = groups()
+    old_target = server["app"].process_ids.remote().result(timeout_s=180)["target"]
+    replica = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                   if "faults" in a["name"] and "SpecServe" in a["name"])
+    ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
+    deadline, served = time.time() + 300, None
+    while served is None and time.time() < deadline:
+        try:  # the replacement replica: new workers, a new group
+            pids = server["app"].process_ids.remote().result(timeout_s=60)
+            served = pids if pids["target"] != old_target else None
+        except Exception:  # noqa: BLE001 - the replica is down or still starting
+            time.sleep(1.0)
+    assert served is not None, "no replacement replica within 300 s"
+    after = groups()
+    assert len(after) == len(before) and len(after - before) == 1  # the old group removed, one new
+    assert ray.util.placement_group_table()[(before - after).pop()]["state"] == "REMOVED"
+    assert _request(server, "grpc", 11) == _request(server, "grpc", 11)  # it serves, seeded: the same twice
+
+
 def test_deleting_an_application_gives_back_its_ranks_placement(server):
     import ray
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import pathlib
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -202,6 +203,10 @@ def _quantize(loaded: LoadedModel, method: str, group: int, gguf: pathlib.Path |
 
     model = loaded.model
     _require_lean(loaded, f"quantization {method}")
+    if method == "int8" and loaded.device.type == "cuda":
+        print("specserve: int8 weights multiply through aten._weight_int8pack_mm, which has no fast CUDA path: "
+              "a 7B step took 8.4x bfloat16's on an H200 (docs/benchmarks.md); int4 or none is faster there",
+              file=sys.stderr, flush=True)
     stored = quant.gguf_linears(gguf, model.config) if method == "gguf" else None
     model.specserve_quant = quant.QuantSpec(method, group, stored, quant.dense_from(loaded.device),
                                             stored["source"] if stored else "")

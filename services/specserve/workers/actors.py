@@ -322,7 +322,8 @@ _RANK_GROUPS: dict[str, Any] = {}  # a tensor-parallel target's placement group,
 
 def release_workers(target_actor) -> None:
     """Give back what `start_workers` reserved beside the actors themselves (a tensor-parallel target's placement
-    group; removing it ends the ranks in it). The owner of the actors calls this when it shuts down."""
+    group; removing it ends the ranks in it). The owner of the actors calls this when it shuts down; an owner that
+    dies without shutting down (a crashed Serve replica, a detached actor) takes its group with it (Ray's)."""
     import ray
 
     group = _RANK_GROUPS.pop(target_actor._actor_id.hex(), None)
