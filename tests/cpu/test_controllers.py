@@ -59,9 +59,14 @@ def test_auto_prefers_shallow_when_verify_grows_with_gamma():
 
 
 def test_auto_probes_while_off():
-    auto = AutoGamma(gamma_max=8, verify_profile=STEEP, draft_step_s=0.030, probe_every=4)
+    """At γ=0 auto drafts one token every probe_every rounds to keep its acceptance estimate alive, where a
+    better draft could pay; where even a draft accepted every time could not (its steps cost too much against
+    the target's), it never drafts."""
+    auto = AutoGamma(gamma_max=8, verify_profile=FLAT, draft_step_s=0.030, probe_every=4)  # α=1 would pay
     chosen = [auto.choose() for _ in range(12)]
     assert chosen.count(1) == 3 and set(chosen) == {0, 1}
+    hopeless = AutoGamma(gamma_max=8, verify_profile=STEEP, draft_step_s=0.030, probe_every=4)
+    assert [hopeless.choose(open_ended=True) for _ in range(64)] == [0] * 64
 
 
 def test_make_controller_specs():

@@ -136,6 +136,7 @@ async def _level(base_url: str, concurrency: int, requests: int, max_tokens: int
         "itl_p50_s": _quantile(itl, 0.5), "itl_p95_s": _quantile(itl, 0.95),
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_gamma": statistics.mean(gammas) if gammas else 0.0,
+        "controllers": sorted({r["stats"].get("controller", "") for r in results}),  # what the server ran
         "tokens_per_round": sum(r["tokens"] for r in results) / max(1, len(gammas)),
     }
 

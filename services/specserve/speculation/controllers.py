@@ -325,6 +325,12 @@ class AutoGamma(GammaController):
         margin = self.LOADED_MARGIN if self.loaded else 0.0
         return (tokens + others - base_tokens) / extra_s > (1.0 + margin) * base_tokens / base_s
 
+    def _could_pay(self, limit: int, others: float, base_s: float) -> bool:
+        """Whether a draft accepted every time would beat γ=0 at some γ ≤ limit at the costs known now. If not, no
+        acceptance estimate can change the choice, and a probe (with the draft's catch-up over every token since
+        it last ran) is pure cost: auto ran at 0.92-0.95x γ=0 with a draft as slow as its target."""
+        return any(self._beats_zero(g + 1.0, self.round_time(g), others, base_s) for g in range(1, limit + 1))
+
     def expect_load(self, sessions: int) -> None:
         """`sessions` are open (this one included) as this controller starts: its first rounds take them as
         the load, before its own steps report it (a new session warm-started from one that ran alone would
@@ -349,7 +355,7 @@ class AutoGamma(GammaController):
             rate = (tokens + others) / seconds
             if rate > best_rate and self._beats_zero(tokens, seconds, others, base_s):
                 best, best_rate = g, rate
-        if best == 0 and limit > 0:
+        if best == 0 and limit > 0 and self._could_pay(limit, others, base_s):
             self._rounds_at_zero += 1
             # keep the acceptance estimate alive while not speculating. Under load a probe's draft step, and the
             # draft's catch-up over every token since it last drafted, hold back the step all S sessions share:
