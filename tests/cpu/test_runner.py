@@ -122,3 +122,35 @@ def test_an_in_process_draft_drafts_on_a_pool_where_the_runner_is_on(model, monk
     assert outputs[True] == outputs[False]
     plain = SpeculativeDecoder(model, None, gamma=0, kv_cache_tokens=1024)
     assert outputs[True][0] == plain.generate([1, 2, 3, 4, 5], modes[0], 24).token_ids
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_compiled_steps_equal_the_eager_steps(model, monkeypatch, device):
+    """`SPECSERVE_COMPILE_STEPS=1`: each bucket's step compiled by torch.compile (then captured on CUDA) gives the
+    eager forward's logits and sequences. Needs a C++ compiler on a CPU (Inductor's CPU code) or a GPU."""
+    import shutil
+
+    from specserve.models import runner as runner_module
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU (a device session: pytest tests -k cuda)")
+    if device == "cpu" and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler for Inductor's CPU code")
+    monkeypatch.setattr(runner_module, "COMPILE_STEPS", True)
+    here = copy.deepcopy(model).to(device)
+    eager = KVPool(here, tokens=1024, max_length=256, min_block=4, runner=False)
+    compiled = KVPool(here, tokens=1024, max_length=256, min_block=4, runner=True)
+    assert compiled.runner._step is not compiled.runner._run  # the compiled step
+    outs = []
+    for pool in (eager, compiled):
+        seqs = [pool.sequence() for _ in range(3)]
+        pool.forward(seqs, [[1, 2, 3], [4, 5], [6]], [1, 1, 1])
+        steps = [pool.forward(seqs, [[(s + j) % VOCAB] for j in range(3)], [1, 1, 1]) for s in range(3)]
+        steps.append(pool.forward(seqs, [[7, 8, 9]] * 3, [3, 3, 3]))  # a verify-width bucket too
+        outs.append((steps, [s.tokens for s in seqs]))
+    from torch._dynamo.utils import counters
+
+    assert counters["stats"]["unique_graphs"] >= 2  # dynamo compiled the two buckets' steps, not a fallback
+    assert outs[0][1] == outs[1][1]
+    for a, b in zip(outs[0][0], outs[1][0]):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0)

@@ -16,11 +16,16 @@ On CUDA each bucket is captured once as a CUDA graph (its first use) and replaye
 eager forward there is bound by kernel launches, not by the GPU. On a CPU the same code runs eagerly, and its
 results are those of `lean.lean_forward` (tested). Prefill chunks, mixed widths and shapes outside the
 buckets run eagerly through `lean.lean_forward`, as before.
+
+`SPECSERVE_COMPILE_STEPS=1` compiles each bucket's step with `torch.compile` before it is captured, fusing the
+norms, rotary and elementwise ops that a replayed graph still runs as ~20 small kernels per layer (measured on
+an H200: docs/benchmarks.md). Off by default until a GPU session has measured it.
 """
 
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Sequence
 
 import torch
@@ -30,6 +35,7 @@ from specserve.models.lean import LeanWeights, head_logits, layer_output, rotate
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 MIN_CONTEXT = 64  # the shortest context bucket; others double up to the pool's longest sequence
+COMPILE_STEPS: bool = os.environ.get("SPECSERVE_COMPILE_STEPS", "0") == "1"
 
 
 class _Bucket:
@@ -52,7 +58,8 @@ class StepRunner:
     the scratch row). capture: record each bucket as a CUDA graph (default: on CUDA devices)."""
 
     def __init__(self, w: LeanWeights, arena: tuple[torch.Tensor, torch.Tensor], max_length: int, *,
-                 max_width: int = 9, batch_buckets: Sequence[int] = BATCH_BUCKETS, capture: bool | None = None):
+                 max_width: int = 9, batch_buckets: Sequence[int] = BATCH_BUCKETS, capture: bool | None = None,
+                 compile: bool | None = None):
         self.w = w
         self.k, self.v = arena
         self.scratch = self.k.shape[2] - 1
@@ -65,6 +72,13 @@ class StepRunner:
             context *= 2
         self.contexts.append(context)
         self.capture = w.device.type == "cuda" if capture is None else capture
+        self._step = self._run
+        if COMPILE_STEPS if compile is None else compile:
+            import torch._dynamo
+
+            # one compiled graph per bucket shape (dynamic=False), so allow as many as there may be buckets
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+            self._step = torch.compile(self._run, dynamic=False)
         self.buckets: dict[tuple[int, int, int], _Bucket] = {}
         self.replays = 0  # steps served from a captured graph
         self._pool = None  # the CUDA graphs' shared memory pool
@@ -89,7 +103,7 @@ class StepRunner:
             bucket = self.buckets[key] = _Bucket(self.w, *key)
         self._fill(bucket, blocks, starts, new_tokens)
         if not self.capture:
-            return self._run(bucket)[: len(blocks) * bucket.width]
+            return self._step(bucket)[: len(blocks) * bucket.width]
         if bucket.graph is None:
             self._record(bucket)
         else:
@@ -158,10 +172,10 @@ class StepRunner:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._run(b)
+            self._step(b)  # compiled here, when compiling
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._run(b)
+            self._step(b)
         self._pool = graph.pool()
         b.graph = graph
