@@ -325,11 +325,12 @@ class AutoGamma(GammaController):
         margin = self.LOADED_MARGIN if self.loaded else 0.0
         return (tokens + others - base_tokens) / extra_s > (1.0 + margin) * base_tokens / base_s
 
-    def _could_pay(self, limit: int, others: float, base_s: float) -> bool:
-        """Whether a draft accepted every time would beat γ=0 at some γ ≤ limit at the costs known now. If not, no
-        acceptance estimate can change the choice, and a probe (with the draft's catch-up over every token since
-        it last ran) is pure cost: auto ran at 0.92-0.95x γ=0 with a draft as slow as its target."""
-        return any(self._beats_zero(g + 1.0, self.round_time(g), others, base_s) for g in range(1, limit + 1))
+    def _could_pay(self, round_times: list[float], others: float, base_s: float) -> bool:
+        """Whether a draft accepted every time would beat γ=0 at some γ (round_times[g - 1]: γ=g's round) at the
+        costs known now. If not, no acceptance estimate can change the choice, and a probe (with the draft's
+        catch-up over every token since it last ran) is pure cost: auto ran at 0.92-0.95x γ=0 with a draft as
+        slow as its target."""
+        return any(self._beats_zero(g + 1.0, s, others, base_s) for g, s in enumerate(round_times, 1))
 
     def expect_load(self, sessions: int) -> None:
         """`sessions` are open (this one included) as this controller starts: its first rounds take them as
@@ -347,15 +348,16 @@ class AutoGamma(GammaController):
         # (under load a worker's sessions choose between its steps, so this is kept cheap)
         table, others, base_s = self.table(key), self.others_tokens(), self.round_time(0)
         best, best_rate = 0, (1.0 + others) / base_s
-        tokens, survive = 1.0, 1.0
+        tokens, survive, round_times = 1.0, 1.0, []
         for g in range(1, limit + 1):
             survive *= table.at(g)
             tokens += survive
             seconds = self.round_time(g)
+            round_times.append(seconds)
             rate = (tokens + others) / seconds
             if rate > best_rate and self._beats_zero(tokens, seconds, others, base_s):
                 best, best_rate = g, rate
-        if best == 0 and limit > 0 and self._could_pay(limit, others, base_s):
+        if best == 0 and limit > 0 and self._could_pay(round_times, others, base_s):
             self._rounds_at_zero += 1
             # keep the acceptance estimate alive while not speculating. Under load a probe's draft step, and the
             # draft's catch-up over every token since it last drafted, hold back the step all S sessions share:
