@@ -19,7 +19,8 @@ buckets run eagerly through `lean.lean_forward`, as before.
 
 `SPECSERVE_COMPILE_STEPS=1` compiles each bucket's step with `torch.compile` before it is captured, fusing the
 norms, rotary and elementwise ops that a replayed graph still runs as ~20 small kernels per layer (measured on
-an H200: docs/benchmarks.md). Off by default until a GPU session has measured it.
+an H200: docs/benchmarks.md). One graph per (batch, width): the context length is a symbol in it. Off by
+default until a GPU session has measured it; on a CPU (with the runner forced on) it is opt-in (docs/design.md).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class _Bucket:
         self.ids = torch.zeros(batch * width, dtype=torch.long, device=dev)
         self.positions = torch.zeros(batch * width, dtype=torch.float32, device=dev)
         self.slots = torch.zeros(batch * width, dtype=torch.long, device=dev)  # arena rows of the new K/V
-        self.key_rows = torch.zeros(batch * context, dtype=torch.long, device=dev)  # arena rows each attends over
+        self.key_rows = torch.zeros(batch, context, dtype=torch.long, device=dev)  # arena rows each attends over
         self.mask = torch.zeros(batch, 1, group * width, context, dtype=torch.bool, device=dev)
         self.logits: torch.Tensor | None = None  # [batch · width, head rows], written by each run
         self.graph = None
@@ -79,6 +80,7 @@ class StepRunner:
             # one compiled graph per bucket shape (dynamic=False), so allow as many as there may be buckets
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
             self._step = torch.compile(self._run, dynamic=False)
+        self._compiled = self._step is not self._run
         self.buckets: dict[tuple[int, int, int], _Bucket] = {}
         self.replays = 0  # steps served from a captured graph
         self._pool = None  # the CUDA graphs' shared memory pool
@@ -101,9 +103,12 @@ class StepRunner:
         bucket = self.buckets.get(key)
         if bucket is None:
             bucket = self.buckets[key] = _Bucket(self.w, *key)
+            if self._compiled:  # one compiled step per (batch, width): the context length is a symbol in it
+                torch._dynamo.mark_dynamic(bucket.key_rows, 1)
+                torch._dynamo.mark_dynamic(bucket.mask, 3)
         self._fill(bucket, blocks, starts, new_tokens)
         if not self.capture:
-            return self._step(bucket)[: len(blocks) * bucket.width]
+            return self._step_into(bucket)[: len(blocks) * bucket.width]
         if bucket.graph is None:
             self._record(bucket)
         else:
@@ -143,23 +148,31 @@ class StepRunner:
         """The step on the bucket's static tensors (no host values read: capturable)."""
         w = self.w
         h, kvh, d = w.heads, w.kv_heads, w.head_dim
-        rows, batch, width, context = b.batch * b.width, b.batch, b.width, b.context
+        rows, batch, width = b.batch * b.width, b.batch, b.width
         x = w.embed[b.ids].to(w.dtype)  # [rows, hidden]
         angles = b.positions[:, None] * w.inv_freq
         angles = torch.cat((angles, angles), -1)
         cos, sin = angles.cos().to(w.dtype)[:, None], angles.sin().to(w.dtype)[:, None]
         for i, layer in enumerate(w.layers):
             q, k, v = rotated_qkv(w, layer, x, cos, sin)
+            # written through the whole arena, not a layer's view: compiled, a write to a view of an input
+            # becomes a copy of the whole arena (per layer)
+            layer_rows = torch.full_like(b.slots, i)
+            self.k[layer_rows, :, b.slots] = k
+            self.v[layer_rows, :, b.slots] = v
             k_layer, v_layer = self.k[i], self.v[i]  # [kvh, positions + 1, d]
-            k_layer.index_copy_(1, b.slots, k.transpose(0, 1))
-            v_layer.index_copy_(1, b.slots, v.transpose(0, 1))
-            keys = k_layer[:, b.key_rows].view(kvh, batch, context, d).transpose(0, 1)  # [B, kvh, L, d]
-            values = v_layer[:, b.key_rows].view(kvh, batch, context, d).transpose(0, 1)
+            keys = k_layer[:, b.key_rows].transpose(0, 1)  # [B, kvh, L, d]
+            values = v_layer[:, b.key_rows].transpose(0, 1)
             queries = q.view(batch, width, h, d).permute(0, 2, 1, 3).reshape(batch, kvh, h // kvh * width, d)
             att = F.scaled_dot_product_attention(queries, keys, values, attn_mask=b.mask, scale=w.scale)
             att = att.reshape(batch, h, width, d).permute(0, 2, 1, 3).reshape(rows, h * d)
             x = layer_output(w, layer, x, att)
-        out = head_logits(w, x)
+        return head_logits(w, x)
+
+    def _step_into(self, b: _Bucket) -> torch.Tensor:
+        """The step, its logits in the bucket's static output (set outside the compiled step: a compiled `if`
+        on it would compile the step twice)."""
+        out = self._step(b)
         if b.logits is None:
             b.logits = out
         else:
@@ -172,10 +185,10 @@ class StepRunner:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._step(b)  # compiled here, when compiling
+            self._step_into(b)  # compiled here, when compiling
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._step(b)
+            self._step_into(b)
         self._pool = graph.pool()
         b.graph = graph
