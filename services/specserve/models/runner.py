@@ -155,12 +155,14 @@ class StepRunner:
         cos, sin = angles.cos().to(w.dtype)[:, None], angles.sin().to(w.dtype)[:, None]
         for i, layer in enumerate(w.layers):
             q, k, v = rotated_qkv(w, layer, x, cos, sin)
-            # written through the whole arena, not a layer's view: compiled, a write to a view of an input
-            # becomes a copy of the whole arena (per layer)
-            layer_rows = torch.full_like(b.slots, i)
-            self.k[layer_rows, :, b.slots] = k
-            self.v[layer_rows, :, b.slots] = v
             k_layer, v_layer = self.k[i], self.v[i]  # [kvh, positions + 1, d]
+            if self._compiled:  # through the whole arena: compiled, a write to a layer's view copies the arena
+                layer_rows = torch.full_like(b.slots, i)
+                self.k[layer_rows, :, b.slots] = k
+                self.v[layer_rows, :, b.slots] = v
+            else:  # the write CUDA graphs were checked with (an H200)
+                k_layer.index_copy_(1, b.slots, k.transpose(0, 1))
+                v_layer.index_copy_(1, b.slots, v.transpose(0, 1))
             keys = k_layer[:, b.key_rows].transpose(0, 1)  # [B, kvh, L, d]
             values = v_layer[:, b.key_rows].transpose(0, 1)
             queries = q.view(batch, width, h, d).permute(0, 2, 1, 3).reshape(batch, kvh, h // kvh * width, d)
