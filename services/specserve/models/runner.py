@@ -77,7 +77,7 @@ class StepRunner:
         if COMPILE_STEPS if compile is None else compile:
             import torch._dynamo
 
-            # one compiled graph per bucket shape (dynamic=False), so allow as many as there may be buckets
+            # one compiled graph per (batch, width), static but for the context length: allow one per bucket pair
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
             self._step = torch.compile(self._run, dynamic=False)
         self._compiled = self._step is not self._run
