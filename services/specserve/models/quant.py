@@ -207,7 +207,6 @@ class PackedDense:
     Results equal `F.linear`'s where that runs oneDNN too, else differ in bfloat16 rounding only."""
 
     def __init__(self, weight: torch.Tensor):
-        self.out_features = weight.shape[0]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
 
     @property
@@ -216,19 +215,22 @@ class PackedDense:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():  # an opaque op there: Inductor's own lowering rejects the packed layout
-            return torch.ops.specserve.packed_linear(x, self.packed, bias, self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+            return torch.ops.specserve.packed_linear(x, self.packed, bias)
+        return _onednn_linear(x, self.packed, bias)
 
 
-@torch.library.custom_op("specserve::packed_linear", mutates_args=())
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
-                   ) -> torch.Tensor:
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+@torch.library.custom_op("specserve::packed_linear", mutates_args=())
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _onednn_linear(x, packed, bias)
+
+
 @_packed_linear.register_fake
-def _(x, packed, bias, out_features):
-    return x.new_empty(*x.shape[:-1], out_features)
+def _(x, packed, bias):
+    return x.new_empty(*x.shape[:-1], packed.shape[0])  # oneDNN's blocked weight keeps its [N, K] shape
 
 
 def dense(weight: torch.Tensor | None):
