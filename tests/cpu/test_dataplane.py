@@ -58,20 +58,35 @@ def test_the_bench_runs_worker_processes_and_reports_exact_output(tmp_path, caps
 def test_the_steps_and_hf_parts_report_floors_and_exact_output(tmp_path):
     code = dataplane.main([
         "--targets", "tiny", "--draft-shape", "tiny", "--vocab", str(VOCAB), "--device", "cpu", "--dtype", "float32",
-        "--gamma", "2", "--prompt-len", "12", "--max-tokens", "16", "--concurrency", "1,3", "--parts", "steps,accept,hf",
-        "--step-repeats", "3", "--load-alpha", "0.5", "--out", str(tmp_path),
+        "--gamma", "2", "--prompt-len", "12", "--max-tokens", "16", "--concurrency", "1,3", "--parts", "steps,accept,hf,gammas",
+        "--step-repeats", "3", "--sweep-gammas", "0,2,auto", "--load-alpha", "0.5", "--out", str(tmp_path),
     ])
     assert code == 0
     report = json.loads((tmp_path / "dataplane.json").read_text())
-    levels = {(r["runner"], r["sequences"], r["width"]) for r in report["steps"]}
-    assert levels == {(runner, n, w) for runner in (False, True) for n in (1, 3) for w in (1, 3)}
+    levels = {(r["mode"], r["sequences"], r["width"]) for r in report["steps"]}
+    assert levels == {(mode, n, w) for mode in ("eager", "runner") for n in (1, 3) for w in (1, 3)}
     for row in report["steps"]:
         assert row["step_ms"] > 0 < row["floor_ms"] and row["of_floor"] == pytest.approx(row["step_ms"] / row["floor_ms"])
     assert [r["sequences"] for r in report["accept"]] == [1, 3]
     assert all(r["together_ms"] > 0 < r["one_by_one_ms"] for r in report["accept"])
     assert [r["config"] for r in report["hf"]] == ["hf target-only", "hf assisted"]
     assert all(r["wrong_tokens"] == 0 and r["tokens"] == 16 for r in report["hf"])
+    assert [r["gamma"] for r in report["gammas"]] == [0, 2, "auto"]
+    assert all(r["wrong_tokens"] == 0 and r["tokens"] == 16 for r in report["gammas"])
+    assert report["gammas"][1]["tokens_per_round"] > 1  # γ=2 drafted, and alpha=0.5 accepted some
     assert (tmp_path / "dataplane.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_steps_part_times_compiled_steps_and_names_a_wrong_mode(tmp_path, capsys):
+    common = ["--targets", "tiny", "--draft-shape", "tiny", "--vocab", str(VOCAB), "--device", "cpu", "--dtype",
+              "float32", "--gamma", "0", "--prompt-len", "12", "--concurrency", "1", "--parts", "steps",
+              "--step-repeats", "2", "--out", str(tmp_path)]
+    assert dataplane.main(common + ["--step-modes", "compiled"]) == 0
+    report = json.loads((tmp_path / "dataplane.json").read_text())
+    assert [(r["mode"], r["runner"], r["sequences"], r["width"]) for r in report["steps"]] == [("compiled", True, 1, 1)]
+    with pytest.raises(SystemExit):
+        dataplane.main(common + ["--step-modes", "eager,fast"])
+    assert "--step-modes: unknown mode(s) ['fast']" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])

@@ -22,11 +22,14 @@ one that never matches. Timings are of these random weights, not of a
 real pair's acceptance: take alpha from real pairs (`specserve bench`).
 
 Parts (`--parts`; `steps`, `accept` and `hf` are in `bench.steps`):
-  steps   one target step at each --concurrency × 1 and γ+1 tokens, eager and
-          through the step runner, against its bandwidth floor (targets and
-          the draft's shape).
+  steps   one target step at each --concurrency × 1 and γ+1 tokens in each
+          --step-modes (eager, through the step runner, and the runner's
+          compiled steps), against its bandwidth floor (targets and the
+          draft's shape).
   accept  one step's verify blocks accepted all at once against one by one.
   hf      the pair through Hugging Face `generate`, target-only and assisted.
+  gammas  one stream in process at each γ of --sweep-gammas, alpha =
+          --load-alpha (where speculation starts to pay).
   rounds  one stream per configuration, fixed γ, alpha ∈ --alphas: in-process,
           colocated (one worker holds both models), split sequential and split
           pipelined (a draft worker of its own on each --draft-devices), plus
@@ -53,7 +56,7 @@ from typing import Any
 
 import torch
 
-from specserve.bench.plot import plot_dataplane
+from specserve.bench.plot import STEP_MODES, plot_dataplane
 from specserve.bench.steps import bench_accept, bench_hf, bench_steps
 from specserve.speculation import parse_gamma
 
@@ -272,6 +275,28 @@ def _free_cuda() -> None:
         torch.cuda.empty_cache()
 
 
+def bench_gammas(args, shape: str, log) -> list[dict[str, Any]]:
+    """One stream in process at each γ of --sweep-gammas, alpha = --load-alpha: where speculation pays."""
+    from specserve import SpeculativeDecoder
+
+    prompt_ids = prompts(1, args.prompt_len, args.vocab)[0]
+    target = synthetic_llama(shape, args.vocab, None, args.device, args.dtype, quantization=args.quantization)
+    draft = synthetic_llama(args.draft_shape, args.vocab, args.load_alpha, args.device, args.dtype)
+    decoder = SpeculativeDecoder(target, draft, gamma=1, gamma_max=args.gamma_max, draft_lookup=False,
+                                 kv_cache_tokens=4 * (args.prompt_len + args.max_tokens + 64), prefix_caching=False)
+    rows = []
+    for gamma in args.sweep_gammas:
+        figures = run_in_process(decoder, prompt_ids, gamma, args.max_tokens, args.vocab)
+        rows.append({"target": shape, "draft": args.draft_shape, "alpha": args.load_alpha, "gamma": gamma,
+                     **figures})
+        log(f"  γ={gamma!s:<4} {figures['tok_s']:8.1f} tok/s  {figures['tokens_per_round']:.2f} tok/round  "
+            f"draft {figures['draft_ms_per_round']:.2f} ms  verify {figures['verify_ms_per_round']:.2f} ms"
+            + (f"  WRONG {figures['wrong_tokens']}" if figures["wrong_tokens"] else ""))
+    del decoder, target, draft
+    _free_cuda()
+    return rows
+
+
 def bench_rounds(args, shape: str, log) -> list[dict[str, Any]]:
     from specserve import SpeculativeDecoder
 
@@ -380,6 +405,11 @@ def parse_args(argv=None):
                    help="the target's linear layers: none, int8, int4, int4-g64, int4-g128 (not the hf part)")
     p.add_argument("--parts", type=_csv(str), default=["steps", "accept", "hf", "rounds", "load"])
     p.add_argument("--step-repeats", type=int, default=20, help="timed steps per steps-part level (median)")
+    p.add_argument("--step-modes", type=_csv(str), default=["eager", "runner"],
+                   help=f"how the steps part runs a step, of {list(STEP_MODES)} (compiled: tens of seconds of "
+                        "compiling per level on a GPU)")
+    p.add_argument("--sweep-gammas", type=_csv(str), default=["0", "1", "2", "3", "4", "auto"],
+                   help="the gammas part's γ values")
     p.add_argument("--alphas", type=_csv(float), default=[1.0, 0.0])
     p.add_argument("--gamma", default="4", help="fixed γ of the rounds part")
     p.add_argument("--gamma-max", type=int, default=8)
@@ -391,12 +421,15 @@ def parse_args(argv=None):
     p.add_argument("--load-gammas", type=_csv(str), default=["0", "auto"])
     p.add_argument("--out", default="dataplane-out")
     args = p.parse_args(argv)
-    for flag, attr in (("--gamma", "gamma"), ("--load-gammas", "load_gammas")):
+    for flag, attr in (("--gamma", "gamma"), ("--load-gammas", "load_gammas"), ("--sweep-gammas", "sweep_gammas")):
         try:
             value = getattr(args, attr)
             setattr(args, attr, [parse_gamma(g) for g in value] if isinstance(value, list) else parse_gamma(value))
         except ValueError as exc:
             p.error(f"{flag}: {exc}")
+    if set(args.step_modes) - set(STEP_MODES):
+        p.error(f"--step-modes: unknown mode(s) {sorted(set(args.step_modes) - set(STEP_MODES))}; choose from "
+                f"{list(STEP_MODES)}")
     unknown = [s for s in args.targets if s not in SHAPES]
     if unknown:
         p.error(f"--targets: unknown shape(s) {unknown}; choose from {sorted(SHAPES)}")
@@ -416,7 +449,7 @@ def main(argv=None) -> int:
 
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu x{os.cpu_count()}"
     report = {"device": device_name, "torch": torch.__version__, "args": vars(args), "steps": [], "accept": [],
-              "hf": [], "rounds": [], "load": []}
+              "hf": [], "gammas": [], "rounds": [], "load": []}
     if "steps" in args.parts:
         for shape in dict.fromkeys(args.targets + [args.draft_shape]):
             log(f"{shape}: one pooled step, eager and through the step runner, against the bandwidth floor")
@@ -430,6 +463,9 @@ def main(argv=None) -> int:
             log(f"{shape} target, {args.draft_shape} draft: Hugging Face generate")
             report["hf"] += bench_hf(args, shape, log)
             _free_cuda()
+        if "gammas" in args.parts:
+            log(f"{shape} target, {args.draft_shape} draft: one stream in process at each γ, alpha={args.load_alpha}")
+            report["gammas"] += bench_gammas(args, shape, log)
         if "rounds" in args.parts:
             log(f"{shape} target, {args.draft_shape} draft: one stream per configuration, γ={args.gamma}")
             report["rounds"] += bench_rounds(args, shape, log)
@@ -439,7 +475,7 @@ def main(argv=None) -> int:
         (out / "dataplane.json").write_text(json.dumps(report, indent=1))
     plot_dataplane(report, out / "dataplane.png")
     log(f"wrote {out / 'dataplane.json'} and {out / 'dataplane.png'}")
-    wrong = sum(r["wrong_tokens"] for part in ("hf", "rounds", "load") for r in report[part])
+    wrong = sum(r["wrong_tokens"] for part in ("hf", "gammas", "rounds", "load") for r in report[part])
     if wrong:
         print(f"ERROR: {wrong} token(s) differ from the target's greedy output", file=sys.stderr)
         return 1

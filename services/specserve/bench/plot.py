@@ -9,6 +9,7 @@ from __future__ import annotations
 import pathlib
 
 COLORS = {"target": "#999999", "hf-spec": "#e07b39", "specserve": "#3a7bd5"}
+STEP_MODES = {"eager": "eager", "runner": "step runner", "compiled": "step runner, compiled"}
 FAMILIES = {"target": "target only (no speculation)", "hf-spec": "HF assisted generation",
             "specserve": "specserve (γ fixed, auto, heuristic)"}
 
@@ -72,7 +73,7 @@ def plot_report(report: dict, path: pathlib.Path) -> None:
 
 
 def plot_dataplane(report: dict, path: pathlib.Path) -> None:
-    """dataplane.json → one PNG: per shape, step time against sequences (eager, step runner, bandwidth floor;
+    """dataplane.json → one PNG: per shape, step time against sequences (eager, step runner, compiled, floor;
     1 and γ+1 tokens each); acceptance time, batched and block by block; one stream's tok/s per configuration,
     Hugging Face beside it; aggregate tok/s under load per γ. Panels of parts not run are left out."""
     import matplotlib
@@ -83,7 +84,7 @@ def plot_dataplane(report: dict, path: pathlib.Path) -> None:
     shapes = list(dict.fromkeys(r["shape"] for r in report["steps"]))
     panels = [("steps", s) for s in shapes]
     panels += [(part, None) for part, ran in (("accept", report.get("accept")),
-                                              ("one stream", report["rounds"] or report["hf"]), ("load", report["load"]))
+                                              ("one stream", report["rounds"] or report["hf"] or report.get("gammas")), ("load", report["load"]))
                if ran]
     if not panels:
         return
@@ -92,12 +93,12 @@ def plot_dataplane(report: dict, path: pathlib.Path) -> None:
         if kind == "steps":
             rows = [r for r in report["steps"] if r["shape"] == shape]
             for width in sorted({r["width"] for r in rows}):
-                for runner, style in ((False, "o-"), (True, "s-")):
-                    line = [r for r in rows if r["width"] == width and r["runner"] == runner]
+                for mode, style in (("eager", "o-"), ("runner", "s-"), ("compiled", "^-")):
+                    line = [r for r in rows if r["width"] == width and r["mode"] == mode]
                     if line:
                         ax.plot([r["sequences"] for r in line], [r["step_ms"] for r in line], style,
-                                label=f"{'step runner' if runner else 'eager'}, {width} token(s) per sequence")
-                floor = [r for r in rows if r["width"] == width and not r["runner"]] or rows
+                                label=f"{STEP_MODES[mode]}, {width} token(s) per sequence")
+                floor = [r for r in rows if r["width"] == width and r["mode"] == rows[0]["mode"]]
                 ax.plot([r["sequences"] for r in floor], [r["floor_ms"] for r in floor], "k--", linewidth=0.8,
                         label=f"bandwidth floor, {width} token(s)")
             ax.set_xscale("log", base=2)
@@ -117,6 +118,8 @@ def plot_dataplane(report: dict, path: pathlib.Path) -> None:
                          fontsize=10)
         elif kind == "one stream":
             bars = [(f"{r['target']} {r['config']} γ={r['gamma']} α={r['alpha']}", r["tok_s"]) for r in report["rounds"]]
+            bars += [(f"{r['target']} in-process γ={r['gamma']} α={r['alpha']}", r["tok_s"])
+                     for r in report.get("gammas", [])]
             bars += [(f"{r['target']} {r['config']} α={r['alpha']}", r["tok_s"]) for r in report["hf"]]
             ax.bar(range(len(bars)), [v for _, v in bars],
                    color=["#e07b39" if label.split()[1] == "hf" else "#3a7bd5" for label, _ in bars])

@@ -64,9 +64,9 @@ def bench_steps(args, shape: str, log) -> list[dict[str, Any]]:
     widths = sorted({1, block_gamma(args) + 1})
     per_sequence = max(32, 1 << (args.prompt_len + max(widths)).bit_length())  # its buddy block
     rows = []
-    for runner in (False, True):
-        pool = KVPool(model, tokens=2 * max(args.concurrency) * per_sequence, runner=runner,
-                      max_width=args.gamma_max + 1)
+    for mode in args.step_modes:
+        pool = KVPool(model, tokens=2 * max(args.concurrency) * per_sequence, runner=mode != "eager",
+                      max_width=args.gamma_max + 1, compile_steps=mode == "compiled")
         weights = weight_bytes(pool.w)
         for batch in args.concurrency:
             seqs = [pool.sequence() for _ in range(batch)]
@@ -85,11 +85,11 @@ def bench_steps(args, shape: str, log) -> list[dict[str, Any]]:
                         seq.rollback(args.prompt_len)  # the same context every step
                 step_s = statistics.median(times)
                 floor_s = (weights + batch * (args.prompt_len + width) * pool.bytes_per_token) / bandwidth
-                row = {"shape": shape, "runner": runner, "sequences": batch, "width": width,
+                row = {"shape": shape, "mode": mode, "runner": mode != "eager", "sequences": batch, "width": width,
                        "step_ms": 1000 * step_s, "floor_ms": 1000 * floor_s, "of_floor": step_s / floor_s,
                        "weight_bytes": weights, "bandwidth_gb_s": bandwidth / 1e9}
                 rows.append(row)
-                log(f"  {shape:>5} {'runner' if runner else 'eager':>6} {batch:>3} seq × {width} tok  "
+                log(f"  {shape:>5} {mode:>8} {batch:>3} seq × {width} tok  "
                     f"{row['step_ms']:8.3f} ms  floor {row['floor_ms']:7.3f} ms  ({row['of_floor']:.2f}x floor)")
             for seq in seqs:
                 seq.release()

@@ -124,11 +124,13 @@ class KVPool:
     sequence (default: the model's max_position_embeddings). prefix_caching: keep released sequences'
     keys and values for new sequences that start with the same tokens (`models.prefix`); share_running: and
     let them copy a prefix from sequences still running, too (callers that run every step on one thread).
+    runner: give it a static-shape step runner (default: `wants_runner`); compile_steps: compile the runner's
+    steps (default: `SPECSERVE_COMPILE_STEPS`, `models.runner`).
     """
 
     def __init__(self, model, tokens: int, dtype: torch.dtype | None = None, max_length: int | None = None,
                  min_block: int = 32, runner: bool | None = None, max_width: int = 9, tp: Collective | None = None,
-                 prefix_caching: bool = False, share_running: bool = False):
+                 prefix_caching: bool = False, share_running: bool = False, compile_steps: bool | None = None):
         param = next(model.parameters())
         self.tp = tp
         self.prefix = PrefixCache() if prefix_caching else None
@@ -149,7 +151,8 @@ class KVPool:
         self.v = torch.empty_like(self.k)
         runner = wants_runner(self.w.device, tp) if runner is None else runner
         # max_width: the widest step it takes (a verify of gamma_max + 1 tokens)
-        self.runner = StepRunner(self.w, (self.k, self.v), self.max_length, max_width=max_width) if runner else None
+        self.runner = StepRunner(self.w, (self.k, self.v), self.max_length, max_width=max_width,
+                                 compile=compile_steps) if runner else None
         self._lock = threading.Lock()  # allocations may come from any thread; forwards from one
 
     @property

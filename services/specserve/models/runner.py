@@ -20,7 +20,7 @@ buckets run eagerly through `lean.lean_forward`, as before.
 `SPECSERVE_COMPILE_STEPS=1` compiles each bucket's step with `torch.compile` before it is captured, fusing the
 norms, rotary and elementwise ops that a replayed graph still runs as ~20 small kernels per layer (measured on
 an H200: docs/benchmarks.md). One graph per (batch, width): the context length is a symbol in it. Off by
-default until a GPU session has measured it; on a CPU (with the runner forced on) it is opt-in (docs/design.md).
+default: faster on an H100, but each (batch, width) compiles for tens of seconds there (docs/design.md).
 """
 
 from __future__ import annotations
@@ -155,14 +155,11 @@ class StepRunner:
         cos, sin = angles.cos().to(w.dtype)[:, None], angles.sin().to(w.dtype)[:, None]
         for i, layer in enumerate(w.layers):
             q, k, v = rotated_qkv(w, layer, x, cos, sin)
+            # through the whole arena: compiled, a write to a layer's view would copy the arena every layer
+            layer_rows = torch.full_like(b.slots, i)
+            self.k[layer_rows, :, b.slots] = k
+            self.v[layer_rows, :, b.slots] = v
             k_layer, v_layer = self.k[i], self.v[i]  # [kvh, positions + 1, d]
-            if self._compiled:  # through the whole arena: compiled, a write to a layer's view copies the arena
-                layer_rows = torch.full_like(b.slots, i)
-                self.k[layer_rows, :, b.slots] = k
-                self.v[layer_rows, :, b.slots] = v
-            else:  # the write CUDA graphs were checked with (an H200)
-                k_layer.index_copy_(1, b.slots, k.transpose(0, 1))
-                v_layer.index_copy_(1, b.slots, v.transpose(0, 1))
             keys = k_layer[:, b.key_rows].transpose(0, 1)  # [B, kvh, L, d]
             values = v_layer[:, b.key_rows].transpose(0, 1)
             queries = q.view(batch, width, h, d).permute(0, 2, 1, 3).reshape(batch, kvh, h // kvh * width, d)
