@@ -27,11 +27,13 @@ from tests.cpu.test_exactness import chi_square_pvalue, target_joint
 VOCAB = 41
 
 
-def tiny(heads: int, kv_heads: int, dtype=torch.float64, vocab: int = VOCAB, scale: float = 0.2):
+def tiny(heads: int, kv_heads: int, dtype=torch.float64, vocab: int = VOCAB, scale: float = 0.2,
+         attention_bias: bool = False):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
-                         initializer_range=scale, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+                         initializer_range=scale, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                         attention_bias=attention_bias)
     return LlamaForCausalLM(config).to(dtype).eval()
 
 
@@ -142,6 +144,57 @@ def test_a_dense_rank_keeps_only_its_part_after_loading(tmp_path):
     for model in ranks.values():
         assert model.model.layers[0].mlp.down_proj.weight.numel() == 0
         assert model.model.layers[0].self_attn.q_proj.weight.numel() == 0
+
+
+def _lean_tensors(w) -> list[torch.Tensor]:
+    """Every tensor a rank's lean weights multiply or read (dense weights: their tensors)."""
+    out = [w.norm, w.head.weight if hasattr(w.head, "weight") else w.head, w.embed]
+    for layer in w.layers:
+        out += [t.weight if hasattr(t, "weight") else t for t in layer if t is not None]
+    return out
+
+
+@pytest.mark.parametrize("tied,max_shard", [(True, None), (False, "40KB")], ids=["tied-one-file", "untied-index"])
+def test_a_rank_reads_only_its_slices_of_a_safetensors_checkpoint(tmp_path, tied, max_shard):
+    """A dense rank of a safetensors checkpoint (one file, or several under an index) reads its part of every
+    layer's linear weights (and biases) and nothing more of them, and ends with the weights the whole model cut
+    would give."""
+    from specserve.models import slices
+    from specserve.models.weights import lean_weights
+
+    model = tiny(6, 3, torch.float32, attention_bias=not tied)  # q, k, v biases cut by rows, o's whole
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            p.data.normal_()  # initialised to zeros
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.generation_config.eos_token_id = 7
+    model.save_pretrained(str(tmp_path), **({"max_shard_size": max_shard} if max_shard else {}))
+    assert (tmp_path / "model.safetensors.index.json").is_file() == (max_shard is not None)
+    whole = load_model(str(tmp_path), "float32").model
+    files = slices.checkpoint_files(tmp_path)
+    for world in (2, 3):
+        for rank in range(world):
+            shard = Shard(rank, world)
+            part = slices.load_rank(tmp_path, files, whole.config, shard, torch.float32, "cpu")
+            layer, full = part.model.layers[1], whole.model.layers[1]
+            rows = 16 * len(shard.kv_groups(3))  # per KV group: 2 query heads of 48 / 6 = 8 features
+            assert layer.self_attn.q_proj.weight.shape == (rows, 48)
+            assert layer.self_attn.k_proj.weight.shape == (rows // 2, 48)
+            assert layer.self_attn.o_proj.weight.shape == (48, rows)
+            assert layer.mlp.down_proj.weight.shape == (48, 96 // world)
+            assert torch.equal(layer.mlp.gate_proj.weight, full.mlp.gate_proj.weight[shard.part(96)])
+            loaded = load_model(str(tmp_path), "float32", shard=shard)
+            sliced = loaded.model
+            assert sliced.specserve_shard == shard
+            assert loaded.eos_ids == {7}  # from generation_config.json
+            assert sliced.model.layers[0].mlp.up_proj.weight.numel() == 0  # dropped once the lean weights hold it
+            ours, cut = lean_weights(sliced, torch.float32, shard), lean_weights(whole, torch.float32, shard)
+            assert (ours.heads, ours.kv_heads) == (cut.heads, cut.kv_heads)
+            assert all(torch.equal(a, b) for a, b in zip(_lean_tensors(ours), _lean_tensors(cut), strict=True))
+            with pytest.raises(ValueError, match=f"holds rank {rank} of {world}'s part"):
+                lean_weights(sliced, torch.float32)
 
 
 def test_greedy_decoding_through_the_group_equals_the_whole_model():

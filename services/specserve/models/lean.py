@@ -34,7 +34,11 @@ SUPPORTED = {"llama", "specserve_draft"}
 
 def unsupported_reason(model) -> str | None:
     """Why `LeanSequence` cannot run `model`, or None when it can."""
-    cfg = model.config
+    return unsupported_config(model.config)
+
+
+def unsupported_config(cfg) -> str | None:
+    """Why `LeanSequence` cannot run a model of config `cfg`, or None when it can."""
     if cfg.model_type not in SUPPORTED:
         return f"model type {cfg.model_type!r}"
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}

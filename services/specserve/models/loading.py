@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from specserve.models import embedded, quant
+from specserve.models import embedded, quant, slices
 from specserve.models.tp import Shard
+from specserve.models.weights import drop_linears
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
@@ -152,6 +153,9 @@ def load_model(
     torch_dtype = _quantized_dtype(torch_dtype) if method != "none" else torch_dtype
     torch_dtype = torch_dtype or default_dtype(device)
     _refuse_prequantized(path, name)
+    sliced = _sliced_rank(path, name, shard, method, device_map, torch_dtype, device)
+    if sliced is not None:
+        return _keep_shard(sliced, shard)
     try:
         with _LOADING:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, device_map=device_map)
@@ -165,6 +169,28 @@ def load_model(
     if method == "none":
         return loaded if shard is None else _keep_shard(loaded, shard)
     return _quantize(loaded, method, group, gguf, shard)
+
+
+def _sliced_rank(path, name: str, shard: Shard | None, method: str, device_map: Any, dtype: torch.dtype,
+                 device: str) -> LoadedModel | None:
+    """A dense tensor-parallel rank of a safetensors checkpoint, read as its slices only (`models.slices`); None
+    where that does not apply (no shard, quantized at load: int8 scales span whole rows, GGUF, device_map)."""
+    from transformers import AutoConfig
+
+    if shard is None or method != "none" or device_map is not None or not pathlib.Path(path).is_dir():
+        return None
+    files = slices.checkpoint_files(path)
+    if files is None:
+        return None
+    from specserve.models.lean import unsupported_config
+
+    config = AutoConfig.from_pretrained(str(path))
+    reason = unsupported_config(config)
+    if reason is not None:
+        raise ValueError(f"tensor_parallel runs in the lean forward of Llama-family models; {name} has {reason}")
+    with _LOADING:
+        model = slices.load_rank(path, files, config, shard, dtype, device)
+    return LoadedModel(model, _tokenizer_at(path), name)
 
 
 def _refuse_prequantized(path, name: str) -> None:
@@ -238,9 +264,7 @@ def _require_lean(loaded: LoadedModel, what: str) -> None:
 def _drop_linears(model) -> None:
     """Free the HF modules' linear weights (and an untied head) once the lean forward holds its own."""
     for layer in model.model.layers:
-        for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                       layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-            module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+        drop_linears(layer)
     if model.lm_head.weight is not model.model.embed_tokens.weight:
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.new_empty(0), requires_grad=False)
 

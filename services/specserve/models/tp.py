@@ -52,6 +52,18 @@ class Shard:
         return slice(min(n, self.rank * size), min(n, (self.rank + 1) * size))
 
 
+def linear_parts(shard: Shard, config) -> dict[str, tuple[slice | None, slice | None]]:
+    """(rows, columns) of each layer's linear weights [out, in] that `shard` holds, by role: its heads' rows of
+    q, k, v, its slice of gate and up, and the matching columns of o and down (None: all of them)."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // heads
+    groups, per_group = shard.kv_groups(kv_heads), heads // kv_heads
+    query = slice(groups.start * per_group * d, groups.stop * per_group * d)
+    kv, mlp = slice(groups.start * d, groups.stop * d), shard.part(config.intermediate_size)
+    return {"q": (query, None), "k": (kv, None), "v": (kv, None), "gate": (mlp, None), "up": (mlp, None),
+            "o": (None, query), "down": (None, mlp)}
+
+
 def check(config, world: int) -> None:
     """ValueError naming `tensor_parallel` when `config`'s model cannot be split over `world` ranks."""
     if world < 1:

@@ -9,7 +9,7 @@ import torch
 
 from specserve.models.quant import QuantizedLinear, quantize
 from specserve.models.quant import dense as packed_dense
-from specserve.models.tp import Collective, Shard, take
+from specserve.models.tp import Collective, Shard, linear_parts, take
 
 
 class LeanWeights:
@@ -48,16 +48,18 @@ class LeanWeights:
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        d, per_group = self.head_dim, self.heads // self.kv_heads
-        rows = {role: None for role in ("q", "k", "v", "gate", "up")}
-        cols = {"o": None, "down": None}
+        per_group = self.heads // self.kv_heads
+        rows: dict[str, slice | None] = {}
+        cols: dict[str, slice | None] = {}
+        held = getattr(model, "specserve_shard", None)  # loaded as a rank's slices (`models.slices`)
+        if held is not None and held != shard:
+            raise ValueError(f"this model holds rank {held.rank} of {held.world}'s part of its linear layers only")
         if shard is not None:
             groups = shard.kv_groups(self.kv_heads)
-            heads = slice(groups.start * per_group * d, groups.stop * per_group * d)
-            kv, mlp = slice(groups.start * d, groups.stop * d), shard.part(cfg.intermediate_size)
-            rows = {"q": heads, "k": kv, "v": kv, "gate": mlp, "up": mlp}
-            cols = {"o": heads, "down": mlp}
             self.heads, self.kv_heads = len(groups) * per_group, len(groups)
+            if held is None:
+                parts = linear_parts(shard, cfg)
+                rows, cols = {r: p[0] for r, p in parts.items()}, {r: p[1] for r, p in parts.items()}
         self.eps = cfg.rms_norm_eps
         self.layers = []
         for i, layer in enumerate(model.model.layers):
@@ -72,7 +74,7 @@ class LeanWeights:
 
             def bias(role: str):
                 b = dense[role].bias
-                return b if b is None or rows[role] is None else b[rows[role]]
+                return b if b is None or rows.get(role) is None else b[rows[role]]
 
             at = attn.q_proj.weight.device
             b_qkv = [bias("q"), bias("k"), bias("v")]
@@ -86,6 +88,8 @@ class LeanWeights:
                 fuse([weight("gate"), weight("up")], at),
                 fuse([weight("down")], at),
             ))
+            if held is not None:  # a rank's slices serve nothing else: freed now, a load peaks one layer over
+                drop_linears(layer)
         self.norm = cast(model.model.norm.weight)
         head = model.lm_head.weight
         head_stored = stored["head"] if stored is not None else None
@@ -114,6 +118,13 @@ class LeanWeights:
         self.device = device
         self.quantization = "none" if spec is None else spec.describe()
         self.tp: Collective | None = None  # set by a tensor-parallel pool (`KVPool`)
+
+
+def drop_linears(layer) -> None:
+    """Free an HF decoder layer's linear weights once the lean forward holds its own."""
+    for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+        module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
 
 def lean_weights(model, dtype: torch.dtype, shard: Shard | None = None) -> LeanWeights:
