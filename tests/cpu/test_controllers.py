@@ -69,6 +69,34 @@ def test_auto_probes_while_off():
     assert [hopeless.choose(open_ended=True) for _ in range(64)] == [0] * 64
 
 
+def test_a_draft_s_catch_up_does_not_teach_auto_the_cost_of_a_draft_step():
+    """A round after rounds the model draft did not run drafts only once the draft has fed every token since (on
+    a GPU an eager multi-token forward: ~13 ms for the 135M-shape draft, against 1.8 ms for a captured step).
+    Taken for the cost of its one drafted token, a few such probes priced the draft out for good (no draft could
+    pay at that cost, so auto stopped probing) where γ=3 ran 1.54x faster than γ=0 (H100, docs/benchmarks.md).
+    Rounds whose draft fed more than its usual 1-2 tokens do not teach that cost."""
+    verify = {n: 0.0070 for n in range(1, 10)}
+
+    def run(reports_catch_up: bool) -> tuple[AutoGamma, list[int]]:
+        auto = AutoGamma(gamma_max=8, verify_profile=verify, draft_step_s=0.0018, prior_acceptance=0.2,
+                         probe_every=4)
+        fed, chosen = 1, []
+        for _ in range(120):
+            g = auto.choose()
+            chosen.append(g)
+            draft_s = g * 0.0018 + (0.013 if g and fed > 2 else 0.0)
+            auto.update(RoundObservation(g, g, g, [0.8] * g, draft_s, 0.007, draft_s + 0.007,
+                                         draft_fed=fed if reports_catch_up else 0))
+            fed = 2 if g else fed + 1  # every token accepted: the last drafted one and the bonus to feed
+        return auto, chosen
+
+    auto, chosen = run(True)
+    assert auto.draft_step_s == pytest.approx(0.0018)
+    assert min(chosen[-40:]) >= 2
+    misled, chosen = run(False)  # as before rounds reported their draft's catch-up: off, and no more probes
+    assert misled.draft_step_s > 0.005 and chosen[-100:] == [0] * 100
+
+
 def test_make_controller_specs():
     assert make_controller(3).name == "fixed:3"
     assert make_controller("fixed:2").name == "fixed:2"

@@ -188,3 +188,47 @@ def test_logprobs_are_the_targets_raw_log_probabilities_of_the_emitted_tokens(mo
     plain = dec.generate(PROMPT, SamplingParams(**mode, ignore_eos=True), 20)
     assert plain.token_ids == result.token_ids and plain.logprobs is None
     assert [len(top) for _, _, top in dec.generate(PROMPT, SamplingParams(**mode, logprobs=0), 5).logprobs] == [0] * 5
+
+
+def test_each_round_reports_how_many_tokens_its_model_draft_fed_before_drafting():
+    """What the controller needs to tell a draft step's cost from a catch-up: the context tokens the model draft
+    fed before its first drafted token, as the draft's own cache says (1-2 while it drafts every round, one more
+    for each token of rounds it sat out), and 0 for rounds it did not draft."""
+    import itertools
+
+    from specserve.engine.loop import speculate
+    from specserve.engine.proposers import ModelProposer, TargetVerifier
+    from specserve.speculation import FixedGamma, PositionRNG
+
+    target = tiny_llama(0)
+    draft = perturbed_copy(target, 0.3)
+    vocab = target.config.vocab_size
+
+    class Scripted(FixedGamma):
+        def __init__(self, gammas: list[int]):
+            super().__init__(max(gammas))
+            self.gammas, self.seen = list(gammas), []
+
+        def choose(self, remaining=None, key=None, available=None, open_ended=False) -> int:
+            return self.gammas.pop(0) if self.gammas else 0
+
+        def update(self, obs) -> None:
+            self.seen.append(obs)
+
+    proposer = ModelProposer(draft, vocab)
+    fed, propose = [], proposer.propose
+
+    def counted(context, *args, **kwargs):
+        fed.append(len(context) - min(proposer.seq.common_prefix(context), len(context) - 1))
+        return propose(context, *args, **kwargs)
+
+    proposer.propose = counted
+    script = Scripted([2, 3, 0, 0, 3, 1, 4, 0, 2, 2])
+    rounds = speculate([1, 2, 3, 4, 5], proposer, TargetVerifier(target, vocab), script,
+                       SamplingParams(temperature=1.0, seed=3, ignore_eos=True), PositionRNG(3), 100, vocab, set())
+    list(itertools.islice(rounds, 10))
+    assert len(script.seen) == 10
+    assert [o.draft_fed for o in script.seen if o.gamma] == fed
+    assert [o.draft_fed for o in script.seen if not o.gamma] == [0, 0, 0]
+    assert max(fed) > 2  # a catch-up was among them
+    assert {o.accepted == o.drafted for o in script.seen if o.gamma} == {True, False}  # blocks kept whole and cut

@@ -113,11 +113,14 @@ def speculate(
             proposer.prefill(context)
         prefill_s = time.perf_counter() - t0
         cached = getattr(verifier, "cached_tokens", 0)
+        in_draft = len(context) - 1  # context tokens the model draft's cache holds (its prefill leaves the last)
         while produced < max_new_tokens:
             t_round = time.perf_counter()
             remaining = max_new_tokens - produced
             proposal, g, looked_up = draft_block(proposer, controller, context, remaining, params, rng, vocab)
             t_drafted = time.perf_counter()
+            model_drafted = g > 0 and not looked_up and proposer is not None and not proposer.free
+            draft_fed = len(context) - in_draft if model_drafted else 0
             after = remaining - len(proposal) - 1  # tokens still wanted if this block is fully accepted
             if pipelined and proposer is not None and not proposer.free and len(proposal) and after > 0:
                 proposer.prefetch(context, proposal, controller.choose(after), params, rng)
@@ -130,8 +133,12 @@ def speculate(
                 RoundObservation(
                     g, len(proposal), verdict.n_accepted, verdict.betas,
                     draft_s, verify_s, time.perf_counter() - t_round, proposal.key, proposal.confidences, *shared,
+                    draft_fed=draft_fed,
                 )
             )
+            if model_drafted:  # it fed its drafted tokens but the last; the accepted ones stay valid
+                ran = max(len(proposal), len(proposal.confidences))
+                in_draft = len(context) + max(0, min(verdict.n_accepted, ran - 1))
             new = proposal.tokens[: verdict.n_accepted] + [verdict.next_token]
             new, reason = finish_reason(new, eos_ids, params, remaining)
             context.extend(new)

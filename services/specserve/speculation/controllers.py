@@ -44,6 +44,9 @@ class RoundObservation:
     step_tokens: int = 0
     step_sessions: int = 0
     step_time_s: float = 0.0
+    # context tokens the model draft fed before its first drafted token: 1-2 while it drafts every round, more
+    # after rounds it sat out (a catch-up, timed with the draft); 0 where it did not draft or nobody counted
+    draft_fed: int = 0
 
 
 def expected_tokens_per_round(alpha: float, gamma: int) -> float:
@@ -425,7 +428,9 @@ class AutoGamma(GammaController):
         # Prompt-lookup blocks in front of a model draft (near-zero draft time) count here too: the lower step
         # makes auto draft deeper with the model, which measured faster on code (docs/benchmarks.md).
         steps = max(obs.drafted, len(obs.confidences))  # tokens drafted, verified or not
-        if steps > 0 and obs.draft_time_s > 0:
+        # not from a catch-up: on a GPU its multi-token forward took ~5x a captured draft step, and learned as
+        # the step's cost it kept auto at γ=0 where γ=3 paid 1.54x (docs/benchmarks.md)
+        if steps > 0 and obs.draft_time_s > 0 and obs.draft_fed <= 2:
             step = obs.draft_time_s / steps
             self.draft_step_s = step if self.draft_step_s is None else self.draft_step_s + w * (step - self.draft_step_s)
         if obs.round_time_s > 0:
