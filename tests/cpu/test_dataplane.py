@@ -81,9 +81,10 @@ def test_the_steps_part_times_compiled_steps_and_names_a_wrong_mode(tmp_path, ca
     common = ["--targets", "tiny", "--draft-shape", "tiny", "--vocab", str(VOCAB), "--device", "cpu", "--dtype",
               "float32", "--gamma", "0", "--prompt-len", "12", "--concurrency", "1", "--parts", "steps",
               "--step-repeats", "2", "--out", str(tmp_path)]
-    assert dataplane.main(common + ["--step-modes", "compiled"]) == 0
+    assert dataplane.main(common + ["--step-modes", "compiled,compiled-dynamic"]) == 0
     report = json.loads((tmp_path / "dataplane.json").read_text())
-    assert [(r["mode"], r["runner"], r["sequences"], r["width"]) for r in report["steps"]] == [("compiled", True, 1, 1)]
+    assert [(r["mode"], r["runner"], r["sequences"], r["width"]) for r in report["steps"]] == [
+        ("compiled", True, 1, 1), ("compiled-dynamic", True, 1, 1)]
     with pytest.raises(SystemExit):
         dataplane.main(common + ["--step-modes", "eager,fast"])
     assert "--step-modes: unknown mode(s) ['fast']" in capsys.readouterr().err

@@ -126,9 +126,11 @@ def test_an_in_process_draft_drafts_on_a_pool_where_the_runner_is_on(model, monk
 
 @pytest.mark.parametrize("weights", ["float32", "int4"])
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_compiled_steps_equal_the_eager_steps(model, monkeypatch, device, weights):
+@pytest.mark.parametrize("mode", [True, "dynamic"], ids=["static", "dynamic"])
+def test_compiled_steps_equal_the_eager_steps(model, monkeypatch, device, weights, mode):
     """`SPECSERVE_COMPILE_STEPS=1`: each bucket's step compiled by torch.compile (then captured on CUDA) gives the
-    eager forward's logits and sequences, as ONE graph per (batch, width) whatever the context bucket, with no
+    eager forward's logits and sequences, as one graph per (batch, width) whatever the context bucket (`dynamic`:
+    one per width for every batch bucket above 1, and one for 1), with no
     graph break (a break leaves dynamo compiling the callees, eager forwards included). int4: a quantized
     bfloat16 model whose verify-width layers multiply a dense copy (oneDNN-packed on a CPU that has it).
     Needs a C++ compiler on a CPU (Inductor's CPU code) or a GPU."""
@@ -147,7 +149,7 @@ def test_compiled_steps_equal_the_eager_steps(model, monkeypatch, device, weight
     headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
     if device == "cpu" and (shutil.which("g++") is None or not headers):
         pytest.skip("no C++ compiler or Python headers for Inductor's CPU code")
-    monkeypatch.setattr(runner_module, "COMPILE_STEPS", True)
+    monkeypatch.setattr(runner_module, "COMPILE_STEPS", mode)
     if weights == "int4":
         here = load_model(tiny_llama(5, vocab=VOCAB, hidden=64, scale=8.0, dtype=torch.bfloat16), device=device,
                           quantization="int4").model
@@ -166,10 +168,19 @@ def test_compiled_steps_equal_the_eager_steps(model, monkeypatch, device, weight
         steps.append(pool.forward(seqs, [list(range(8, 17))] * 3, [9] * 3))  # a verify-width bucket (9 rows each)
         for s in range(70):  # past the 64-position context bucket into the 128 one: no new graph
             steps.append(pool.forward(seqs, [[(s + j) % VOCAB] for j in range(3)], [1, 1, 1]))
-        outs.append((steps, [s.tokens for s in seqs]))
+        more = [pool.sequence() for _ in range(3)]  # batch buckets 2, 8 and 1: one new graph, for the 1
+        pool.forward(more, [[1, 2], [3], [4, 5, 6]], [1, 1, 1])
+        for batch in (seqs[:2], seqs + more, seqs[2:3]):
+            steps.append(pool.forward(batch, [[(3 * j) % VOCAB] for j in range(len(batch))], [1] * len(batch)))
+        outs.append((steps, [s.tokens for s in seqs + more]))
     assert {key[2] for key in compiled.runner.buckets} == {64, 128}
+    assert {key[0] for key in compiled.runner.buckets} == {1, 2, 4, 8}
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] == 2  # (4 sequences, 1 token) and (4, 9): one graph each
+    if mode == "dynamic":  # 1 token at 1 sequence and at 2-8, 9 tokens at 4; int4 layers multiply a dense copy
+        # from 8 rows on (`dense_from`), a branch on the batch: 1 token at 2-7 and at 8 apart
+        assert counters["stats"]["unique_graphs"] == (3 if weights == "float32" else 4)
+    else:  # 1 token at 1, 2, 4 and 8 sequences, 9 tokens at 4
+        assert counters["stats"]["unique_graphs"] == 5
     assert outs[0][1] == outs[1][1]
     for a, b in zip(outs[0][0], outs[1][0]):
         if weights == "float32":

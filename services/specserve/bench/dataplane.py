@@ -23,9 +23,9 @@ real pair's acceptance: take alpha from real pairs (`specserve bench`).
 
 Parts (`--parts`; `steps`, `accept` and `hf` are in `bench.steps`):
   steps   one target step at each --concurrency × 1 and γ+1 tokens in each
-          --step-modes (eager, through the step runner, and the runner's
-          compiled steps), against its bandwidth floor (targets and the
-          draft's shape).
+          --step-modes (eager, through the step runner, the runner's
+          compiled steps, and compiled-dynamic: the batch a symbol),
+          against its bandwidth floor (targets and the draft's shape).
   accept  one step's verify blocks accepted all at once against one by one.
   hf      the pair through Hugging Face `generate`, target-only and assisted.
   gammas  one stream in process at each γ of --sweep-gammas, alpha =

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pathlib
 
 COLORS = {"target": "#999999", "hf-spec": "#e07b39", "specserve": "#3a7bd5"}
-STEP_MODES = {"eager": "eager", "runner": "step runner", "compiled": "step runner, compiled"}
+STEP_MODES = {"eager": "eager", "runner": "step runner", "compiled": "step runner, compiled",
+              "compiled-dynamic": "step runner, compiled, the batch a symbol"}
 FAMILIES = {"target": "target only (no speculation)", "hf-spec": "HF assisted generation",
             "specserve": "specserve (γ fixed, auto, heuristic)"}
 
@@ -93,7 +94,7 @@ def plot_dataplane(report: dict, path: pathlib.Path) -> None:
         if kind == "steps":
             rows = [r for r in report["steps"] if r["shape"] == shape]
             for width in sorted({r["width"] for r in rows}):
-                for mode, style in (("eager", "o-"), ("runner", "s-"), ("compiled", "^-")):
+                for mode, style in zip(STEP_MODES, ("o-", "s-", "^-", "v-")):
                     line = [r for r in rows if r["width"] == width and r["mode"] == mode]
                     if line:
                         ax.plot([r["sequences"] for r in line], [r["step_ms"] for r in line], style,

@@ -66,7 +66,8 @@ def bench_steps(args, shape: str, log) -> list[dict[str, Any]]:
     rows = []
     for mode in args.step_modes:
         pool = KVPool(model, tokens=2 * max(args.concurrency) * per_sequence, runner=mode != "eager",
-                      max_width=args.gamma_max + 1, compile_steps=mode == "compiled")
+                      max_width=args.gamma_max + 1,
+                      compile_steps={"compiled": True, "compiled-dynamic": "dynamic"}.get(mode, False))
         weights = weight_bytes(pool.w)
         for batch in args.concurrency:
             seqs = [pool.sequence() for _ in range(batch)]

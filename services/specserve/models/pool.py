@@ -125,12 +125,12 @@ class KVPool:
     keys and values for new sequences that start with the same tokens (`models.prefix`); share_running: and
     let them copy a prefix from sequences still running, too (callers that run every step on one thread).
     runner: give it a static-shape step runner (default: `wants_runner`); compile_steps: compile the runner's
-    steps (default: `SPECSERVE_COMPILE_STEPS`, `models.runner`).
+    steps, True or "dynamic" (default: `SPECSERVE_COMPILE_STEPS`, `models.runner`).
     """
 
     def __init__(self, model, tokens: int, dtype: torch.dtype | None = None, max_length: int | None = None,
                  min_block: int = 32, runner: bool | None = None, max_width: int = 9, tp: Collective | None = None,
-                 prefix_caching: bool = False, share_running: bool = False, compile_steps: bool | None = None):
+                 prefix_caching: bool = False, share_running: bool = False, compile_steps: bool | str | None = None):
         param = next(model.parameters())
         self.tp = tp
         self.prefix = PrefixCache() if prefix_caching else None

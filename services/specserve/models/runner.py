@@ -19,8 +19,11 @@ buckets run eagerly through `lean.lean_forward`, as before.
 
 `SPECSERVE_COMPILE_STEPS=1` compiles each bucket's step with `torch.compile` before it is captured, fusing the
 norms, rotary and elementwise ops that a replayed graph still runs as ~20 small kernels per layer (measured on
-an H200: docs/benchmarks.md). One graph per (batch, width): the context length is a symbol in it. Off by
-default: faster on an H100, but each (batch, width) compiles for tens of seconds there (docs/design.md).
+an H200: docs/benchmarks.md). One graph per (batch, width), the context length a symbol in it;
+`SPECSERVE_COMPILE_STEPS=dynamic` makes the batch a symbol too: one graph per width for every batch bucket
+above 1 (a batch of 1 keeps its own): 18 graphs where there were 81, for batched steps up to 21% slower on a
+CPU (docs/benchmarks.md).
+Off by default: faster on an H100, but a graph compiles for tens of seconds there (docs/design.md).
 """
 
 from __future__ import annotations
@@ -36,7 +39,11 @@ from specserve.models.lean import LeanWeights, head_logits, layer_output, rotate
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 MIN_CONTEXT = 64  # the shortest context bucket; others double up to the pool's longest sequence
-COMPILE_STEPS: bool = os.environ.get("SPECSERVE_COMPILE_STEPS", "0") == "1"
+COMPILE_MODES = {"0": False, "1": True, "dynamic": "dynamic"}  # SPECSERVE_COMPILE_STEPS → StepRunner(compile=)
+if os.environ.get("SPECSERVE_COMPILE_STEPS", "0") not in COMPILE_MODES:
+    raise ValueError(f"SPECSERVE_COMPILE_STEPS must be one of {sorted(COMPILE_MODES)}, got "
+                     f"{os.environ['SPECSERVE_COMPILE_STEPS']!r}")
+COMPILE_STEPS: bool | str = COMPILE_MODES[os.environ.get("SPECSERVE_COMPILE_STEPS", "0")]
 
 
 class _Bucket:
@@ -60,7 +67,7 @@ class StepRunner:
 
     def __init__(self, w: LeanWeights, arena: tuple[torch.Tensor, torch.Tensor], max_length: int, *,
                  max_width: int = 9, batch_buckets: Sequence[int] = BATCH_BUCKETS, capture: bool | None = None,
-                 compile: bool | None = None):
+                 compile: bool | str | None = None):
         self.w = w
         self.k, self.v = arena
         self.scratch = self.k.shape[2] - 1
@@ -74,7 +81,9 @@ class StepRunner:
         self.contexts.append(context)
         self.capture = w.device.type == "cuda" if capture is None else capture
         self._step = self._run
-        if COMPILE_STEPS if compile is None else compile:
+        compile = COMPILE_STEPS if compile is None else compile
+        self._dynamic_batch = compile == "dynamic"
+        if compile:
             import torch._dynamo
 
             # one compiled graph per (batch, width), static but for the context length: allow one per bucket pair
@@ -103,9 +112,12 @@ class StepRunner:
         bucket = self.buckets.get(key)
         if bucket is None:
             bucket = self.buckets[key] = _Bucket(self.w, *key)
-            if self._compiled:  # one compiled step per (batch, width): the context length is a symbol in it
+            if self._compiled:  # the context length is a symbol in the compiled step (and a batch > 1, if asked)
                 torch._dynamo.mark_dynamic(bucket.key_rows, 1)
                 torch._dynamo.mark_dynamic(bucket.mask, 3)
+                if self._dynamic_batch and bucket.batch > 1:  # (a size of 1 is its own graph: compilers specialise it)
+                    for t in (bucket.ids, bucket.positions, bucket.slots, bucket.key_rows, bucket.mask):
+                        torch._dynamo.mark_dynamic(t, 0)
         self._fill(bucket, blocks, starts, new_tokens)
         if not self.capture:
             return self._step_into(bucket)[: len(blocks) * bucket.width]
@@ -148,7 +160,8 @@ class StepRunner:
         """The step on the bucket's static tensors (no host values read: capturable)."""
         w = self.w
         h, kvh, d = w.heads, w.kv_heads, w.head_dim
-        rows, batch, width = b.batch * b.width, b.batch, b.width
+        batch, width = b.key_rows.shape[0], b.width  # the batch from a shape: compiled, a symbol (`forward`)
+        rows = batch * width
         x = w.embed[b.ids].to(w.dtype)  # [rows, hidden]
         angles = b.positions[:, None] * w.inv_freq
         angles = torch.cat((angles, angles), -1)
