@@ -58,7 +58,8 @@ def test_the_bench_runs_worker_processes_and_reports_exact_output(tmp_path, caps
 def test_the_steps_and_hf_parts_report_floors_and_exact_output(tmp_path):
     code = dataplane.main([
         "--targets", "tiny", "--draft-shape", "tiny", "--vocab", str(VOCAB), "--device", "cpu", "--dtype", "float32",
-        "--gamma", "2", "--prompt-len", "12", "--max-tokens", "16", "--concurrency", "1,3", "--parts", "steps,accept,hf,gammas",
+        "--gamma", "2", "--prompt-len", "12", "--max-tokens", "16", "--concurrency", "1,3",
+        "--parts", "steps,accept,hf,gammas",
         "--step-repeats", "3", "--sweep-gammas", "0,2,auto", "--load-alpha", "0.5", "--out", str(tmp_path),
     ])
     assert code == 0

@@ -84,9 +84,9 @@ def plot_dataplane(report: dict, path: pathlib.Path) -> None:
 
     shapes = list(dict.fromkeys(r["shape"] for r in report["steps"]))
     panels = [("steps", s) for s in shapes]
-    panels += [(part, None) for part, ran in (("accept", report.get("accept")),
-                                              ("one stream", report["rounds"] or report["hf"] or report.get("gammas")), ("load", report["load"]))
-               if ran]
+    one_stream = report["rounds"] or report["hf"] or report.get("gammas")
+    panels += [(part, None) for part, ran in (("accept", report.get("accept")), ("one stream", one_stream),
+                                              ("load", report["load"])) if ran]
     if not panels:
         return
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.8 * len(panels)), squeeze=False)

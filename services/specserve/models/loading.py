@@ -177,13 +177,13 @@ def _sliced_rank(path, name: str, shard: Shard | None, method: str, device_map: 
     where that does not apply (no shard, quantized at load: int8 scales span whole rows, GGUF, device_map)."""
     from transformers import AutoConfig
 
+    from specserve.models.lean import unsupported_config
+
     if shard is None or method != "none" or device_map is not None or not pathlib.Path(path).is_dir():
         return None
     files = slices.checkpoint_files(path)
     if files is None:
         return None
-    from specserve.models.lean import unsupported_config
-
     config = AutoConfig.from_pretrained(str(path))
     reason = unsupported_config(config)
     if reason is not None:

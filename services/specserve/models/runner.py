@@ -5,9 +5,10 @@ of the pool's arena. `StepRunner` runs such a step (every sequence feeding the s
 through buffers preallocated per bucket (batch size, width, context length), so nothing about a step's
 shapes changes between steps of a bucket:
 
-- token ids, positions and the arena rows the new keys and values go to are copied into static device
-  tensors; so are the arena rows each sequence attends over (its block, up to the bucket's context length)
-  and the mask that says which of them it sees (its length and causality);
+- token ids, positions and the arena rows the new keys and values go to are copied into one static device
+  tensor, in one copy; the step derives from them the arena rows each sequence attends over (its block, up to
+  the bucket's context length) and the mask that says which of them it sees (its length and causality), so
+  nothing of the context's size crosses from the host;
 - padding rows (a batch of 3 in the bucket of 4, say) write their keys and values to a scratch row past the
   arena's blocks and see only that row, so they never touch a real session;
 - attention is one padded call for the whole batch, as `lean._PaddedAttention` does for short blocks.
@@ -22,8 +23,8 @@ norms, rotary and elementwise ops that a replayed graph still runs as ~20 small 
 an H200: docs/benchmarks.md). One graph per (batch, width), the context length a symbol in it;
 `SPECSERVE_COMPILE_STEPS=dynamic` makes the batch a symbol too: one graph per width for every batch bucket
 above 1 (a batch of 1 keeps its own): 18 graphs where there were 81, for batched steps up to 21% slower on a
-CPU (docs/benchmarks.md).
-Off by default: faster on an H100, but a graph compiles for tens of seconds there (docs/design.md).
+CPU (docs/benchmarks.md). Off by default: faster on an H100, but a graph compiles for tens of seconds there
+(docs/design.md).
 """
 
 from __future__ import annotations
@@ -50,13 +51,12 @@ class _Bucket:
     """The static inputs, output and (on CUDA) graph of one (batch, width, context) shape."""
 
     def __init__(self, w: LeanWeights, batch: int, width: int, context: int):
-        dev, group = w.device, w.heads // w.kv_heads
+        dev = w.device
         self.batch, self.width, self.context = batch, width, context
-        self.ids = torch.zeros(batch * width, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(batch * width, dtype=torch.float32, device=dev)
-        self.slots = torch.zeros(batch * width, dtype=torch.long, device=dev)  # arena rows of the new K/V
-        self.key_rows = torch.zeros(batch, context, dtype=torch.long, device=dev)  # arena rows each attends over
-        self.mask = torch.zeros(batch, 1, group * width, context, dtype=torch.bool, device=dev)
+        # per new token: its id, its position and the arena row its keys and values go to, filled in one copy
+        self.inputs = torch.zeros(3, batch * width, dtype=torch.long, device=dev)
+        self.ids = self.inputs[0]
+        self.keys = torch.arange(context, device=dev)  # the context's key offsets (its length a graph's symbol)
         self.logits: torch.Tensor | None = None  # [batch · width, head rows], written by each run
         self.graph = None
 
@@ -113,11 +113,9 @@ class StepRunner:
         if bucket is None:
             bucket = self.buckets[key] = _Bucket(self.w, *key)
             if self._compiled:  # the context length is a symbol in the compiled step (and a batch > 1, if asked)
-                torch._dynamo.mark_dynamic(bucket.key_rows, 1)
-                torch._dynamo.mark_dynamic(bucket.mask, 3)
+                torch._dynamo.mark_dynamic(bucket.keys, 0)
                 if self._dynamic_batch and bucket.batch > 1:  # (a size of 1 is its own graph: compilers specialise it)
-                    for t in (bucket.ids, bucket.positions, bucket.slots, bucket.key_rows, bucket.mask):
-                        torch._dynamo.mark_dynamic(t, 0)
+                    torch._dynamo.mark_dynamic(bucket.inputs, 1)
         self._fill(bucket, blocks, starts, new_tokens)
         if not self.capture:
             return self._step_into(bucket)[: len(blocks) * bucket.width]
@@ -130,53 +128,51 @@ class StepRunner:
 
     def _fill(self, b: _Bucket, blocks: list[int], starts: list[int], new_tokens: list[list[int]] | torch.Tensor
               ) -> None:
-        n, width, context, group = len(blocks), b.width, b.context, self.w.heads // self.w.kv_heads
-        start = torch.tensor(starts, dtype=torch.long)
-        base = torch.tensor(blocks, dtype=torch.long)
-        offsets = torch.arange(width)
+        """The step's inputs in one host-to-device copy (padding rows: position 0, the scratch row)."""
+        n, width = len(blocks), b.width
+        host = torch.zeros(3, b.batch, width, dtype=torch.long)
+        positions = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(width)
+        host[1, :n] = positions
+        host[2].fill_(self.scratch)
+        host[2, :n] = torch.tensor(blocks, dtype=torch.long)[:, None] + positions
         if isinstance(new_tokens, torch.Tensor):  # already on the device: copied there, device to device
+            b.inputs[1:].copy_(host[1:].view(2, -1), non_blocking=True)
             b.ids.view(b.batch, width)[n:].zero_()
             b.ids.view(b.batch, width)[:n].copy_(new_tokens)
-            copies = []
         else:
-            ids = torch.zeros(b.batch, width, dtype=torch.long)
-            ids[:n] = torch.tensor(new_tokens, dtype=torch.long)
-            copies = [(b.ids, ids)]
-        positions = torch.zeros(b.batch, width)
-        positions[:n] = (start[:, None] + offsets).float()
-        slots = torch.full((b.batch, width), self.scratch, dtype=torch.long)
-        slots[:n] = base[:, None] + start[:, None] + offsets
-        keys = torch.arange(context)
-        key_rows = torch.full((b.batch, context), self.scratch, dtype=torch.long)
-        key_rows[:n] = (base[:, None] + keys).minimum(base[:, None] + start[:, None] + width - 1)
-        seen = torch.zeros(b.batch, width, context, dtype=torch.bool)
-        seen[:n] = keys <= (start[:, None] + offsets)[..., None]  # key t seen by query i iff t <= start + i
-        seen[n:, :, 0] = True  # padding rows see their scratch row only
-        for dst, src in copies + [(b.positions, positions), (b.slots, slots), (b.key_rows, key_rows),
-                                  (b.mask, seen.repeat(1, group, 1)[:, None])]:
-            dst.copy_(src.reshape(dst.shape), non_blocking=True)
+            host[0, :n] = torch.tensor(new_tokens, dtype=torch.long)
+            b.inputs.copy_(host.view(3, -1), non_blocking=True)
 
     def _run(self, b: _Bucket) -> torch.Tensor:
         """The step on the bucket's static tensors (no host values read: capturable)."""
         w = self.w
         h, kvh, d = w.heads, w.kv_heads, w.head_dim
-        batch, width = b.key_rows.shape[0], b.width  # the batch from a shape: compiled, a symbol (`forward`)
+        width = b.width
+        ids, positions, slots = b.inputs  # (read from the tensor a symbolic batch is marked on)
+        positions, slots = positions.view(-1, width), slots.view(-1, width)  # [batch, width]
+        batch = positions.shape[0]  # from a shape: compiled, a symbol where asked (`forward`)
         rows = batch * width
-        x = w.embed[b.ids].to(w.dtype)  # [rows, hidden]
-        angles = b.positions[:, None] * w.inv_freq
+        # sequence j attends over its block: rows base + t up to its last new token's (padding rows: the scratch)
+        base = slots[:, :1] - positions[:, :1]
+        key_rows = (base + b.keys).minimum(slots[:, -1:])  # [batch, context]
+        seen = b.keys <= positions[..., None]  # key t seen by the token at position p iff t <= p
+        mask = seen.repeat(1, h // kvh, 1)[:, None]  # [batch, 1, queries per key/value head, context]
+        new_slots = slots.reshape(rows)  # the arena row of each new token's keys and values
+        x = w.embed[ids].to(w.dtype)  # [rows, hidden]
+        angles = positions.reshape(rows).float()[:, None] * w.inv_freq
         angles = torch.cat((angles, angles), -1)
         cos, sin = angles.cos().to(w.dtype)[:, None], angles.sin().to(w.dtype)[:, None]
         for i, layer in enumerate(w.layers):
             q, k, v = rotated_qkv(w, layer, x, cos, sin)
             # through the whole arena: compiled, a write to a layer's view would copy the arena every layer
-            layer_rows = torch.full_like(b.slots, i)
-            self.k[layer_rows, :, b.slots] = k
-            self.v[layer_rows, :, b.slots] = v
+            layer_rows = torch.full_like(ids, i)
+            self.k[layer_rows, :, new_slots] = k
+            self.v[layer_rows, :, new_slots] = v
             k_layer, v_layer = self.k[i], self.v[i]  # [kvh, positions + 1, d]
-            keys = k_layer[:, b.key_rows].transpose(0, 1)  # [B, kvh, L, d]
-            values = v_layer[:, b.key_rows].transpose(0, 1)
+            keys = k_layer[:, key_rows].transpose(0, 1)  # [B, kvh, L, d]
+            values = v_layer[:, key_rows].transpose(0, 1)
             queries = q.view(batch, width, h, d).permute(0, 2, 1, 3).reshape(batch, kvh, h // kvh * width, d)
-            att = F.scaled_dot_product_attention(queries, keys, values, attn_mask=b.mask, scale=w.scale)
+            att = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=w.scale)
             att = att.reshape(batch, h, width, d).permute(0, 2, 1, 3).reshape(rows, h * d)
             x = layer_output(w, layer, x, att)
         return head_logits(w, x)
