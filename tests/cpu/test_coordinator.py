@@ -129,7 +129,9 @@ def test_requests_over_max_sessions_wait_their_turn(setup):
         return await asyncio.gather(*tasks), started
 
     results, started = asyncio.run(burst())
-    assert sorted(started[:2]) == [0, 1] and started[2:] == [2, 3, 4]  # first come, first served
+    # first come, first served: 2 and 3 are let in as 0 and 1 finish (often together, so their first chunks
+    # race: [3, 2, 4] was seen under load), 4 only after one of them
+    assert sorted(started[:2]) == [0, 1] and sorted(started[2:4]) == [2, 3] and started[4] == 4
     for p, chunks in zip(params, results):
         assert [t for c in chunks for t in c.tokens] == setup["local"].generate(PROMPT, p, 12).token_ids
     waits = [chunks[-1].stats["queue_time_s"] for chunks in results]
