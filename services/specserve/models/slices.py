@@ -18,9 +18,9 @@ from collections import defaultdict
 import torch
 
 from specserve.models.tp import Shard, linear_parts
+from specserve.models.weights import LINEAR_ROLES
 
-ROLES = {"self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v", "self_attn.o_proj": "o",
-         "mlp.gate_proj": "gate", "mlp.up_proj": "up", "mlp.down_proj": "down"}
+ROLES = {path: role for role, path in LINEAR_ROLES.items()}  # a layer's module path → its linear role
 
 
 def checkpoint_files(path: str | pathlib.Path) -> dict[str, pathlib.Path] | None:

@@ -12,6 +12,11 @@ from specserve.models.quant import dense as packed_dense
 from specserve.models.tp import Collective, Shard, linear_parts, take
 
 
+# each linear role of a decoder layer and the module holding it (in HF's names, as checkpoints store them)
+LINEAR_ROLES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+                "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
 class LeanWeights:
     """A model's weights fused for `LeanSequence`, made once per model and compute dtype (and shard).
 
@@ -63,10 +68,9 @@ class LeanWeights:
         self.eps = cfg.rms_norm_eps
         self.layers = []
         for i, layer in enumerate(model.model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             own = stored["layers"][i] if stored is not None else {}
-            dense = {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj, "o": attn.o_proj, "gate": mlp.gate_proj,
-                     "up": mlp.up_proj, "down": mlp.down_proj}
+            dense = {role: layer.get_submodule(path) for role, path in LINEAR_ROLES.items()}
 
             def weight(role: str):
                 w = quantized(own.get(role), dense[role].weight, spec)
@@ -122,8 +126,7 @@ class LeanWeights:
 
 def drop_linears(layer) -> None:
     """Free an HF decoder layer's linear weights once the lean forward holds its own."""
-    for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+    for module in map(layer.get_submodule, LINEAR_ROLES.values()):
         module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
 
