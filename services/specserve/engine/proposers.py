@@ -269,7 +269,7 @@ class TargetVerifier:
     last_step = None  # a verifier whose blocks join shared steps reports the latest one here (a `StepInfo`)
 
     def __init__(self, model, vocab: int, sequence=None):
-        self.seq = sequence if sequence is not None else model_sequence(model)  # or a pipeline's StagedSequence
+        self.seq = sequence if sequence is not None else model_sequence(model)  # or a pool's sequence
         self.vocab = vocab
 
     def prefill(self, prompt: list[int]) -> None:

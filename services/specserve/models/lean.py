@@ -79,20 +79,22 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], keeps: list[int],
-                 arena: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None) -> torch.Tensor:
+                 arena: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None,
+                 hidden: torch.Tensor | None = None) -> torch.Tensor:
     """`_lean_forward`, on a GPU without cuDNN's attention: it builds an execution plan for each new shape,
     and a served batch's shapes change every step (its lengths grow), so every step paid for a new plan
     (docs/benchmarks.md, one H100)."""
     if w.device.type != "cuda":
-        return _lean_forward(w, caches, new_tokens, keeps, arena)
+        return _lean_forward(w, caches, new_tokens, keeps, arena, hidden)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        return _lean_forward(w, caches, new_tokens, keeps, arena)
+        return _lean_forward(w, caches, new_tokens, keeps, arena, hidden)
 
 
 def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], keeps: list[int],
-                  arena: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None) -> torch.Tensor:
+                  arena: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None,
+                  hidden: torch.Tensor | None = None) -> torch.Tensor:
     """ONE forward over the new tokens of several sequences, each against its own cache.
 
     caches[j] has `tokens` (the tokens its cache holds; the new ones go right after) and `kv(layer)` -> (k, v),
@@ -102,12 +104,15 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
     sequences with short blocks (`_PaddedAttention`). Returns the head's float32 logits for the last
     `keeps[j]` new tokens of each sequence, in order: [sum(keeps), head rows]. The caller extends each
     cache's `tokens`.
+
+    A pipeline stage's weights (`LeanWeights.layers`) take the hidden states the stage before made for every
+    new token ([T, hidden]) in place of embedding them, and a stage before the last returns its own.
     """
     starts = [len(c.tokens) for c in caches]
     sizes = [len(t) for t in new_tokens]
     ids = torch.tensor([t for ts in new_tokens for t in ts], dtype=torch.long, device=w.device)
     total = ids.shape[0]
-    x = w.embed[ids].to(w.dtype)  # [T, hidden]
+    x = w.embed[ids].to(w.dtype) if hidden is None else hidden.to(w.device, w.dtype)  # [T, hidden]
     positions = torch.cat([torch.arange(s, s + n, dtype=torch.float32) for s, n in zip(starts, sizes)])
     angles = positions.to(w.device)[:, None] * w.inv_freq
     angles = torch.cat((angles, angles), -1)
@@ -136,6 +141,8 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
             if looped:
                 att = att.index_copy(0, padded.looped_rows, torch.cat(outs))
         x = layer_output(w, layer, x, att)
+    if w.head is None:
+        return x
     if len(caches) == 1:
         rows = x[total - keeps[0] :]
     else:

@@ -101,7 +101,7 @@ _LOADING = threading.Lock()
 
 def load_model(
     spec: Any, dtype: str | torch.dtype | None = None, device: str | None = None, device_map: Any = None,
-    quantization: str | None = None, shard: Shard | None = None,
+    quantization: str | None = None, shard: Shard | None = None, layers: tuple[int, int] | None = None,
 ) -> LoadedModel:
     """Load a causal LM from any accepted spec.
 
@@ -114,6 +114,8 @@ def load_model(
     linear layers at load (a passed model in place: its dense linear weights are
     dropped). Quantized models compute in bfloat16 unless dtype says otherwise.
     shard: a tensor-parallel rank's part (`models.tp`); a quantized model packs only that part.
+    layers: (start, end), a pipeline stage's decoder layers (`workers.stages`); quantized or sharded, only those
+    are packed.
     """
     from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -137,7 +139,7 @@ def load_model(
         loaded = LoadedModel(model.eval(), None, type(model).__name__)
         if method == "gguf":
             raise ValueError("quantization 'gguf' keeps a GGUF file's weights; this model was passed loaded")
-        return _quantize(loaded, method, group, shard=shard) if method in ("int8", "int4") else loaded
+        return _quantize(loaded, method, group, shard=shard, layers=layers) if method in ("int8", "int4") else loaded
     if not isinstance(spec, (str, pathlib.Path)):
         raise TypeError(f"model must be a name, a path or a PreTrainedModel, got {type(spec).__name__}")
 
@@ -153,7 +155,7 @@ def load_model(
     torch_dtype = _quantized_dtype(torch_dtype) if method != "none" else torch_dtype
     torch_dtype = torch_dtype or default_dtype(device)
     _refuse_prequantized(path, name)
-    sliced = _sliced_rank(path, name, shard, method, device_map, torch_dtype, device)
+    sliced = _sliced_rank(path, name, shard, method, device_map, torch_dtype, device) if layers is None else None
     if sliced is not None:
         return _keep_shard(sliced, shard)
     try:
@@ -167,8 +169,8 @@ def load_model(
         model = model.to(device)
     loaded = LoadedModel(model.eval(), _tokenizer_at(path), name)
     if method == "none":
-        return loaded if shard is None else _keep_shard(loaded, shard)
-    return _quantize(loaded, method, group, gguf, shard)
+        return loaded if shard is None else _keep_shard(loaded, shard, layers)
+    return _quantize(loaded, method, group, gguf, shard, layers)
 
 
 def _sliced_rank(path, name: str, shard: Shard | None, method: str, device_map: Any, dtype: torch.dtype,
@@ -222,7 +224,7 @@ def _quantized_dtype(dtype: torch.dtype | None) -> torch.dtype:
 
 
 def _quantize(loaded: LoadedModel, method: str, group: int, gguf: pathlib.Path | None = None,
-              shard: Shard | None = None) -> LoadedModel:
+              shard: Shard | None = None, layers: tuple[int, int] | None = None) -> LoadedModel:
     """Give the model's linear layers packed quantized weights (`quant.QuantSpec`, made into the lean forward's
     weights now) and drop their dense copies."""
     from specserve.models.lean import lean_weights
@@ -236,19 +238,19 @@ def _quantize(loaded: LoadedModel, method: str, group: int, gguf: pathlib.Path |
     stored = quant.gguf_linears(gguf, model.config) if method == "gguf" else None
     model.specserve_quant = quant.QuantSpec(method, group, stored, quant.dense_from(loaded.device),
                                             stored["source"] if stored else "")
-    lean_weights(model, loaded.dtype, shard)
+    lean_weights(model, loaded.dtype, shard, layers)
     model.specserve_quant.stored = None  # packed by now
     _drop_linears(model)
     return loaded
 
 
-def _keep_shard(loaded: LoadedModel, shard: Shard) -> LoadedModel:
+def _keep_shard(loaded: LoadedModel, shard: Shard, layers: tuple[int, int] | None = None) -> LoadedModel:
     """A dense tensor-parallel rank: its part of the weights made (`weights.LeanWeights`), the whole model's
     linear weights dropped, so the rank holds 1/N of them after loading."""
     from specserve.models.lean import lean_weights
 
     _require_lean(loaded, "tensor_parallel")
-    lean_weights(loaded.model, loaded.dtype, shard)
+    lean_weights(loaded.model, loaded.dtype, shard, layers)
     _drop_linears(loaded.model)
     return loaded
 

@@ -126,34 +126,48 @@ class KVPool:
     let them copy a prefix from sequences still running, too (callers that run every step on one thread).
     runner: give it a static-shape step runner (default: `wants_runner`); compile_steps: compile the runner's
     steps, True or "dynamic" (default: `SPECSERVE_COMPILE_STEPS`, `models.runner`).
+    layers: (start, end), a pipeline stage's layers only (`workers.stages`): its arena holds those, and its steps
+    come described by the pool that keeps the sequences (`run_step`).
     """
 
     def __init__(self, model, tokens: int, dtype: torch.dtype | None = None, max_length: int | None = None,
                  min_block: int = 32, runner: bool | None = None, max_width: int = 9, tp: Collective | None = None,
-                 prefix_caching: bool = False, share_running: bool = False, compile_steps: bool | str | None = None):
+                 prefix_caching: bool = False, share_running: bool = False, compile_steps: bool | str | None = None,
+                 layers: tuple[int, int] | None = None):
         param = next(model.parameters())
         self.tp = tp
-        self.prefix = PrefixCache() if prefix_caching else None
-        # running sequences a new one may copy its prefix from (`attach`); only where every attach and forward
-        # runs on one thread (a step scheduler's pool), so the rows copied are not being written meanwhile
-        self._running: dict[int, PooledSequence] | None = {} if prefix_caching and share_running else None
-        self.w = lean_weights(model, dtype or param.dtype, None if tp is None else tp.shard)
+        self.w = lean_weights(model, dtype or param.dtype, None if tp is None else tp.shard, layers)
         self.w.tp = tp
-        self._moves: list[tuple[int, int, int]] = []  # blocks moved since the last step (for the other ranks)
-        self.vocab = model.config.vocab_size
-        max_length = max_length or getattr(model.config, "max_position_embeddings", None) or 4096
-        top = min(_next_pow2(max_length), 1 << (max(tokens, min_block).bit_length() - 1))
-        self.allocator = BuddyAllocator(tokens, top, min(min_block, top))
-        self.max_length = min(max_length, top)
+        self._keep_sequences(model.config, tokens, max_length, min_block, prefix_caching, share_running)
         # one row past the blocks: where the step runner's padding rows write (never read by a session)
         shape = (len(self.w.layers), self.w.kv_heads, self.allocator.capacity + 1, self.w.head_dim)
         self.k = torch.empty(shape, dtype=self.w.dtype, device=self.w.device)
         self.v = torch.empty_like(self.k)
-        runner = wants_runner(self.w.device, tp) if runner is None else runner
+        runner = False if layers is not None else wants_runner(self.w.device, tp) if runner is None else runner
         # max_width: the widest step it takes (a verify of gamma_max + 1 tokens)
         self.runner = StepRunner(self.w, (self.k, self.v), self.max_length, max_width=max_width,
                                  compile=compile_steps) if runner else None
+
+    def _keep_sequences(self, config, tokens: int, max_length: int | None, min_block: int, prefix_caching: bool,
+                        share_running: bool) -> None:
+        """The bookkeeping half of a pool: its allocator, prefix cache and the moves the other ranks or stages
+        replay (a pool whose layers live elsewhere has this half only: `workers.stages.StagedPool`)."""
+        self.prefix = PrefixCache() if prefix_caching else None
+        # running sequences a new one may copy its prefix from (`attach`); only where every attach and forward
+        # runs on one thread (a step scheduler's pool), so the rows copied are not being written meanwhile
+        self._running: dict[int, PooledSequence] | None = {} if prefix_caching and share_running else None
+        self._moves: list[tuple[int, int, int]] = []  # blocks moved since the last step (for the other ranks)
+        self.vocab = config.vocab_size
+        max_length = max_length or getattr(config, "max_position_embeddings", None) or 4096
+        top = min(_next_pow2(max_length), 1 << (max(tokens, min_block).bit_length() - 1))
+        self.allocator = BuddyAllocator(tokens, top, min(min_block, top))
+        self.max_length = min(max_length, top)
         self._lock = threading.Lock()  # allocations may come from any thread; forwards from one
+
+    @property
+    def replays_moves(self) -> bool:
+        """Whether other processes hold parts of this arena and replay its moves at the next step."""
+        return self.tp is not None
 
     @property
     def capacity(self) -> int:
@@ -162,6 +176,10 @@ class KVPool:
     @property
     def bytes_per_token(self) -> int:
         return 2 * len(self.w.layers) * self.w.kv_heads * self.w.head_dim * self.k.element_size()
+
+    @property
+    def kv_dtype(self) -> str:
+        return str(self.k.dtype).removeprefix("torch.")
 
     @property
     def cached_tokens(self) -> int:
@@ -176,7 +194,7 @@ class KVPool:
     def describe(self) -> dict:
         out = {"kv_capacity_tokens": self.capacity, "kv_used_tokens": self.used_tokens,
                "kv_bytes": self.capacity * self.bytes_per_token, "kv_max_sequence": self.max_length,
-               "kv_dtype": str(self.k.dtype).removeprefix("torch."), "prefix_caching": self.prefix is not None}
+               "kv_dtype": self.kv_dtype, "prefix_caching": self.prefix is not None}
         if self.prefix is not None:
             with self._lock:
                 out.update(self.prefix.stats.as_dict(), prefix_cache_entries=len(self.prefix),
@@ -226,7 +244,7 @@ class KVPool:
     def _copy(self, old: int, new: int, held: int) -> None:
         """Rows [old, old + held) to [new, new + held), here and (at the next step) on the other ranks."""
         self._move(old, new, held)
-        if self.tp is not None:
+        if self.replays_moves:
             self._moves.append((old, new, held))
 
     def attach(self, seq: PooledSequence, tokens: list[int], limit: int) -> int:
@@ -347,18 +365,26 @@ class KVPool:
             if not tokens:
                 raise ValueError("feed needs at least one token")
             self.reserve(seq, len(seq.tokens) + len(tokens))
-        if self.tp is not None:  # the other ranks run this step too, on their shards
-            with self._lock:
-                moves, self._moves = self._moves, []
-            self.tp.send_step(moves, [seq.block for seq in seqs], [len(seq.tokens) for seq in seqs], new_tokens,
-                              keeps)
-        logits = self._static_step(seqs, new_tokens, keeps)
-        if logits is None:
-            logits = lean_forward(self.w, seqs, new_tokens, keeps, (self.k, self.v, [seq.block[0] for seq in seqs]))
+        logits = self._compute(seqs, new_tokens, keeps)
         for seq, tokens in zip(seqs, new_tokens):
             seq.tokens.extend(tokens)
             seq.forward_calls += 1
         return logits.cpu() if host else logits
+
+    def _take_moves(self) -> list[tuple[int, int, int]]:
+        with self._lock:
+            moves, self._moves = self._moves, []
+        return moves
+
+    def _compute(self, seqs: list[PooledSequence], new_tokens: list[list[int]], keeps: list[int]) -> torch.Tensor:
+        """The step's logits, the sequences' blocks reserved (the other ranks told first)."""
+        if self.tp is not None:  # the other ranks run this step too, on their shards
+            self.tp.send_step(self._take_moves(), [seq.block for seq in seqs], [len(seq.tokens) for seq in seqs],
+                              new_tokens, keeps)
+        logits = self._static_step(seqs, new_tokens, keeps)
+        if logits is None:
+            logits = lean_forward(self.w, seqs, new_tokens, keeps, (self.k, self.v, [seq.block[0] for seq in seqs]))
+        return logits
 
     @torch.inference_mode()
     def feed_ids(self, seqs: list[PooledSequence], ids: torch.Tensor) -> torch.Tensor:
@@ -393,14 +419,25 @@ class KVPool:
             raise ValueError("only a tensor-parallel rank other than 0 follows")
         steps = 0
         while (step := self.tp.receive_step()) is not None:
-            moves, blocks, starts, new_tokens, keeps = step
-            for move in moves:
-                self._move(*move)
-            caches = [_Mirror(self, block, start) for block, start in zip(blocks, starts)]
-            if self._static_step(caches, new_tokens, keeps) is None:  # the path rank 0 takes, by the same rule
-                lean_forward(self.w, caches, new_tokens, keeps, (self.k, self.v, [block[0] for block in blocks]))
+            self.run_step(*step)
             steps += 1
         return steps
+
+    @torch.inference_mode()
+    def run_step(self, moves: list, blocks: list, starts: list[int], new_tokens: list[list[int]], keeps: list[int],
+                 hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """A step the pool keeping the sequences took (a tensor-parallel rank 0, or a staged target's worker),
+        on this pool's part of the model: its moves replayed, then the forward over (block, start) pairs.
+        hidden: the stage before's output, for a pipeline stage after the first. Returns the logits, or a stage
+        before the last its hidden states [Σ new tokens, hidden size]."""
+        for move in moves:
+            self._move(*move)
+        caches = [_Mirror(self, block, start) for block, start in zip(blocks, starts)]
+        out = self._static_step(caches, new_tokens, keeps) if hidden is None else None  # rank 0's path, same rule
+        if out is None:
+            out = lean_forward(self.w, caches, new_tokens, keeps, (self.k, self.v, [block[0] for block in blocks]),
+                               hidden)
+        return out
 
     def close(self) -> None:
         """Rank 0 of a tensor-parallel group: end the other ranks' `follow`."""

@@ -27,9 +27,12 @@ class LeanWeights:
     shard: one rank's part of a tensor-parallel group (`models.tp`): its key/value groups' heads, its slice of
     the MLP and of the vocabulary; `heads` and `kv_heads` are then this rank's. The weights are quantized whole
     first, then cut, so every rank computes the values the unsharded model would.
+
+    layers: (start, end), a pipeline stage's decoder layers only (`workers.stages`): the embedding is kept by the
+    first stage alone (`first`), the final norm and the head by the last (`last`); None elsewhere.
     """
 
-    def __init__(self, model, dtype: torch.dtype, shard: Shard | None = None):
+    def __init__(self, model, dtype: torch.dtype, shard: Shard | None = None, layers: tuple[int, int] | None = None):
         cfg = model.config
         spec = getattr(model, "specserve_quant", None)
 
@@ -66,8 +69,14 @@ class LeanWeights:
                 parts = linear_parts(shard, cfg)
                 rows, cols = {r: p[0] for r, p in parts.items()}, {r: p[1] for r, p in parts.items()}
         self.eps = cfg.rms_norm_eps
+        count = len(model.model.layers)
+        start, end = layers or (0, count)
+        if not 0 <= start < end <= count:
+            raise ValueError(f"stage layers [{start}, {end}) outside the model's {count} layers")
+        self.first, self.last = start == 0, end == count
         self.layers = []
-        for i, layer in enumerate(model.model.layers):
+        for i in range(start, end):
+            layer = model.model.layers[i]
             attn = layer.self_attn
             own = stored["layers"][i] if stored is not None else {}
             dense = {role: layer.get_submodule(path) for role, path in LINEAR_ROLES.items()}
@@ -94,7 +103,7 @@ class LeanWeights:
             ))
             if held is not None:  # a rank's slices serve nothing else: freed now, a load peaks one layer over
                 drop_linears(layer)
-        self.norm = cast(model.model.norm.weight)
+        self.norm = cast(model.model.norm.weight) if self.last else None
         head = model.lm_head.weight
         head_stored = stored["head"] if stored is not None else None
         subset = getattr(model, "token_subset", None)
@@ -110,12 +119,15 @@ class LeanWeights:
         self.vocab_rows = head.shape[0]  # the head's rows in the unsharded model
         # the head stays int8 under int4 (as llama.cpp's Q4 files keep theirs at 6-8 bits)
         head_spec = None if spec is None else spec.for_head()
-        head = quantized(head_stored, head, head_spec)
-        if shard is not None:
-            head = take(head, shard.vocab(self.vocab_rows))
-        self.head = packed_dense(cast(head)) if head_spec is None else \
-            QuantizedLinear(head, dtype, device, head_spec.dense_from)
-        self.embed = model.model.embed_tokens.weight  # indexed per call; cast only the rows used
+        self.head = None  # a stage before the last hands its hidden states on
+        if self.last:
+            head = quantized(head_stored, head, head_spec)
+            if shard is not None:
+                head = take(head, shard.vocab(self.vocab_rows))
+            self.head = packed_dense(cast(head)) if head_spec is None else \
+                QuantizedLinear(head, dtype, device, head_spec.dense_from)
+        # indexed per call, cast only the rows used
+        self.embed = model.model.embed_tokens.weight if self.first else None
         self.inv_freq = model.model.rotary_emb.inv_freq.detach().float()
         self.scale = self.head_dim**-0.5
         self.dtype = dtype
@@ -130,12 +142,13 @@ def drop_linears(layer) -> None:
         module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
 
-def lean_weights(model, dtype: torch.dtype, shard: Shard | None = None) -> LeanWeights:
+def lean_weights(model, dtype: torch.dtype, shard: Shard | None = None, layers: tuple[int, int] | None = None
+                 ) -> LeanWeights:
     cache = model.__dict__.setdefault("_specserve_lean", {})
-    key = dtype if shard is None else (dtype, shard)
+    key = dtype if shard is None and layers is None else (dtype, shard, layers)
     dtypes = {k if isinstance(k, torch.dtype) else k[0] for k in cache}
     if dtype not in dtypes and dtypes and getattr(model, "specserve_quant", None) is not None:
         raise ValueError(f"a quantized model computes in {next(iter(dtypes))}, not {dtype}")
     if key not in cache:
-        cache[key] = LeanWeights(model, dtype, shard)
+        cache[key] = LeanWeights(model, dtype, shard, layers)
     return cache[key]

@@ -240,20 +240,24 @@ class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerService
     (kv_cache_tokens positions in all; max_step_tokens and prefill_chunk bound a step, see `StepScheduler`;
     prefix_caching: finished sessions' KV kept for new ones with the same prefix, `models.prefix`;
     kv_wait_s: how long a new session waits for room in a full pool).
-    Other models, stage pipelines (`new_sequence`) and batching=False run one session at a time.
-    tp: this worker is rank 0 of a tensor-parallel group (`models.tp`): its pool's steps run on every rank."""
+    Other models (`new_sequence`) and batching=False run one session at a time.
+    tp: this worker is rank 0 of a tensor-parallel group (`models.tp`): its pool's steps run on every rank.
+    pool: the pool to batch on, made by the caller (a staged target's, `workers.stages.StagedPool`)."""
 
     def __init__(self, model, vocab: int, threads: int | None = None, new_sequence: Callable | None = None, *,
                  batching: bool = True, kv_cache_tokens: int = 65536, max_step_tokens: int = 512,
                  prefill_chunk: int = 256, scheduler: StepScheduler | None = None, tp: Collective | None = None,
-                 prefix_caching: bool = True, kv_wait_s: float = 60.0):
+                 prefix_caching: bool = True, kv_wait_s: float = 60.0, pool: KVPool | None = None):
         self.model = model
         self.new_sequence = new_sequence
         self.sessions = SessionTable(vocab)
         self._init_compute(threads, scheduler, max_step_tokens=max_step_tokens, prefill_chunk=prefill_chunk,
                            kv_wait_s=kv_wait_s)
         self.pool = None
-        if batching and new_sequence is None and model is not None and unsupported_reason(model) is None:
+        if pool is not None:
+            self.pool = self.scheduler.pool = pool
+            self.new_sequence = pool.sequence
+        elif batching and new_sequence is None and model is not None and unsupported_reason(model) is None:
             # every attach and forward of this pool runs on the compute thread: new sessions may copy from running ones
             pool = functools.partial(KVPool, tp=tp, prefix_caching=prefix_caching, share_running=True)
             self.pool = self.scheduler.pool = self.on_compute_thread(pool, model, kv_cache_tokens)

@@ -170,14 +170,18 @@ class TargetWorkerActor(_GrpcActor):
             tp.lost = self._rank_lost
             self._followers, self._store = followers, store  # the store lives as long as the group
             ranks.watch(followers, self._rank_lost)
+        staged = None
         if stages:
-            from specserve.workers.stages import StagedSequence
+            from specserve.workers.stages import StagedPool
 
             self.stages = stages
             self._info = describe_model(target)
             self._info["stages"] = len(stages)
-            new_sequence = lambda: StagedSequence(stages)  # noqa: E731
-            model = None
+            sched = scheduling or {}
+            # every attach and forward of this pool runs on the compute thread: new sessions may copy running ones
+            staged = compute.call(StagedPool, stages, model_config(target), sched.get("kv_cache_tokens", 65536),
+                                  sched.get("prefix_caching", True), True).result()
+            new_sequence = model = None
         else:
             if tp is None:
                 # A target that owns several GPUs shards its layers over them (accelerate device_map).
@@ -192,7 +196,7 @@ class TargetWorkerActor(_GrpcActor):
         self.model = model
         self.vocab = self._info["vocab"]
         self._start(
-            TargetWorkerServicer(model, self.vocab, threads, new_sequence, scheduler=compute, tp=tp,
+            TargetWorkerServicer(model, self.vocab, threads, new_sequence, scheduler=compute, tp=tp, pool=staged,
                                  **(scheduling or {})),
             workers_pb2_grpc.add_TargetWorkerServicer_to_server, session_idle_s, token,
         )
@@ -249,6 +253,16 @@ class TargetWorkerActor(_GrpcActor):
         return {n: t for n, t in self._profile.items() if n <= max_positions}
 
 
+def model_config(spec: Any):
+    """A model's HF config: a loaded model's own, else read from its files (no weights loaded)."""
+    config = getattr(spec, "config", None)
+    if config is not None:
+        return config
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(resolve_model_path(spec)[0]))
+
+
 def describe_model(spec: Any) -> dict[str, Any]:
     """vocab, eos ids, context and name from a model's config files, without loading its weights."""
     from transformers import AutoConfig, GenerationConfig
@@ -288,7 +302,8 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
         from specserve.workers.stages import start_stages
 
         layers = describe_model(target_spec)["num_layers"]
-        stages = start_stages(target_spec, config.dtype, config.target_stages, layers)
+        stages = start_stages(target_spec, config.dtype, config.quantization, config.target_stages, layers,
+                              config.kv_cache_tokens)
     scheduling = {"batching": config.batching, "kv_cache_tokens": config.kv_cache_tokens,
                   "max_step_tokens": config.max_step_tokens, "prefill_chunk": config.prefill_chunk,
                   "prefix_caching": config.prefix_caching, "kv_wait_s": config.kv_wait_s}

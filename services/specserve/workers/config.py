@@ -140,8 +140,9 @@ class WorkersConfig(BaseModel):
     target_resources: RoleResources = Field(default_factory=RoleResources)
     target_stages: list[RoleResources] = Field(
         default_factory=list,
-        description="Run the target as a pipeline of stage actors, one per entry (layers split evenly, in order); "
-        "the target worker then only fronts them. Empty = one target actor holding the whole model.",
+        description="Run the target as a pipeline of stage actors, one per entry (layers split evenly, in order), "
+        "each with a KV arena over its layers; the target worker then keeps the sessions and batches their steps, "
+        "which pass stage to stage. Llama-family targets. Empty = one target actor holding the whole model.",
     )
 
     def draft_device_of_its_own(self) -> bool:
@@ -174,8 +175,6 @@ class WorkersConfig(BaseModel):
                 parse(getattr(self, key))
             except ValueError as exc:
                 raise ValueError(f"{key}: {exc}") from None
-        if self.target_stages and self.quantization not in ("auto", "none"):
-            raise ValueError("quantization: target_stages run the dense HF layers; a quantized target is one worker")
         return self
 
     @model_validator(mode="after")
@@ -187,6 +186,8 @@ class WorkersConfig(BaseModel):
                 raise ValueError("target_resources.tensor_parallel: not with target_stages yet (one or the other)")
             if not self.batching:
                 raise ValueError("target_resources.tensor_parallel: needs batching (the ranks share the pooled step)")
+        if self.target_stages and not self.batching:
+            raise ValueError("target_stages: needs batching (the stages run the pooled step)")
         return self
 
     @model_validator(mode="after")
