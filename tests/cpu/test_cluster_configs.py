@@ -12,7 +12,8 @@ from specserve.serve.run import config_from_flags, load_serve_config
 CLUSTER = pathlib.Path(__file__).resolve().parents[2] / "cluster"
 
 
-@pytest.mark.parametrize("name", ["local-cpu.yaml", "gpu-node.yaml", "heterogeneous.yaml", "tensor-parallel.yaml"])
+@pytest.mark.parametrize("name", ["local-cpu.yaml", "gpu-node.yaml", "heterogeneous.yaml", "tensor-parallel.yaml",
+                                  "two-node.yaml"])
 def test_cluster_config_is_valid(name):
     config = load_serve_config(CLUSTER / name)
     app = config["applications"][0]
@@ -91,8 +92,11 @@ def test_tensor_parallel_from_the_flag_and_what_is_refused():
     ranks = RoleResources(tensor_parallel=2, num_cpus=1, num_gpus=1, accelerator_type="H100")
     assert ranks.bundle() == {"CPU": 1, "GPU": 1, "accelerator_type:H100": 0.001}
     for bad, field in [(dict(target_resources={"tensor_parallel": 0}), "tensor_parallel"),
-                       (dict(draft_resources={"tensor_parallel": 2}), "only target_resources"),
+                       (dict(draft_resources={"tensor_parallel": 2}), "only the target"),
                        (dict(target_resources={"tensor_parallel": 2}, batching=False), "needs batching"),
-                       (dict(target_resources={"tensor_parallel": 2}, target_stages=[{}, {}]), "target_stages")]:
+                       (dict(target_resources={"tensor_parallel": 2}, target_stages=[{}, {}]), "on the stages"),
+                       (dict(target_stages=[{}, {}], batching=False), "target_stages: needs batching")]:
         with pytest.raises(ValidationError, match=field):
             WorkersConfig(**bad)
+    stages = WorkersConfig(target_stages=[{"tensor_parallel": 2}, {"tensor_parallel": 4}]).target_stages
+    assert [s.tensor_parallel for s in stages] == [2, 4]  # a group inside each stage

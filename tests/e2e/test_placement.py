@@ -15,7 +15,7 @@ from ray.cluster_utils import Cluster
 
 from specserve import SamplingParams, SpeculativeDecoder
 from specserve.workers import RoleResources, WorkersConfig
-from specserve.workers.actors import start_workers
+from specserve.workers.actors import release_workers, start_workers
 from tests.conftest import perturbed_copy, tiny_llama
 from tests.e2e.test_ray_workers import PROMPT, served
 
@@ -110,3 +110,38 @@ def test_two_stage_target_matches_the_unsharded_one(cluster, tmp_path):
     finally:
         for actor in (target_actor, draft_actor, *stages):
             ray.kill(actor)
+
+
+def test_two_nodes_each_running_a_tensor_parallel_stage(cluster, tmp_path):
+    """The two-node shape of cluster/two-node.yaml on the simulated cluster: the target's layers in two stages,
+    one per large node, each stage a group of two ranks packed on its node; the greedy tokens of the unsplit
+    model."""
+    target = tiny_llama(0, vocab=64, layers=4, hidden=32, scale=8, dtype=torch.float32, kv_heads=2)
+    target.save_pretrained(str(tmp_path / "target"))
+    perturbed_copy(target, 0.3).save_pretrained(str(tmp_path / "draft"))
+    stage = RoleResources(num_cpus=0.5, resources={"large_gpu": 1}, torch_threads=1, tensor_parallel=2)
+    config = WorkersConfig(
+        target=str(tmp_path / "target"), draft=str(tmp_path / "draft"), dtype="float32", draft_top_k=4,
+        draft_resources=RoleResources(num_cpus=0.5, resources={"small_gpu": 1}, torch_threads=1),
+        target_resources=RoleResources(num_cpus=0.25, torch_threads=1),
+        target_stages=[stage, stage],
+    )
+    target_actor, draft_actor = start_workers(config)
+    stages = ray.get(target_actor.__ray_call__.remote(lambda self: self.stages))
+    try:
+        nodes = ray.get([s.node_id.remote() for s in stages])
+        assert sorted(nodes) == sorted([cluster["large"].node_id, cluster["large2"].node_id])
+        for stage_actor, node in zip(stages, nodes):  # each stage's other rank on the stage's own node
+            ranks = ray.get(stage_actor.__ray_call__.remote(lambda self: self._followers))
+            assert len(ranks) == 1
+            assert ray.get(ranks[0].__ray_call__.remote(
+                lambda self: ray.get_runtime_context().get_node_id())) == node
+        greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+        tokens, stats = served(target_actor, draft_actor, greedy)
+        assert tokens == SpeculativeDecoder(config.target, None, dtype="float32").generate(PROMPT, greedy, 30).token_ids
+        assert stats.accepted > 0
+        assert [ray.get(s.tp_stats.remote())["tensor_parallel"] for s in stages] == [2, 2]
+    finally:
+        for actor in (target_actor, draft_actor, *stages):
+            ray.kill(actor)
+        release_workers(target_actor)

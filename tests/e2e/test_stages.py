@@ -9,11 +9,14 @@ import pytest
 import ray
 import torch
 
+from specserve import SamplingParams, SpeculativeDecoder
 from specserve.models import load_model
 from specserve.models.pool import KVPool
+from specserve.workers import RoleResources, WorkersConfig
+from specserve.workers.actors import release_workers, start_workers
 from specserve.workers.stages import StagedPool, TargetStageActor, stage_bounds, start_stages
-from specserve.workers import RoleResources
-from tests.conftest import tiny_llama
+from tests.conftest import perturbed_copy, tiny_llama
+from tests.e2e.test_ray_workers import PROMPT, served
 
 TOKENS = 1024  # each arena's positions: blocks of 32..512, so sequences move as they grow
 
@@ -31,6 +34,18 @@ def target_dir(tmp_path_factory):
     tiny_llama(3, vocab=96, layers=5, hidden=64, heads=4, kv_heads=2, scale=8, dtype=torch.float32).save_pretrained(
         str(path))
     return str(path)
+
+
+def _whole(target_dir: str, quantization: str = "none") -> list[torch.Tensor]:
+    """`_drive` on one pool of the whole model, one thread as the stages run (a GEMM's sums may split by thread
+    count)."""
+    whole = load_model(target_dir, "float32", quantization=quantization).model
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _drive(KVPool(whole, TOKENS, prefix_caching=True, share_running=True))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _drive(pool: KVPool) -> list[torch.Tensor]:
@@ -63,15 +78,11 @@ def _drive(pool: KVPool) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 def test_staged_steps_equal_the_whole_model(local_ray, target_dir, quantization):
-    whole = load_model(target_dir, "float32", quantization=quantization).model
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the stages run: a GEMM's sums may split by thread count
-    try:
-        expected = _drive(KVPool(whole, TOKENS, prefix_caching=True, share_running=True))
-    finally:
-        torch.set_num_threads(threads)
-    stages = start_stages(target_dir, "float32", quantization, [RoleResources(num_cpus=0.5, torch_threads=1)] * 3,
-                          5, TOKENS)
+    whole = load_model(target_dir, "float32").model
+    expected = _whole(target_dir, quantization)
+    stages, groups = start_stages(target_dir, "float32", quantization,
+                                  [RoleResources(num_cpus=0.5, torch_threads=1)] * 3, 5, TOKENS)
+    assert groups == []
     try:
         assert ray.get([s.layers.remote() for s in stages]) == [(0, 2), (2, 3), (3, 5)]
         pool = StagedPool(stages, whole.config, TOKENS, prefix_caching=True, share_running=True)
@@ -84,6 +95,57 @@ def test_staged_steps_equal_the_whole_model(local_ray, target_dir, quantization)
     finally:
         for stage in stages:
             ray.kill(stage)
+
+
+def test_a_stage_split_over_tensor_parallel_ranks(local_ray, target_dir):
+    """Stage 1 of 2 as a group of two ranks (gloo): the same logits up to float32 rounding (the split sums in
+    another order), and per step one all-reduce pair per layer of the stage and one gather of the logits."""
+    expected = _whole(target_dir)
+    config = load_model(target_dir, "float32").model.config
+    plain = RoleResources(num_cpus=0.5, torch_threads=1)
+    split = RoleResources(num_cpus=0.5, torch_threads=1, tensor_parallel=2)
+    stages, groups = start_stages(target_dir, "float32", "none", [plain, split], 5, TOKENS)
+    try:
+        assert len(groups) == 1 and ray.get([s.layers.remote() for s in stages]) == [(0, 2), (2, 5)]
+        pool = StagedPool(stages, config, TOKENS, prefix_caching=True, share_running=True)
+        assert [g["tensor_parallel"] for g in pool.geometry] == [1, 2]
+        got = _drive(pool)
+        for step, (g, e) in enumerate(zip(got, expected)):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step}: {m}")
+        stats = ray.get(stages[1].tp_stats.remote())
+        assert stats["tp_steps"] == len(got) and stats["tp_all_reduces"] == 2 * 3 * len(got)
+        assert stats["tp_gathers"] == len(got)  # the last stage's head, vocabulary-parallel
+    finally:
+        for stage in stages:
+            ray.kill(stage)
+        for group in groups:
+            ray.util.remove_placement_group(group)
+
+
+def test_served_through_stages_with_a_tensor_parallel_stage(local_ray, target_dir, tmp_path):
+    """The worker API over two stages, the second split over two ranks: the greedy tokens of the unsplit model
+    (a model draft in a worker of its own proposing)."""
+    perturbed_copy(load_model(target_dir, "float32").model, 0.05).save_pretrained(str(tmp_path / "draft"))
+    config = WorkersConfig(
+        target=target_dir, draft=str(tmp_path / "draft"), dtype="float32", kv_cache_tokens=TOKENS,
+        draft_resources=RoleResources(num_cpus=0.5, torch_threads=1),
+        target_resources=RoleResources(num_cpus=0.25, torch_threads=1),
+        target_stages=[RoleResources(num_cpus=0.5, torch_threads=1),
+                       RoleResources(num_cpus=0.5, torch_threads=1, tensor_parallel=2)],
+    )
+    target_actor, draft_actor = start_workers(config)
+    stages = ray.get(target_actor.__ray_call__.remote(lambda self: self.stages))
+    try:
+        greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+        tokens, stats = served(target_actor, draft_actor, greedy)
+        assert tokens == SpeculativeDecoder(target_dir, None, dtype="float32").generate(PROMPT, greedy, 30).token_ids
+        assert stats.accepted > 0
+        info = ray.get(target_actor.info.remote())
+        assert info["stages"] == 2 and info["kv_used_tokens"] == 0 and info["steps"] > 0
+    finally:
+        for actor in (target_actor, draft_actor, *stages):
+            ray.kill(actor)
+        release_workers(target_actor)
 
 
 def test_stages_sized_unlike_the_worker_are_refused(local_ray, target_dir):

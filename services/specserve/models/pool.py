@@ -418,7 +418,7 @@ class KVPool:
         if self.tp is None or self.tp.rank == 0:
             raise ValueError("only a tensor-parallel rank other than 0 follows")
         steps = 0
-        while (step := self.tp.receive_step()) is not None:
+        while (step := self.tp.receive_step(self.w.dtype, self.w.device)) is not None:
             self.run_step(*step)
             steps += 1
         return steps
@@ -429,7 +429,12 @@ class KVPool:
         """A step the pool keeping the sequences took (a tensor-parallel rank 0, or a staged target's worker),
         on this pool's part of the model: its moves replayed, then the forward over (block, start) pairs.
         hidden: the stage before's output, for a pipeline stage after the first. Returns the logits, or a stage
-        before the last its hidden states [Σ new tokens, hidden size]."""
+        before the last its hidden states [Σ new tokens, hidden size]. A stage's tensor-parallel rank 0 tells its
+        other ranks first."""
+        if hidden is not None:
+            hidden = hidden.to(self.w.device, self.w.dtype)
+        if self.tp is not None and self.tp.rank == 0:
+            self.tp.send_step(moves, blocks, starts, new_tokens, keeps, hidden)
         for move in moves:
             self._move(*move)
         caches = [_Mirror(self, block, start) for block, start in zip(blocks, starts)]

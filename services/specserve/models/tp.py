@@ -144,23 +144,28 @@ class Collective:
 
     # -- step descriptions, rank 0 → the others ----------------------------------------------------------------
     def send_step(self, moves: list[tuple[int, int, int]], blocks: list[tuple[int, int]], starts: list[int],
-                  new_tokens: list[list[int]], keeps: list[int]) -> None:
-        """Rank 0: tell the others the step it is about to run (moves: (from, to, positions) block copies)."""
+                  new_tokens: list[list[int]], keeps: list[int], hidden: torch.Tensor | None = None) -> None:
+        """Rank 0: tell the others the step it is about to run (moves: (from, to, positions) block copies;
+        hidden: a pipeline stage's input from the stage before, [new tokens, hidden size] on this rank's device)."""
         body = [v for move in moves for v in move]
         body += [v for block in blocks for v in block] + starts + [len(t) for t in new_tokens] + keeps
         body += [t for ts in new_tokens for t in ts]
-        self._broadcast(torch.tensor([1, len(moves), len(blocks), len(body)], dtype=torch.int64))
+        width = 0 if hidden is None else hidden.shape[1]
+        self._broadcast(torch.tensor([1, len(moves), len(blocks), len(body), width], dtype=torch.int64))
         self._broadcast(torch.tensor(body, dtype=torch.int64))
+        if hidden is not None:  # over the data group: device to device (NCCL) on GPUs
+            self._wait(self.data.broadcast(hidden.contiguous(), 0))
         self.steps += 1
 
     def stop(self) -> None:
         """Rank 0: end the others' `KVPool.follow` loops."""
-        self._broadcast(torch.zeros(4, dtype=torch.int64))
+        self._broadcast(torch.zeros(5, dtype=torch.int64))
 
-    def receive_step(self):
-        """A follower: (moves, blocks, starts, new_tokens, keeps) of rank 0's next step, or None at `stop`."""
-        header = self._broadcast(torch.empty(4, dtype=torch.int64))
-        go, n_moves, n_seqs, length = header.tolist()
+    def receive_step(self, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        """A follower: (moves, blocks, starts, new_tokens, keeps, hidden) of rank 0's next step, or None at `stop`;
+        hidden (a pipeline stage's input, in `dtype` on `device`) or None."""
+        header = self._broadcast(torch.empty(5, dtype=torch.int64))
+        go, n_moves, n_seqs, length, width = header.tolist()
         if not go:
             return None
         body = self._broadcast(torch.empty(length, dtype=torch.int64)).tolist()
@@ -174,8 +179,12 @@ class Collective:
         for n in sizes:
             new_tokens.append(body[at : at + n])
             at += n
+        hidden = None
+        if width:
+            hidden = torch.empty(sum(sizes), width, dtype=dtype, device=device)
+            self._wait(self.data.broadcast(hidden, 0))
         self.steps += 1
-        return moves, blocks, starts, new_tokens, keeps
+        return moves, blocks, starts, new_tokens, keeps, hidden
 
     def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
         self._wait(self.control.broadcast(t, 0))

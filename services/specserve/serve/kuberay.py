@@ -53,7 +53,8 @@ def _roles(config: AppConfig) -> list[tuple[str, RoleResources]]:
 
 
 def worker_groups(serve_config: dict[str, Any]) -> list[dict[str, Any]]:
-    """Group the roles of every specserve application by the node kind they need."""
+    """Group the roles of every specserve application by the node kind they need (each target stage on a node of
+    its own)."""
     groups: dict[str, dict[str, Any]] = {}
     for app in serve_config.get("applications", []):
         if not app.get("import_path", "").startswith("specserve.serve"):
@@ -63,6 +64,8 @@ def worker_groups(serve_config: dict[str, Any]) -> list[dict[str, Any]]:
                 key = res.accelerator_type.lower() if res.accelerator_type else "gpu"
             else:
                 key = "cpu"
+            if role.startswith("target-stage-"):  # a stage is a node of its own: that is what stages are for
+                key += "-" + role.removeprefix("target-")
             group = groups.setdefault(key, {"name": key, "roles": [], "cpus": 0.0, "gpus": 0.0, "resources": {},
                                             "accelerator": res.accelerator_type if res.num_gpus > 0 else None})
             ranks = res.tensor_parallel  # a tensor-parallel target: that many actors, packed on one node

@@ -297,13 +297,17 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
     target_spec = config.target if target is None else target
     served_name = getattr(config, "model_name", None)  # the workers' metrics carry the model id clients see
     draft_spec = config.draft if draft is None else draft
-    stages = None
+    stages, groups = None, []
     if config.target_stages:
+        from specserve.workers.ranks import check_model
         from specserve.workers.stages import start_stages
 
         layers = describe_model(target_spec)["num_layers"]
-        stages = start_stages(target_spec, config.dtype, config.quantization, config.target_stages, layers,
-                              config.kv_cache_tokens)
+        for i, stage in enumerate(config.target_stages):
+            if stage.tensor_parallel > 1:
+                check_model(target_spec, stage.tensor_parallel, f"target_stages[{i}].tensor_parallel")
+        stages, groups = start_stages(target_spec, config.dtype, config.quantization, config.target_stages, layers,
+                                      config.kv_cache_tokens)
     scheduling = {"batching": config.batching, "kv_cache_tokens": config.kv_cache_tokens,
                   "max_step_tokens": config.max_step_tokens, "prefill_chunk": config.prefill_chunk,
                   "prefix_caching": config.prefix_caching, "kv_wait_s": config.kv_wait_s}
@@ -312,7 +316,7 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
     if resources.tensor_parallel > 1:
         from specserve.workers.ranks import check_model
 
-        check_model(target_spec, resources.tensor_parallel)
+        check_model(target_spec, resources.tensor_parallel, "target_resources.tensor_parallel")
         placement = {"scheduling_strategy": _rank_group(resources)}
     target_actor = _remote(TargetWorkerActor, resources, config.max_restarts, **placement).remote(
         target_spec, config.dtype, resources.threads(), stages, scheduling, colocated, gamma_max,
@@ -320,7 +324,9 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
         resources.tensor_parallel, resources.actor_options(), served_name=served_name,
     )
     if placement:
-        _RANK_GROUPS[target_actor._actor_id.hex()] = placement["scheduling_strategy"].placement_group
+        groups.append(placement["scheduling_strategy"].placement_group)
+    if groups:
+        _RANK_GROUPS[target_actor._actor_id.hex()] = groups
     vocab = ray.get(target_actor.info.remote())["vocab"]
     draft_actor = None
     if config.has_draft_worker(draft_spec) and colocated is None:
@@ -332,7 +338,7 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
     return target_actor, draft_actor
 
 
-_RANK_GROUPS: dict[str, Any] = {}  # a tensor-parallel target's placement group, by the target actor's id
+_RANK_GROUPS: dict[str, list] = {}  # tensor-parallel groups' placement groups, by the target actor's id
 
 
 def release_workers(target_actor) -> None:
@@ -341,12 +347,11 @@ def release_workers(target_actor) -> None:
     dies without shutting down (a crashed Serve replica, a detached actor) takes its group with it (Ray's)."""
     import ray
 
-    group = _RANK_GROUPS.pop(target_actor._actor_id.hex(), None)
-    if group is not None:
+    for group in _RANK_GROUPS.pop(target_actor._actor_id.hex(), []):
         ray.util.remove_placement_group(group)
 
 
-def _rank_group(resources: RoleResources, timeout_s: float = 600.0):
+def _rank_group(resources: RoleResources, timeout_s: float = 600.0, field: str = "target_resources.tensor_parallel"):
     """A placement group of one bundle per tensor-parallel rank, on one node; the strategy that puts an actor
     in its first bundle (rank 0). Fails naming the resources when Ray cannot find such a node in time."""
     import ray
@@ -358,7 +363,7 @@ def _rank_group(resources: RoleResources, timeout_s: float = 600.0):
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
         ray.util.remove_placement_group(group)
-        raise RuntimeError(f"target_resources.tensor_parallel: no node has {len(bundles)} x {bundles[0]} free "
+        raise RuntimeError(f"{field}: no node has {len(bundles)} x {bundles[0]} free "
                            f"(waited {timeout_s:.0f} s)")
     return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
 

@@ -25,7 +25,8 @@ class RoleResources(BaseModel):
     )
     tensor_parallel: int = Field(
         1, ge=1,
-        description="Target only: ranks the target's layers are split over (tensor parallelism). Each rank is an actor "
+        description="Target only (target_resources, or each of target_stages): ranks the target's (the stage's) layers "
+        "are split over (tensor parallelism). Each rank is an actor "
         "with the resources above (num_gpus: 1 for one GPU per rank), all packed on one node in a placement group; "
         "gloo between CPU ranks, NCCL between GPU ranks. At most the model's key/value heads, and a divisor of its "
         "MLP width.",
@@ -179,11 +180,12 @@ class WorkersConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_tensor_parallel(self) -> WorkersConfig:
-        if self.draft_resources.tensor_parallel > 1 or any(r.tensor_parallel > 1 for r in self.target_stages):
-            raise ValueError("tensor_parallel: only target_resources split the target over ranks")
+        if self.draft_resources.tensor_parallel > 1:
+            raise ValueError("draft_resources.tensor_parallel: only the target splits over ranks")
         if self.target_resources.tensor_parallel > 1:
             if self.target_stages:
-                raise ValueError("target_resources.tensor_parallel: not with target_stages yet (one or the other)")
+                raise ValueError("target_resources.tensor_parallel: with target_stages the worker holds no layers; "
+                                 "set tensor_parallel on the stages")
             if not self.batching:
                 raise ValueError("target_resources.tensor_parallel: needs batching (the ranks share the pooled step)")
         if self.target_stages and not self.batching:

@@ -9,6 +9,9 @@ step rank 0 takes, it takes too. Only rank 0 has a gRPC face, sessions and a sch
 A lost rank takes the group down: rank 0 exits as soon as it sees a follower gone (a collective fails, or the
 watch below finds the actor dead), Ray restarts it as it restarts any worker, it starts a fresh group, and
 the coordinator's sessions go on from their committed tokens (`coordinator.links`).
+
+A pipeline stage (`workers.stages`) with `tensor_parallel` is such a group over its layers: the stage actor is
+rank 0, and each step it passes on carries the stage before's hidden states too.
 """
 
 from __future__ import annotations
@@ -34,28 +37,29 @@ class TargetRankActor:
     """Rank `shard.rank` > 0 of a tensor-parallel target (see the module docstring)."""
 
     def __init__(self, target: Any, dtype: str | None, quantization: str, shard: Shard, store_host: str,
-                 store_port: int, kv_cache_tokens: int, threads: int):
+                 store_port: int, kv_cache_tokens: int, threads: int, layers: tuple[int, int] | None = None):
         data_plane_priority()
         self.shard = shard
         self._failed: BaseException | None = None
         self._loaded = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specserve-rank", daemon=True, args=(
-            target, dtype, quantization, store_host, store_port, kv_cache_tokens, threads))
+            target, dtype, quantization, store_host, store_port, kv_cache_tokens, threads, layers))
         self._thread.start()
 
-    def _run(self, target, dtype, quantization, host, port, kv_cache_tokens, threads) -> None:
+    def _run(self, target, dtype, quantization, host, port, kv_cache_tokens, threads, layers) -> None:
         import torch.distributed as dist
 
         torch_threads(threads)  # this thread is the rank's compute thread: its forwards use these cores
         try:
-            model = load_model(target, dtype, None, None, quantization, self.shard).model
+            model = load_model(target, dtype, None, None, quantization, self.shard, layers).model
         except BaseException as exc:  # noqa: BLE001 - reported through `ready`
             self._failed = exc
             return
         finally:
             self._loaded.set()
         store = dist.TCPStore(host, port, self.shard.world, is_master=False)
-        pool = KVPool(model, kv_cache_tokens, tp=connect(self.shard, store, next(model.parameters()).device))
+        pool = KVPool(model, kv_cache_tokens, tp=connect(self.shard, store, next(model.parameters()).device),
+                      layers=layers)
         try:
             pool.follow()
         except BaseException as exc:  # noqa: BLE001 - rank 0 is gone or failed: this rank is done
@@ -78,9 +82,10 @@ class TargetRankActor:
 
 
 def start_followers(target: Any, dtype: str | None, quantization: str, world: int, kv_cache_tokens: int,
-                    threads: int, rank_options: dict[str, Any]) -> tuple[list, Any]:
+                    threads: int, rank_options: dict[str, Any], layers: tuple[int, int] | None = None
+                    ) -> tuple[list, Any]:
     """From rank 0, inside its placement group: the store the ranks meet at and actors for ranks 1..world-1,
-    each in its own bundle, loading their shards (call `join` next)."""
+    each in its own bundle, loading their shards (call `join` next). layers: a pipeline stage's (start, end)."""
     import ray
     import torch.distributed as dist
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -97,7 +102,7 @@ def start_followers(target: Any, dtype: str | None, quantization: str, world: in
             options.pop("accelerator_type", None)  # the bundle carries it
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, rank)
         followers.append(ray.remote(TargetRankActor).options(max_restarts=0, **options).remote(
-            target, dtype, quantization, Shard(rank, world), host, store.port, kv_cache_tokens, threads))
+            target, dtype, quantization, Shard(rank, world), host, store.port, kv_cache_tokens, threads, layers))
     return followers, store
 
 
@@ -127,8 +132,8 @@ def watch(followers: list, on_lost) -> threading.Thread:
     return thread
 
 
-def check_model(spec: Any, world: int) -> None:
-    """The model `spec` names can be split over `world` ranks (ValueError naming tensor_parallel otherwise)."""
+def check_model(spec: Any, world: int, field: str = "tensor_parallel") -> None:
+    """The model `spec` names can be split over `world` ranks (ValueError naming `field` otherwise)."""
     config = getattr(spec, "config", None)
     if config is None:
         from transformers import AutoConfig
@@ -136,4 +141,7 @@ def check_model(spec: Any, world: int) -> None:
         from specserve.models.loading import resolve_model_path
 
         config = AutoConfig.from_pretrained(str(resolve_model_path(spec)[0]))
-    check(config, world)
+    try:
+        check(config, world)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("tensor_parallel", field, 1)) from None

@@ -12,6 +12,7 @@ so all arenas hold the same rows.
 
 from __future__ import annotations
 
+import logging
 import os
 from types import SimpleNamespace
 from typing import Any
@@ -25,21 +26,47 @@ from specserve.models.pool import KVPool
 from specserve.scheduler.steps import torch_threads
 from specserve.workers.quiet import data_plane_priority
 
+log = logging.getLogger("specserve.workers")
+
 
 class TargetStageActor:
-    """Layers [start, end) of the target and their KV arena (see the module docstring)."""
+    """Layers [start, end) of the target and their KV arena (see the module docstring).
+
+    tensor_parallel: the stage's layers split over that many ranks on its node (`workers.ranks`): this actor is
+    rank 0, in bundle 0 of the stage's placement group, and starts the others (rank_options) in the rest; each
+    step it takes, they take too."""
 
     def __init__(self, target: Any, dtype: str | None, quantization: str, start: int, end: int,
-                 kv_cache_tokens: int, threads: int | None = None):
+                 kv_cache_tokens: int, threads: int | None = None, tensor_parallel: int = 1,
+                 rank_options: dict | None = None):
         data_plane_priority()  # a stage is on the request path (`workers.quiet`)
-        torch_threads(threads or os.cpu_count() or 1)
+        threads = threads or os.cpu_count() or 1
+        torch_threads(threads)
+        self.start, self.end = start, end
+        layers, tp = (start, end), None
         # TODO(scale): read only this stage's tensors (as `models.slices` reads a rank's)
-        loaded = load_model(target, dtype, quantization=quantization, layers=(start, end))
+        if tensor_parallel > 1:
+            from specserve.models.tp import Shard
+            from specserve.workers import ranks
+
+            followers, store = ranks.start_followers(target, dtype, quantization, tensor_parallel, kv_cache_tokens,
+                                                     threads, rank_options or {}, layers)
+            loaded = load_model(target, dtype, None, None, quantization, Shard(0, tensor_parallel), layers)
+            tp = ranks.join(followers, store, tensor_parallel, loaded.device)
+            tp.lost = self._rank_lost
+            self._followers, self._store = followers, store  # the store lives as long as the group
+            ranks.watch(followers, self._rank_lost)
+        else:
+            loaded = load_model(target, dtype, quantization=quantization, layers=layers)
         problem = unsupported_reason(loaded.model)
         if problem is not None:
             raise ValueError(f"target_stages: the staged forward runs Llama-family models, not this one ({problem})")
-        self.start, self.end = start, end
-        self.pool = KVPool(loaded.model, kv_cache_tokens, layers=(start, end))  # the rest of the model is freed
+        self.pool = KVPool(loaded.model, kv_cache_tokens, tp=tp, layers=layers)  # the rest of the model is freed
+
+    def _rank_lost(self, error: BaseException) -> None:
+        """A rank of this stage's group is gone: the stage ends (its sessions fail; see docs/serving.md)."""
+        log.error("stage [%d, %d): tensor-parallel rank lost (%s)", self.start, self.end, error)
+        os._exit(1)
 
     def step(self, moves: list, blocks: list, starts: list[int], new_tokens: list[list[int]], keeps: list[int],
              hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -48,10 +75,17 @@ class TargetStageActor:
         return self.pool.run_step(moves, blocks, starts, new_tokens, keeps, hidden).cpu()
 
     def geometry(self) -> dict[str, Any]:
-        """What the front's pool must match (positions, longest sequence), and what this stage's arena costs."""
+        """What the front's pool must match (positions, longest sequence), and what this stage's arena costs (all
+        its ranks')."""
         pool = self.pool
-        return {"capacity": pool.capacity, "max_length": pool.max_length, "bytes_per_token": pool.bytes_per_token,
-                "kv_dtype": pool.kv_dtype, "layers": [self.start, self.end]}
+        world = pool.tp.world if pool.tp is not None else 1
+        return {"capacity": pool.capacity, "max_length": pool.max_length, "layers": [self.start, self.end],
+                "bytes_per_token": pool.bytes_per_token * world, "kv_dtype": pool.kv_dtype,
+                "tensor_parallel": world}
+
+    def tp_stats(self) -> dict[str, Any]:
+        """The stage group's collectives so far (`models.tp.Collective.stats`); {} without tensor parallelism."""
+        return self.pool.tp.stats() if self.pool.tp is not None else {}
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -109,10 +143,21 @@ def stage_bounds(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 
 
 def start_stages(target: Any, dtype: str | None, quantization: str, stage_resources: list, num_layers: int,
-                 kv_cache_tokens: int) -> list:
-    """One stage actor per entry of `stage_resources` (RoleResources), layers split evenly, in order."""
-    actors = []
-    for (start, end), resources in zip(stage_bounds(num_layers, len(stage_resources)), stage_resources):
-        cls = ray.remote(TargetStageActor).options(**resources.actor_options())
-        actors.append(cls.remote(target, dtype, quantization, start, end, kv_cache_tokens, resources.threads()))
-    return actors
+                 kv_cache_tokens: int) -> tuple[list, list]:
+    """One stage actor per entry of `stage_resources` (RoleResources), layers split evenly, in order; a stage with
+    tensor_parallel in a placement group of its own, packed on one node. Returns (actors, placement groups)."""
+    from specserve.workers.actors import _rank_group
+
+    actors, groups = [], []
+    for i, ((start, end), resources) in enumerate(zip(stage_bounds(num_layers, len(stage_resources)),
+                                                       stage_resources)):
+        options = resources.actor_options()
+        if resources.tensor_parallel > 1:
+            strategy = _rank_group(resources, field=f"target_stages[{i}].tensor_parallel")
+            groups.append(strategy.placement_group)
+            options.pop("accelerator_type", None)  # the bundle carries it
+            options["scheduling_strategy"] = strategy
+        cls = ray.remote(TargetStageActor).options(**options)
+        actors.append(cls.remote(target, dtype, quantization, start, end, kv_cache_tokens, resources.threads(),
+                                 resources.tensor_parallel, resources.actor_options()))
+    return actors, groups
