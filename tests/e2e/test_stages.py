@@ -158,6 +158,34 @@ def test_stages_sized_unlike_the_worker_are_refused(local_ray, target_dir):
         ray.kill(stage)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_stage_reads_only_its_part_of_a_checkpoint(tmp_path, tied):
+    """From safetensors, a stage reads its layers, the first also the embedding, the last the norm and the head
+    (a tied head: the embedding); nothing else. Its lean weights equal those of the whole model loaded."""
+    from specserve.models.weights import lean_weights
+
+    model = tiny_llama(3, vocab=96, layers=5, hidden=64, heads=4, kv_heads=2, scale=8, dtype=torch.float32)
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.save_pretrained(str(tmp_path))
+    whole = lean_weights(load_model(str(tmp_path), "float32").model, torch.float32)
+    for start, end in stage_bounds(5, 3):
+        part = load_model(str(tmp_path), "float32", layers=(start, end)).model
+        body = part.model
+        assert [i for i, layer in enumerate(body.layers) if layer.input_layernorm.weight.numel()] == \
+            list(range(start, end))
+        assert (body.embed_tokens.weight.numel() > 0) == (start == 0 or (tied and end == 5))
+        assert (body.norm.weight.numel() > 0) == (end == 5)  # (the head: in the lean weights, below)
+        w = lean_weights(part, torch.float32, None, (start, end))
+        for mine, theirs in zip(w.layers, whole.layers[start:end]):
+            for a, b in zip(mine, theirs):
+                assert (a is None and b is None) or torch.equal(a, b)
+        assert (w.head is None) == (end < 5) and (end < 5 or torch.equal(w.head, whole.head))
+        with pytest.raises(ValueError, match="holds layers"):
+            KVPool(part, 64, layers=(0, 5))
+
+
 def test_stage_bounds():
     assert stage_bounds(5, 3) == [(0, 2), (2, 3), (3, 5)]
     assert stage_bounds(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]

@@ -155,9 +155,9 @@ def load_model(
     torch_dtype = _quantized_dtype(torch_dtype) if method != "none" else torch_dtype
     torch_dtype = torch_dtype or default_dtype(device)
     _refuse_prequantized(path, name)
-    sliced = _sliced_rank(path, name, shard, method, device_map, torch_dtype, device) if layers is None else None
+    sliced = _sliced_part(path, name, shard, layers, method, device_map, torch_dtype, device)
     if sliced is not None:
-        return _keep_shard(sliced, shard)
+        return _keep_shard(sliced, shard, layers)
     try:
         with _LOADING:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, device_map=device_map)
@@ -173,15 +173,17 @@ def load_model(
     return _quantize(loaded, method, group, gguf, shard, layers)
 
 
-def _sliced_rank(path, name: str, shard: Shard | None, method: str, device_map: Any, dtype: torch.dtype,
-                 device: str) -> LoadedModel | None:
-    """A dense tensor-parallel rank of a safetensors checkpoint, read as its slices only (`models.slices`); None
-    where that does not apply (no shard, quantized at load: int8 scales span whole rows, GGUF, device_map)."""
+def _sliced_part(path, name: str, shard: Shard | None, layers: tuple[int, int] | None, method: str,
+                 device_map: Any, dtype: torch.dtype, device: str) -> LoadedModel | None:
+    """A dense tensor-parallel rank or pipeline stage of a safetensors checkpoint, read as its part only
+    (`models.slices`); None where that does not apply (neither, quantized at load: int8 scales span whole rows,
+    GGUF, device_map)."""
     from transformers import AutoConfig
 
     from specserve.models.lean import unsupported_config
 
-    if shard is None or method != "none" or device_map is not None or not pathlib.Path(path).is_dir():
+    if (shard is None and layers is None) or method != "none" or device_map is not None \
+            or not pathlib.Path(path).is_dir():
         return None
     files = slices.checkpoint_files(path)
     if files is None:
@@ -189,9 +191,10 @@ def _sliced_rank(path, name: str, shard: Shard | None, method: str, device_map: 
     config = AutoConfig.from_pretrained(str(path))
     reason = unsupported_config(config)
     if reason is not None:
-        raise ValueError(f"tensor_parallel runs in the lean forward of Llama-family models; {name} has {reason}")
+        raise ValueError(f"{'tensor_parallel' if shard else 'target_stages'} run in the lean forward of "
+                         f"Llama-family models; {name} has {reason}")
     with _LOADING:
-        model = slices.load_rank(path, files, config, shard, dtype, device)
+        model = slices.load_rank(path, files, config, shard, dtype, device, layers)
     return LoadedModel(model, _tokenizer_at(path), name)
 
 
@@ -244,12 +247,12 @@ def _quantize(loaded: LoadedModel, method: str, group: int, gguf: pathlib.Path |
     return loaded
 
 
-def _keep_shard(loaded: LoadedModel, shard: Shard, layers: tuple[int, int] | None = None) -> LoadedModel:
-    """A dense tensor-parallel rank: its part of the weights made (`weights.LeanWeights`), the whole model's
-    linear weights dropped, so the rank holds 1/N of them after loading."""
+def _keep_shard(loaded: LoadedModel, shard: Shard | None, layers: tuple[int, int] | None = None) -> LoadedModel:
+    """A dense tensor-parallel rank (or pipeline stage): its part of the weights made (`weights.LeanWeights`), the
+    HF modules' linear weights dropped, so the rank holds 1/N of them (the stage its layers) after loading."""
     from specserve.models.lean import lean_weights
 
-    _require_lean(loaded, "tensor_parallel")
+    _require_lean(loaded, "tensor_parallel" if shard is not None else "target_stages")
     lean_weights(loaded.model, loaded.dtype, shard, layers)
     _drop_linears(loaded.model)
     return loaded

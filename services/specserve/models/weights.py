@@ -73,6 +73,9 @@ class LeanWeights:
         start, end = layers or (0, count)
         if not 0 <= start < end <= count:
             raise ValueError(f"stage layers [{start}, {end}) outside the model's {count} layers")
+        read = getattr(model, "specserve_layers", None)  # loaded as a stage's part (`models.slices`)
+        if read is not None and tuple(read) != (start, end):
+            raise ValueError(f"this model holds layers [{read[0]}, {read[1]}) only, not [{start}, {end})")
         self.first, self.last = start == 0, end == count
         self.layers = []
         for i in range(start, end):
@@ -101,7 +104,8 @@ class LeanWeights:
                 fuse([weight("gate"), weight("up")], at),
                 fuse([weight("down")], at),
             ))
-            if held is not None:  # a rank's slices serve nothing else: freed now, a load peaks one layer over
+            if held is not None or read is not None:  # a part read for this serves nothing else: freed now,
+                # so a load peaks one layer over
                 drop_linears(layer)
         self.norm = cast(model.model.norm.weight) if self.last else None
         head = model.lm_head.weight
@@ -116,7 +120,7 @@ class LeanWeights:
             self.token_subset = subset.to("cpu")
         else:
             self.token_subset = None
-        self.vocab_rows = head.shape[0]  # the head's rows in the unsharded model
+        self.vocab_rows = head.shape[0] if self.last else cfg.vocab_size  # the head's rows, unsharded
         # the head stays int8 under int4 (as llama.cpp's Q4 files keep theirs at 6-8 bits)
         head_spec = None if spec is None else spec.for_head()
         self.head = None  # a stage before the last hands its hidden states on

@@ -44,7 +44,7 @@ class TargetStageActor:
         torch_threads(threads)
         self.start, self.end = start, end
         layers, tp = (start, end), None
-        # TODO(scale): read only this stage's tensors (as `models.slices` reads a rank's)
+        # from safetensors a dense stage (rank) reads only its layers (slices): `models.slices`
         if tensor_parallel > 1:
             from specserve.models.tp import Shard
             from specserve.workers import ranks
