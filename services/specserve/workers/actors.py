@@ -158,18 +158,12 @@ class TargetWorkerActor(_GrpcActor):
         compute = self._compute_thread(threads)
         tp = None
         if tensor_parallel > 1:
-            from specserve.models.tp import Shard
-            from specserve.workers import ranks
+            from specserve.workers.ranks import start_group
 
             kv_tokens = (scheduling or {}).get("kv_cache_tokens", 65536)
-            followers, store = ranks.start_followers(target, dtype, quantization, tensor_parallel, kv_tokens,
-                                                     threads or os.cpu_count() or 1, rank_options or {})
-            loaded = compute.call(load_model, target, dtype, None, None, quantization,
-                                  Shard(0, tensor_parallel)).result()
-            tp = ranks.join(followers, store, tensor_parallel, loaded.device)
-            tp.lost = self._rank_lost
-            self._followers, self._store = followers, store  # the store lives as long as the group
-            ranks.watch(followers, self._rank_lost)
+            loaded, tp, self._followers, self._store = start_group(
+                target, dtype, quantization, tensor_parallel, kv_tokens, threads or os.cpu_count() or 1,
+                rank_options or {}, self._rank_lost, run=lambda f, *args: compute.call(f, *args).result())
         staged = None
         if stages:
             from specserve.workers.stages import StagedPool

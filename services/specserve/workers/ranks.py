@@ -106,6 +106,23 @@ def start_followers(target: Any, dtype: str | None, quantization: str, world: in
     return followers, store
 
 
+def start_group(target: Any, dtype: str | None, quantization: str, world: int, kv_cache_tokens: int, threads: int,
+                rank_options: dict[str, Any], on_lost, layers: tuple[int, int] | None = None, run=None
+                ) -> tuple[Any, Collective, list, Any]:
+    """From rank 0, inside its placement group: ranks 1.. started, rank 0's own shard loaded meanwhile (through
+    `run(load_model, ...)`: on its compute thread), the group formed and watched (on_lost(error) once a rank is
+    gone). Returns (rank 0's LoadedModel, its Collective, the follower actors, the store: keep it while the group
+    lives)."""
+    followers, store = start_followers(target, dtype, quantization, world, kv_cache_tokens, threads, rank_options,
+                                       layers)
+    run = run or (lambda f, *args: f(*args))
+    loaded = run(load_model, target, dtype, None, None, quantization, Shard(0, world), layers)
+    tp = join(followers, store, world, loaded.device)
+    tp.lost = on_lost
+    watch(followers, on_lost)
+    return loaded, tp, followers, store
+
+
 def join(followers: list, store, world: int, device) -> Collective:
     """Rank 0: wait for the followers' models (their load errors raise here), then form the group."""
     import ray

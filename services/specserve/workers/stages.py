@@ -46,16 +46,11 @@ class TargetStageActor:
         layers, tp = (start, end), None
         # from safetensors a dense stage (rank) reads only its layers (slices): `models.slices`
         if tensor_parallel > 1:
-            from specserve.models.tp import Shard
-            from specserve.workers import ranks
+            from specserve.workers.ranks import start_group
 
-            followers, store = ranks.start_followers(target, dtype, quantization, tensor_parallel, kv_cache_tokens,
-                                                     threads, rank_options or {}, layers)
-            loaded = load_model(target, dtype, None, None, quantization, Shard(0, tensor_parallel), layers)
-            tp = ranks.join(followers, store, tensor_parallel, loaded.device)
-            tp.lost = self._rank_lost
-            self._followers, self._store = followers, store  # the store lives as long as the group
-            ranks.watch(followers, self._rank_lost)
+            loaded, tp, self._followers, self._store = start_group(
+                target, dtype, quantization, tensor_parallel, kv_cache_tokens, threads, rank_options or {},
+                self._rank_lost, layers)
         else:
             loaded = load_model(target, dtype, quantization=quantization, layers=layers)
         problem = unsupported_reason(loaded.model)
