@@ -70,23 +70,33 @@ def test_role_resources_map_to_ray_options():
         RoleResources(num_gpus=-1)
 
 
-def test_two_stage_target_matches_the_unsharded_one(cluster, tmp_path):
-    """Layers split over two stage actors on the two large-GPU nodes: same greedy and seeded tokens."""
-    target = tiny_llama(0, vocab=64, layers=4, hidden=32, scale=8, dtype=torch.float32)
+def _staged(tmp_path, stage: RoleResources, kv_heads: int = 1):
+    """A 4-layer target in two stages of `stage` each, its draft on the small node: (config, target actor,
+    draft actor, stage actors)."""
+    target = tiny_llama(0, vocab=64, layers=4, hidden=32, scale=8, dtype=torch.float32, kv_heads=kv_heads)
     target.save_pretrained(str(tmp_path / "target"))
     perturbed_copy(target, 0.3).save_pretrained(str(tmp_path / "draft"))
-    stage = RoleResources(num_cpus=0.5, resources={"large_gpu": 2}, torch_threads=1)
     config = WorkersConfig(
-        target=str(tmp_path / "target"),
-        draft=str(tmp_path / "draft"),
-        dtype="float32",
-        draft_top_k=4,
+        target=str(tmp_path / "target"), draft=str(tmp_path / "draft"), dtype="float32", draft_top_k=4,
         draft_resources=RoleResources(num_cpus=0.5, resources={"small_gpu": 1}, torch_threads=1),
         target_resources=RoleResources(num_cpus=0.25, torch_threads=1),
         target_stages=[stage, stage],
     )
     target_actor, draft_actor = start_workers(config)
     stages = ray.get(target_actor.__ray_call__.remote(lambda self: self.stages))
+    return config, target_actor, draft_actor, stages
+
+
+def _stop(target_actor, draft_actor, stages) -> None:
+    for actor in (target_actor, draft_actor, *stages):
+        ray.kill(actor)
+    release_workers(target_actor)
+
+
+def test_two_stage_target_matches_the_unsharded_one(cluster, tmp_path):
+    """Layers split over two stage actors on the two large-GPU nodes: same greedy and seeded tokens."""
+    stage = RoleResources(num_cpus=0.5, resources={"large_gpu": 2}, torch_threads=1)
+    config, target_actor, draft_actor, stages = _staged(tmp_path, stage)
     try:
         assert ray.get([s.layers.remote() for s in stages]) == [(0, 2), (2, 4)]
         stage_nodes = ray.get([s.node_id.remote() for s in stages])
@@ -108,26 +118,15 @@ def test_two_stage_target_matches_the_unsharded_one(cluster, tmp_path):
         info = ray.get(target_actor.info.remote())
         assert info["batching"] and info["kv_used_tokens"] == 0  # every session's blocks given back
     finally:
-        for actor in (target_actor, draft_actor, *stages):
-            ray.kill(actor)
+        _stop(target_actor, draft_actor, stages)
 
 
 def test_two_nodes_each_running_a_tensor_parallel_stage(cluster, tmp_path):
     """The two-node shape of cluster/two-node.yaml on the simulated cluster: the target's layers in two stages,
     one per large node, each stage a group of two ranks packed on its node; the greedy tokens of the unsplit
     model."""
-    target = tiny_llama(0, vocab=64, layers=4, hidden=32, scale=8, dtype=torch.float32, kv_heads=2)
-    target.save_pretrained(str(tmp_path / "target"))
-    perturbed_copy(target, 0.3).save_pretrained(str(tmp_path / "draft"))
     stage = RoleResources(num_cpus=0.5, resources={"large_gpu": 1}, torch_threads=1, tensor_parallel=2)
-    config = WorkersConfig(
-        target=str(tmp_path / "target"), draft=str(tmp_path / "draft"), dtype="float32", draft_top_k=4,
-        draft_resources=RoleResources(num_cpus=0.5, resources={"small_gpu": 1}, torch_threads=1),
-        target_resources=RoleResources(num_cpus=0.25, torch_threads=1),
-        target_stages=[stage, stage],
-    )
-    target_actor, draft_actor = start_workers(config)
-    stages = ray.get(target_actor.__ray_call__.remote(lambda self: self.stages))
+    config, target_actor, draft_actor, stages = _staged(tmp_path, stage, kv_heads=2)
     try:
         nodes = ray.get([s.node_id.remote() for s in stages])
         assert sorted(nodes) == sorted([cluster["large"].node_id, cluster["large2"].node_id])
@@ -142,6 +141,4 @@ def test_two_nodes_each_running_a_tensor_parallel_stage(cluster, tmp_path):
         assert stats.accepted > 0
         assert [ray.get(s.tp_stats.remote())["tensor_parallel"] for s in stages] == [2, 2]
     finally:
-        for actor in (target_actor, draft_actor, *stages):
-            ray.kill(actor)
-        release_workers(target_actor)
+        _stop(target_actor, draft_actor, stages)

@@ -285,6 +285,16 @@ def resolve_draft(target: Any, draft: Any, model_draft_pays: bool = True) -> Any
     return "embedded-draft" if shipped and model_draft_pays else "ngram"
 
 
+def model_config(spec: Any):
+    """A model's HF config: a loaded model's own, else read from its files (no weights loaded)."""
+    config = getattr(spec, "config", None)
+    if config is not None:
+        return config
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(resolve_model_path(spec)[0]))
+
+
 def resolve_model_path(spec: str | pathlib.Path) -> tuple[str | pathlib.Path, str]:
     """(directory or hub id to load from, display name); converts a GGUF once into the cache."""
     name = str(spec)

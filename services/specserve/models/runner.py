@@ -41,10 +41,10 @@ from specserve.models.lean import LeanWeights, head_logits, layer_output, rotate
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 MIN_CONTEXT = 64  # the shortest context bucket; others double up to the pool's longest sequence
 COMPILE_MODES = {"0": False, "1": True, "dynamic": "dynamic"}  # SPECSERVE_COMPILE_STEPS → StepRunner(compile=)
-if os.environ.get("SPECSERVE_COMPILE_STEPS", "0") not in COMPILE_MODES:
-    raise ValueError(f"SPECSERVE_COMPILE_STEPS must be one of {sorted(COMPILE_MODES)}, got "
-                     f"{os.environ['SPECSERVE_COMPILE_STEPS']!r}")
-COMPILE_STEPS: bool | str = COMPILE_MODES[os.environ.get("SPECSERVE_COMPILE_STEPS", "0")]
+_COMPILE_ENV = os.environ.get("SPECSERVE_COMPILE_STEPS", "0")
+if _COMPILE_ENV not in COMPILE_MODES:
+    raise ValueError(f"SPECSERVE_COMPILE_STEPS must be one of {sorted(COMPILE_MODES)}, got {_COMPILE_ENV!r}")
+COMPILE_STEPS: bool | str = COMPILE_MODES[_COMPILE_ENV]
 
 
 class _Bucket:

@@ -88,6 +88,9 @@ def take(weight, rows: slice | None = None, cols: slice | None = None):
     return weight if cols is None else weight[:, cols]
 
 
+HEADER = 5  # a step description's first broadcast: go, moves, sequences, body length, hidden width
+
+
 class Collective:
     """The communication of one rank of a tensor-parallel group, counted.
 
@@ -159,12 +162,12 @@ class Collective:
 
     def stop(self) -> None:
         """Rank 0: end the others' `KVPool.follow` loops."""
-        self._broadcast(torch.zeros(5, dtype=torch.int64))
+        self._broadcast(torch.zeros(HEADER, dtype=torch.int64))
 
     def receive_step(self, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         """A follower: (moves, blocks, starts, new_tokens, keeps, hidden) of rank 0's next step, or None at `stop`;
         hidden (a pipeline stage's input, in `dtype` on `device`) or None."""
-        header = self._broadcast(torch.empty(5, dtype=torch.int64))
+        header = self._broadcast(torch.empty(HEADER, dtype=torch.int64))
         go, n_moves, n_seqs, length, width = header.tolist()
         if not go:
             return None

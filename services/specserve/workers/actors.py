@@ -21,7 +21,7 @@ import grpc
 from specserve.engine.profile import draft_step_time, verify_profile
 from specserve.engine.proposers import NgramProposer
 from specserve.models import load_model
-from specserve.models.loading import resolve_model_path
+from specserve.models.loading import model_config, resolve_model_path
 from specserve.rpc.auth import server_interceptors
 from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
 from specserve.scheduler.colocated import ScheduledDraft
@@ -245,16 +245,6 @@ class TargetWorkerActor(_GrpcActor):
             sequence = self.servicer.new_sequence() if self.servicer.new_sequence is not None else None
             self._profile = self.servicer.on_compute_thread(verify_profile, self.model, self.vocab, max_positions, 64, 3, sequence)
         return {n: t for n, t in self._profile.items() if n <= max_positions}
-
-
-def model_config(spec: Any):
-    """A model's HF config: a loaded model's own, else read from its files (no weights loaded)."""
-    config = getattr(spec, "config", None)
-    if config is not None:
-        return config
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(str(resolve_model_path(spec)[0]))
 
 
 def describe_model(spec: Any) -> dict[str, Any]:

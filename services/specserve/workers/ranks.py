@@ -151,14 +151,9 @@ def watch(followers: list, on_lost) -> threading.Thread:
 
 def check_model(spec: Any, world: int, field: str = "tensor_parallel") -> None:
     """The model `spec` names can be split over `world` ranks (ValueError naming `field` otherwise)."""
-    config = getattr(spec, "config", None)
-    if config is None:
-        from transformers import AutoConfig
+    from specserve.models.loading import model_config
 
-        from specserve.models.loading import resolve_model_path
-
-        config = AutoConfig.from_pretrained(str(resolve_model_path(spec)[0]))
     try:
-        check(config, world)
+        check(model_config(spec), world)
     except ValueError as exc:
         raise ValueError(str(exc).replace("tensor_parallel", field, 1)) from None
