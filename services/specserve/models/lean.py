@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specserve.models import cpukernels
 from specserve.models.kv import CachedSequence, TokenSequence
 from specserve.models.quant import linear
 from specserve.models.weights import LeanWeights, lean_weights
@@ -121,8 +122,16 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
     for n in sizes:
         offsets.append(offsets[-1] + n)
     # query i of a sequence sees its cache and its new tokens up to itself
-    padded = _PaddedAttention.plan(w, arena, starts, sizes, offsets) if arena is not None else None
-    looped = [j for j in range(len(caches)) if padded is None or j not in padded.members]
+    padded = kernel = None
+    if arena is not None and not torch.compiler.is_compiling() \
+            and cpukernels.step_kernels(w.dtype, w.device, w.head_dim):  # short blocks straight from the arena
+        members = [j for j, n in enumerate(sizes) if n <= _PaddedAttention.MAX_NEW]
+        kernel = cpukernels.Attention(*arena, starts, sizes, offsets, members, w.heads, w.scale) if members else None
+        looped = [j for j in range(len(caches)) if j not in set(members)]
+        looped_rows = torch.tensor([offsets[j] + i for j in looped for i in range(sizes[j])], dtype=torch.long)
+    else:
+        padded = _PaddedAttention.plan(w, arena, starts, sizes, offsets) if arena is not None else None
+        looped = [j for j in range(len(caches)) if padded is None or j not in padded.members]
     masks = {j: torch.ones(sizes[j], starts[j] + sizes[j], dtype=torch.bool, device=w.device).tril(starts[j])
              for j in looped if sizes[j] > 1}
     for i, layer in enumerate(w.layers):
@@ -134,7 +143,12 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
             k_cache[:, s : s + n] = k[o : o + n].transpose(0, 1)
             v_cache[:, s : s + n] = v[o : o + n].transpose(0, 1)
             outs.append(_attend(w, q[o : o + n], k_cache[:, : s + n], v_cache[:, : s + n], masks.get(j)))
-        if padded is None:
+        if kernel is not None:
+            att = q.new_empty(total, q.shape[1] * q.shape[2])
+            kernel(i, q, k, v, att)
+            if looped:
+                att.index_copy_(0, looped_rows, torch.cat(outs))
+        elif padded is None:
             att = outs[0] if len(outs) == 1 else torch.cat(outs)
         else:
             att = padded.attend(i, q, k, v)
@@ -266,7 +280,9 @@ class _PaddedAttention:
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # as HF: normalise in float32, scale in the compute dtype (one fused op for HF's four)
+    # as HF: normalise in float32, scale in the compute dtype (one fused op for HF's four, one call on a CPU)
+    if cpukernels.rms_ok(x):
+        return cpukernels.rms_norm(x, weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 

@@ -198,6 +198,21 @@ def _sliced_part(path, name: str, shard: Shard | None, layers: tuple[int, int] |
     return LoadedModel(model, _tokenizer_at(path), name)
 
 
+def draft_quantization(quantization: str | None, draft: Any, dtype: Any = None, device: Any = None) -> str | None:
+    """A model draft's quantization: "auto" for a dense draft on a CPU that runs specserve's int4/int8 kernels
+    (`cpukernels`) is int8, whose step there reads a quarter of float32's bytes for a few percent of the
+    acceptance (docs/benchmarks.md); a model passed loaded, a dtype other than bfloat16 asked, a GGUF draft or
+    another device: as given."""
+    if (quant.parse(quantization)[0] != "auto" or not isinstance(draft, (str, pathlib.Path))
+            or gguf_file(draft) is not None or resolve_dtype(dtype) not in (None, torch.bfloat16)):
+        return quantization
+    if torch.device(device or default_device()).type != "cpu":
+        return quantization
+    from specserve.models import cpukernels
+
+    return "int8" if cpukernels.available() else quantization
+
+
 def _refuse_prequantized(path, name: str) -> None:
     """A checkpoint quantized by another tool (AWQ, GPTQ, bitsandbytes, FP8, ...) loads only through that tool's
     kernels in transformers; say so by name instead of failing deep inside it."""

@@ -6,10 +6,12 @@ are fast only there), weights stay packed, and each layer multiplies through tor
 
 - int8, one scale per output row: `aten._weight_int8pack_mm`;
 - int4, groups of 32/64/128 inputs with a scale and an offset each (w = (q - 8)·scale + zero):
-  `aten._weight_int4pack_mm_for_cpu` on CPUs, `aten._weight_int4pack_mm` on CUDA.
+  `aten._weight_int4pack_mm_for_cpu` on CPUs, `aten._weight_int4pack_mm` on CUDA;
+- on AVX-512 CPUs with bfloat16 dot products, specserve's own kernels for both (`cpukernels`), which read the
+  weights once for up to 8 rows where torch's read them every 4.
 
-These kernels read the packed weights once per row of activations, so from a few rows on (a verify block of
-8, a 16-stream step) a dense bfloat16 GEMM over the same values beats them (docs/benchmarks.md). A layer
+From enough rows on (8 with torch's CPU kernels, `cpukernels.DENSE_FROM` with ours: a batch of streams, a
+prefill chunk) a dense bfloat16 GEMM over the same values beats them (docs/benchmarks.md). A layer
 therefore also keeps its weights dequantized to bfloat16 when `dense_from` rows or more are common
 (`QuantizedLinear.dense_from`; on CPUs in oneDNN's layout, `PackedDense`, as a dense model's are);
 both compute the same quantized values, the kernel choice only changes rounding in the last bits, as a
@@ -32,6 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from specserve.models import cpukernels
 
 METHODS = ("auto", "none", "gguf", "int8", "int4")
 # Rows from which a CPU layer multiplies a dense bfloat16 copy instead (`QuantizedLinear`): the packed
@@ -104,7 +108,9 @@ class Int4Groups:
             raise ValueError(f"int4 groups of {group} do not divide a layer's {k} inputs; use a smaller group")
         w = weight.detach().float().view(n, k // group, group)
         low, high = w.amin(-1), w.amax(-1)
-        scale = ((high - low) / 15).clamp(min=1e-12)
+        # scale and minimum in float16, as GGUF's Q4_1 blocks keep them (and specserve's CPU kernel reads them)
+        low = low.clamp(-65504, 65504).half().float()
+        scale = ((high - low) / 15).clamp(2**-24, 65504).half().float()
         codes = ((w - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
         return cls(codes.view(n, k), scale, low + 8 * scale, group)
 
@@ -170,7 +176,13 @@ class QuantizedLinear:
         self.dense_from = dense_from
         self.group = getattr(weight, "group", None)
         cuda = self.device.type == "cuda"
-        if self.bits == 8:
+        # specserve's CPU kernels where they run (models/cpukernels.py), else torch's
+        self.kernel = None if cuda or dtype != torch.bfloat16 else cpukernels.packed(weight)
+        if self.kernel is not None:
+            self.packed, self.scales = self.kernel[1:3]
+            if dense_from:
+                self.dense_from = dense_from = max(dense_from, cpukernels.DENSE_FROM)
+        elif self.bits == 8:
             self.packed = weight.codes.to(self.device).contiguous()
             self.scales = weight.scale.to(self.device, dtype)
         else:
@@ -192,7 +204,9 @@ class QuantizedLinear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.dense is not None and x.shape[0] >= self.dense_from:
             return linear(x, self.dense, bias)
-        if self.bits == 8:
+        if self.kernel is not None:
+            y = cpukernels.multiply(x, self.kernel)
+        elif self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)
         elif self.device.type == "cuda":
             y = torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group, self.scales)

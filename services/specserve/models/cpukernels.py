@@ -1,0 +1,233 @@
+"""specserve's own CPU kernels for weight-only int4 and int8 layers (csrc/cpu.cpp), built on first use.
+
+torch's CPU kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) widen every weight to float32 and
+read the weights again for every four rows of activations, so a verify block of five rows costs two and a
+half one-row steps (docs/benchmarks.md). These read the weights once for up to eight rows and multiply with
+AVX-512's bfloat16 dot products; one row's result does not depend on how many rows are computed with it.
+
+They need an AVX-512 CPU with bfloat16 dot products (`avx512_bf16`), bfloat16 activations and a C++
+compiler (`g++`, or `$CXX`); the shared library is cached under `$SPECSERVE_CACHE` (default
+`~/.cache/specserve`) by a hash of the source and flags. Without them, or with `SPECSERVE_CPU_KERNELS=0`,
+quantized layers use torch's kernels (`quant.QuantizedLinear`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu.cpp"
+FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
+         "-mavx512bf16", "-mfma"]
+ENABLED: bool = os.environ.get("SPECSERVE_CPU_KERNELS", "1") != "0"
+ROWS = 8  # rows of activations a pass over the weights serves (csrc: kMaxRows)
+# Rows from which a layer with these kernels multiplies its dense bfloat16 copy instead (docs/benchmarks.md).
+DENSE_FROM = 32
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve") / "kernels"
+
+
+def build(compiler: str, verbose: bool = True) -> Path:
+    """The shared library for this source and these flags, compiled now unless cached."""
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"cpu-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if verbose:
+        print(f"specserve: compiling the int4/int8 CPU kernels into {target} (once, a few seconds)",
+              file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # renamed into place: builds may race
+        out = Path(tmp) / target.name
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out)], check=True, capture_output=True, text=True)
+        os.replace(out, target)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (stderr says why, once) where they cannot run."""
+    if not ENABLED:
+        return None
+    missing = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} - cpu_flags()
+    if missing:
+        return None  # torch's kernels are the path on this CPU; nothing to report
+    compiler = os.environ.get("CXX") or shutil.which("g++")
+    if compiler is None:
+        print("specserve: no C++ compiler (g++ or $CXX): int4/int8 layers use torch's slower kernels",
+              file=sys.stderr)
+        return None
+    try:
+        path = build(compiler)
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        print(f"specserve: could not compile the CPU kernels ({detail.strip()[:500]}); "
+              "int4/int8 layers use torch's kernels", file=sys.stderr)
+        return None
+    lib = ctypes.CDLL(str(path))  # after torch: its OpenMP runtime (libgomp.so.1) is the one loaded
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    lib.specserve_int4_mm.argtypes = [p, i, i, p, p, i, p, i, p]
+    lib.specserve_int8_mm.argtypes = [p, i, i, p, p, p, i]
+    lib.specserve_attend.argtypes = [p, i, p, i, p, i, p, p, i, p, i, i, i, i, ctypes.c_float, p]
+    lib.specserve_rms_norm.argtypes = [p, i, p, i, i, ctypes.c_float, p]
+    for f in (lib.specserve_int4_mm, lib.specserve_int8_mm, lib.specserve_attend, lib.specserve_rms_norm):
+        f.restype = None
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def fits(out_features: int, in_features: int, group: int | None) -> bool:
+    """Whether a layer's shape suits the kernels' blocks (16 outputs; 4 inputs for int4, 2 for int8)."""
+    return out_features % 16 == 0 and (in_features % 2 == 0 if group is None else group % 4 == 0)
+
+
+def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(codes, scale-and-bias) in the kernel's layout for w = (codes - 8) · scale + zero, groups of `group`;
+    None unless the scale and the bias (zero - 8 · scale) are float16 values, as the kernel reads them."""
+    n, k = codes.shape
+    scale, zero = scale.float(), zero.float()
+    sb = torch.stack([scale, zero - 8 * scale])
+    if not torch.equal(sb.half().float(), sb):
+        return None
+    c = codes.to(torch.uint8).view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3)
+    packed = (c[..., :2] | c[..., 2:] << 4).contiguous().view(n // 16, k // 4, 32)
+    sb = sb.half().view(2, n // 16, 16, k // group).permute(1, 3, 0, 2)
+    return packed, sb.contiguous()
+
+
+def pack_int8(codes: torch.Tensor) -> torch.Tensor:
+    n, k = codes.shape
+    return codes.to(torch.int8).view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def packed(weight) -> tuple | None:
+    """A `quant.Int8Rows` or `quant.Int4Groups` in the kernels' layout ("int8"|"int4", codes, scales, group),
+    or None where the kernels cannot run it (this CPU, no compiler, its shape, scales not float16)."""
+    group = getattr(weight, "group", None)
+    n, k = weight.codes.shape
+    if not ENABLED or not fits(n, k, group) or not available():
+        return None
+    if group is None:
+        return "int8", pack_int8(weight.codes), weight.scale.float().contiguous(), None
+    parts = pack_int4(weight.codes, weight.scale, weight.zero, group)
+    return None if parts is None else ("int4", *parts, group)
+
+
+def multiply(x: torch.Tensor, kernel: tuple) -> torch.Tensor:
+    """x [M, K] bfloat16 times a `packed` weight, transposed: [M, N]."""
+    kind, codes, scales, group = kernel
+    if torch.compiler.is_compiling():  # opaque ops there (ctypes calls cannot be traced)
+        return (torch.ops.specserve.int8_mm(x, codes, scales) if kind == "int8"
+                else torch.ops.specserve.int4_mm(x, codes, scales, group))
+    return int8_mm(x, codes, scales) if kind == "int8" else int4_mm(x, codes, scales, group)
+
+
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, sb: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] bfloat16 → [M, N] bfloat16 against `pack_int4`'s weights."""
+    x = x.contiguous()
+    m, k = x.shape
+    n = packed.shape[0] * 16
+    out = x.new_empty(m, n)
+    xsum = torch.empty(m * (k // group), dtype=torch.float32)
+    library().specserve_int4_mm(x.data_ptr(), m, k, packed.data_ptr(), sb.data_ptr(), group, out.data_ptr(), n,
+                                xsum.data_ptr())
+    return out
+
+
+def int8_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bfloat16 → [M, N] bfloat16 against `pack_int8`'s codes and float32 row scales."""
+    x = x.contiguous()
+    m, k = x.shape
+    n = packed.shape[0] * 16
+    out = x.new_empty(m, n)
+    library().specserve_int8_mm(x.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), out.data_ptr(), n)
+    return out
+
+
+@torch.library.custom_op("specserve::int4_mm", mutates_args=())
+def _int4_op(x: torch.Tensor, codes: torch.Tensor, sb: torch.Tensor, group: int) -> torch.Tensor:
+    return int4_mm(x, codes, sb, group)
+
+
+@_int4_op.register_fake
+def _(x, codes, sb, group):
+    return x.new_empty(x.shape[0], codes.shape[0] * 16)
+
+
+@torch.library.custom_op("specserve::int8_mm", mutates_args=())
+def _int8_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return int8_mm(x, codes, scales)
+
+
+@_int8_op.register_fake
+def _(x, codes, scales):
+    return x.new_empty(x.shape[0], codes.shape[0] * 16)
+
+
+def step_kernels(dtype: torch.dtype, device, head_dim: int) -> bool:
+    """Whether a lean forward in `dtype` on `device` takes the attention and RMS-norm kernels (eager only)."""
+    return (ENABLED and dtype == torch.bfloat16 and torch.device(device).type == "cpu" and head_dim % 32 == 0
+            and head_dim <= 256 and available())
+
+
+def rms_ok(x: torch.Tensor) -> bool:
+    """Whether `rms_norm` takes x (checked per call: cheap)."""
+    if torch.compiler.is_compiling():  # a ctypes call cannot be traced
+        return False
+    return (ENABLED and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+            and library() is not None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight · bf16(x / rms(x)) over the last dimension of x [M, H] (bfloat16, rows contiguous)."""
+    m, h = x.shape
+    out = torch.empty(m, h, dtype=torch.bfloat16)
+    library().specserve_rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), m, h, eps, out.data_ptr())
+    return out
+
+
+class Attention:
+    """One step's attention for sequences with short new blocks, straight from the pool's arena (the keys
+    and values of their new tokens written into it first): no gathers, no padding, one call a layer."""
+
+    def __init__(self, k_arena: torch.Tensor, v_arena: torch.Tensor, blocks, starts, sizes, offsets, members,
+                 heads: int, scale: float):
+        self.k, self.v = k_arena, v_arena  # [layers, kv_heads, positions, head_dim]
+        info = [(blocks[j], starts[j], sizes[j], offsets[j]) for j in members]
+        self.info = torch.tensor(info, dtype=torch.int64)
+        self.count, self.heads, self.scale = len(members), heads, scale
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+        """q [T, heads, d], k, v [T, kv_heads, d] (rows strided, heads contiguous); out [T, heads·d]: the
+        members' rows written."""
+        ka, va = self.k[layer], self.v[layer]
+        kvh, _, d = ka.shape
+        library().specserve_attend(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                   ka.data_ptr(), va.data_ptr(), ka.stride(0), self.info.data_ptr(), self.count,
+                                   self.heads, kvh, d, self.scale, out.data_ptr())

@@ -1,0 +1,307 @@
+// specserve's CPU kernels for a bfloat16 step on AVX-512 CPUs with bfloat16 dot products (models/cpukernels.py
+// builds and loads this): weight-only quantized products, attention over the pool's arena, RMS norm. Each row
+// of a result is computed the same way whatever else is computed with it, so a verify block's rows equal
+// decode steps' bit for bit.
+//
+// Quantized products (models/quant.py):
+// y[m, n] = sum_k x[m, k] * w[n, k] for bfloat16 activations x and int4 or int8 weights w, the weights read
+// once for up to 8 rows of x (torch's CPU kernels read them again for every 4 rows). Codes are widened to
+// exact bfloat16 values and multiplied with `vdpbf16ps` (two products a lane, summed in float32), so a row's
+// result does not depend on how many rows are computed with it.
+//
+// int4 (groups of G inputs, w = (q - 8) * scale + zero): per group, y += scale * sum(x * q) + bias * sum(x)
+// with bias = zero - 8 * scale, both float16 (as GGUF's Q4 blocks store them). Codes of 16 outputs x 4 inputs in 32 bytes: byte 2i + j holds output i's
+// code for input 4t + j in its low nibble and for input 4t + 2 + j in its high one.
+// int8 (one scale a row): codes of 16 outputs x 2 inputs in 32 bytes, byte 2i + j = output i, input 2t + j.
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+namespace {
+
+constexpr int kMaxRows = 8;
+
+inline __m512 dot2(__m512 acc, __m512i w, const uint16_t *x) {
+  int32_t pair;
+  memcpy(&pair, x, 4);
+  return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_set1_epi32(pair));
+}
+
+inline void store_bf16(uint16_t *out, __m512 v) {
+  _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// Rows [0, MR) of x against NT blocks of 16 outputs starting at block nb.
+template <int MR, int NT>
+void int4_tile(const uint16_t *x, int64_t K, const float *xsum, int64_t groups, int64_t G, const uint8_t *codes,
+               const uint16_t *sb, int64_t nb, uint16_t *out, int64_t N) {
+  const __m512i table = _mm512_set_epi16(
+      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040,
+      0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0,
+      0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);  // bfloat16 of 15..0, twice
+  const __m512i low = _mm512_set1_epi16(0x0f);
+  __m512 acc[MR][NT];
+  for (int m = 0; m < MR; m++)
+    for (int t = 0; t < NT; t++) acc[m][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    __m512 part[MR][NT];
+    for (int m = 0; m < MR; m++)
+      for (int t = 0; t < NT; t++) part[m][t] = _mm512_setzero_ps();
+    for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
+      for (int t = 0; t < NT; t++) {
+        const uint8_t *c = codes + ((nb + t) * (K / 4) + k / 4) * 32;
+        __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)c));
+        __m512i lo = _mm512_permutexvar_epi16(_mm512_and_si512(w, low), table);
+        __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
+        for (int m = 0; m < MR; m++) {
+          part[m][t] = dot2(part[m][t], lo, x + m * K + k);
+          part[m][t] = dot2(part[m][t], hi, x + m * K + k + 2);
+        }
+      }
+    }
+    for (int t = 0; t < NT; t++) {
+      const uint16_t *s = sb + ((nb + t) * groups + g) * 32;
+      __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
+      __m512 bias = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 16)));
+      for (int m = 0; m < MR; m++) {
+        acc[m][t] = _mm512_fmadd_ps(part[m][t], scale, acc[m][t]);
+        acc[m][t] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * groups + g]), bias, acc[m][t]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; m++)
+    for (int t = 0; t < NT; t++) store_bf16(out + m * N + (nb + t) * 16, acc[m][t]);
+}
+
+template <int MR, int NT>
+void int8_tile(const uint16_t *x, int64_t K, const int8_t *codes, const float *scales, int64_t nb, uint16_t *out,
+               int64_t N) {
+  __m512 acc[MR][NT];
+  for (int m = 0; m < MR; m++)
+    for (int t = 0; t < NT; t++) acc[m][t] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2) {
+    for (int t = 0; t < NT; t++) {
+      const int8_t *c = codes + ((nb + t) * (K / 2) + k / 2) * 32;
+      __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
+      __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
+      __m512i w = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // exact: |code| <= 127
+      for (int m = 0; m < MR; m++) acc[m][t] = dot2(acc[m][t], w, x + m * K + k);
+    }
+  }
+  for (int t = 0; t < NT; t++) {
+    __m512 scale = _mm512_loadu_ps(scales + (nb + t) * 16);
+    for (int m = 0; m < MR; m++) store_bf16(out + m * N + (nb + t) * 16, _mm512_mul_ps(acc[m][t], scale));
+  }
+}
+
+// Blocks per tile: enough independent sums to hide the dot product's latency, few enough to stay in registers.
+constexpr int tile_blocks(int rows) { return rows == 1 ? 4 : rows <= 3 ? 2 : 1; }
+
+template <int MR>
+void int4_rows(const uint16_t *x, int64_t K, const float *xsum, int64_t G, const uint8_t *codes, const uint16_t *sb,
+               uint16_t *out, int64_t N) {
+  constexpr int NT = tile_blocks(MR);
+  const int64_t blocks = N / 16, groups = K / G, tiles = blocks / NT;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < tiles; i++) int4_tile<MR, NT>(x, K, xsum, groups, G, codes, sb, i * NT, out, N);
+  for (int64_t nb = tiles * NT; nb < blocks; nb++) int4_tile<MR, 1>(x, K, xsum, groups, G, codes, sb, nb, out, N);
+}
+
+template <int MR>
+void int8_rows(const uint16_t *x, int64_t K, const int8_t *codes, const float *scales, uint16_t *out, int64_t N) {
+  constexpr int NT = tile_blocks(MR);
+  const int64_t blocks = N / 16, tiles = blocks / NT;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < tiles; i++) int8_tile<MR, NT>(x, K, codes, scales, i * NT, out, N);
+  for (int64_t nb = tiles * NT; nb < blocks; nb++) int8_tile<MR, 1>(x, K, codes, scales, nb, out, N);
+}
+
+float bf16_to_float(uint16_t v) {
+  uint32_t bits = (uint32_t)v << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's casts
+  uint32_t bits;
+  memcpy(&bits, &f, 4);
+  return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+inline __m512 load_bf16(const uint16_t *p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+inline __m512 load_bf16_masked(const uint16_t *p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+// e^x for x <= 0 (x - max of a softmax): range reduction to |r| <= ln2/2, a degree-6 polynomial.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One query row of one head against keys [0, L) (rows of D bfloat16 values, `stride` apart): softmax(q·k ·
+// scale) · v into out. D % 32 == 0, D <= 256.
+void attend_row(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t stride, int64_t L, int64_t D,
+                float scale, uint16_t *out, std::vector<float> &scores) {
+  scores.resize(L + 16);
+  float *s = scores.data();
+  float top = -INFINITY;
+  for (int64_t t = 0; t < L; t++) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 32) {
+      __m512i kv = _mm512_loadu_si512((const void *)(k + t * stride + c));
+      __m512i qv = _mm512_loadu_si512((const void *)(q + c));
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)kv, (__m512bh)qv);
+    }
+    s[t] = _mm512_reduce_add_ps(acc) * scale;
+    top = s[t] > top ? s[t] : top;
+  }
+  __m512 sum = _mm512_setzero_ps(), mx = _mm512_set1_ps(top);
+  for (int64_t t = 0; t < L; t += 16) {
+    __mmask16 m = L - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (L - t)) - 1);
+    __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mx));
+    e = _mm512_maskz_mov_ps(m, e);
+    _mm512_mask_storeu_ps(s + t, m, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const float inv = 1.0f / _mm512_reduce_add_ps(sum);
+  __m512 acc[16];  // D / 16 <= 16
+  const int64_t chunks = D / 16;
+  for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; t++) {
+    __m512 p = _mm512_set1_ps(s[t]);
+    for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_fmadd_ps(p, load_bf16(v + t * stride + c * 16), acc[c]);
+  }
+  for (int64_t c = 0; c < chunks; c++) store_bf16(out + c * 16, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
+}
+
+}  // namespace
+
+extern "C" {
+
+// x: bfloat16 [M, K]; codes: N/16 x K/4 x 32 bytes; sb: float16 [N/16, K/G, 2, 16] (scale, bias); out: [M, N];
+// xsum: float scratch of M * K/G. N % 16 == 0, G % 4 == 0, K % G == 0.
+void specserve_int4_mm(const uint16_t *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *sb, int64_t G,
+                       uint16_t *out, int64_t N, float *xsum) {
+  const int64_t groups = K / G;
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t g = 0; g < groups; g++) {
+      float s = 0.f;
+      for (int64_t k = g * G; k < (g + 1) * G; k++) s += bf16_to_float(x[m * K + k]);
+      xsum[m * groups + g] = s;
+    }
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+    const int64_t rows = M - m0 < kMaxRows ? M - m0 : kMaxRows;
+    const uint16_t *xm = x + m0 * K;
+    const float *sm = xsum + m0 * groups;
+    uint16_t *om = out + m0 * N;
+    switch (rows) {
+      case 1: int4_rows<1>(xm, K, sm, G, codes, sb, om, N); break;
+      case 2: int4_rows<2>(xm, K, sm, G, codes, sb, om, N); break;
+      case 3: int4_rows<3>(xm, K, sm, G, codes, sb, om, N); break;
+      case 4: int4_rows<4>(xm, K, sm, G, codes, sb, om, N); break;
+      case 5: int4_rows<5>(xm, K, sm, G, codes, sb, om, N); break;
+      case 6: int4_rows<6>(xm, K, sm, G, codes, sb, om, N); break;
+      case 7: int4_rows<7>(xm, K, sm, G, codes, sb, om, N); break;
+      default: int4_rows<8>(xm, K, sm, G, codes, sb, om, N); break;
+    }
+  }
+}
+
+// x: bfloat16 [M, K]; codes: N/16 x K/2 x 32 bytes; scales: float [N]; out: bfloat16 [M, N]. N % 16 == 0, K even.
+void specserve_int8_mm(const uint16_t *x, int64_t M, int64_t K, const int8_t *codes, const float *scales,
+                       uint16_t *out, int64_t N) {
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+    const int64_t rows = M - m0 < kMaxRows ? M - m0 : kMaxRows;
+    const uint16_t *xm = x + m0 * K;
+    uint16_t *om = out + m0 * N;
+    switch (rows) {
+      case 1: int8_rows<1>(xm, K, codes, scales, om, N); break;
+      case 2: int8_rows<2>(xm, K, codes, scales, om, N); break;
+      case 3: int8_rows<3>(xm, K, codes, scales, om, N); break;
+      case 4: int8_rows<4>(xm, K, codes, scales, om, N); break;
+      case 5: int8_rows<5>(xm, K, codes, scales, om, N); break;
+      case 6: int8_rows<6>(xm, K, codes, scales, om, N); break;
+      case 7: int8_rows<7>(xm, K, codes, scales, om, N); break;
+      default: int8_rows<8>(xm, K, codes, scales, om, N); break;
+    }
+  }
+}
+
+// Attention of short new blocks against one layer of the pool's arena (k, v: [kv_heads, positions, D], head
+// `head_stride` elements apart), after writing the blocks' keys and values into it. Sequence j (info[4j..]:
+// arena offset of its block, cached length, new tokens, first row in q) has query i see its cache and its new
+// tokens up to itself. q: [T, heads, D] rows `q_stride` apart; k_new, v_new: [T, kv_heads, D]; out: [T, heads·D].
+void specserve_attend(const uint16_t *q, int64_t q_stride, const uint16_t *k_new, int64_t k_stride,
+                      const uint16_t *v_new, int64_t v_stride, uint16_t *k, uint16_t *v, int64_t head_stride,
+                      const int64_t *info, int64_t nseq, int64_t heads, int64_t kv_heads, int64_t D, float scale,
+                      uint16_t *out) {
+  int64_t rows = 0;
+  for (int64_t j = 0; j < nseq; j++) {
+    const int64_t base = info[4 * j], start = info[4 * j + 1], n = info[4 * j + 2], row = info[4 * j + 3];
+    for (int64_t i = 0; i < n; i++)
+      for (int64_t g = 0; g < kv_heads; g++) {
+        memcpy(k + g * head_stride + (base + start + i) * D, k_new + (row + i) * k_stride + g * D, D * 2);
+        memcpy(v + g * head_stride + (base + start + i) * D, v_new + (row + i) * v_stride + g * D, D * 2);
+      }
+    rows += n;
+  }
+  std::vector<int64_t> task;  // (sequence, new token) per row
+  task.reserve(2 * rows);
+  for (int64_t j = 0; j < nseq; j++)
+    for (int64_t i = 0; i < info[4 * j + 2]; i++) task.push_back(j), task.push_back(i);
+  const int64_t group = heads / kv_heads, tasks = rows * heads;
+#pragma omp parallel
+  {
+    std::vector<float> scores;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t x = 0; x < tasks; x++) {
+      const int64_t j = task[2 * (x / heads)], i = task[2 * (x / heads) + 1], h = x % heads;
+      const int64_t base = info[4 * j], start = info[4 * j + 1], row = info[4 * j + 3] + i;
+      const int64_t g = h / group;
+      attend_row(q + row * q_stride + h * D, k + g * head_stride + base * D, v + g * head_stride + base * D, D,
+                 start + i + 1, D, scale, out + row * heads * D + h * D, scores);
+    }
+  }
+}
+
+// weight · bfloat16(x / rms(x)) for rows of x [M, H] (`x_stride` apart): the normalisation in float32, the
+// scaling in bfloat16, as `lean._rms`.
+void specserve_rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *weight, int64_t M, int64_t H,
+                        float eps, uint16_t *out) {
+#pragma omp parallel for schedule(static) if (M >= 16)
+  for (int64_t m = 0; m < M; m++) {
+    const uint16_t *row = x + m * x_stride;
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t c = 0; c < H; c += 16) {
+      __mmask16 mk = H - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (H - c)) - 1);
+      __m512 a = load_bf16_masked(row + c, mk);
+      ss = _mm512_fmadd_ps(a, a, ss);
+    }
+    const float r = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + eps);
+    for (int64_t c = 0; c < H; c++) {
+      const float y = bf16_to_float(float_to_bf16(bf16_to_float(row[c]) * r));
+      out[m * H + c] = float_to_bf16(y * bf16_to_float(weight[c]));
+    }
+  }
+}
+
+}  // extern "C"

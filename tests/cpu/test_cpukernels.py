@@ -1,0 +1,180 @@
+"""specserve's CPU kernels (`models.cpukernels`, csrc/cpu.cpp): attention straight from the pool's arena and RMS
+norm compute what torch's ops do up to bf16 rounding; every row is computed as if alone, so in bfloat16 a
+verify block's logits equal decode steps' and greedy speculation equals target-only decoding exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve import SamplingParams, SpeculativeDecoder
+from specserve.models import cpukernels, lean, load_model
+from specserve.models.pool import KVPool
+from tests.conftest import tiny_llama
+
+pytestmark = pytest.mark.skipif(not cpukernels.available(),
+                                reason="specserve's CPU kernels need AVX-512 with bfloat16 dot products and g++")
+
+
+def _reference_attention(q, arena_k, arena_v, new_k, new_v, base, start, group, scale):
+    """float64 attention of one sequence's new rows: its cached keys, then its new ones up to each row."""
+    keys = torch.cat([arena_k[:, base : base + start].double(), new_k.transpose(0, 1).double()], 1)
+    values = torch.cat([arena_v[:, base : base + start].double(), new_v.transpose(0, 1).double()], 1)
+    n, heads, d = q.shape
+    out = torch.empty(n, heads, d, dtype=torch.float64)
+    for i in range(n):
+        for h in range(heads):
+            s = keys[h // group, : start + i + 1] @ q[i, h].double() * scale
+            out[i, h] = torch.softmax(s, 0) @ values[h // group, : start + i + 1]
+    return out.reshape(n, heads * d)
+
+
+def _step(arena, seqs, heads, kv_heads, d, seed):
+    """q, k, v of a step's new rows laid out as the lean forward makes them (one [T, heads + 2·kv_heads, d]
+    projection, viewed), and the kernel's output."""
+    torch.manual_seed(seed)
+    total = sum(n for _, _, n in seqs)
+    qkv = torch.randn(total, heads + 2 * kv_heads, d).bfloat16()
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    offsets = [0]
+    for _, _, n in seqs:
+        offsets.append(offsets[-1] + n)
+    attention = cpukernels.Attention(arena[0], arena[1], [b for b, _, _ in seqs], [s for _, s, _ in seqs],
+                                     [n for _, _, n in seqs], offsets, list(range(len(seqs))), heads, d**-0.5)
+    out = torch.empty(total, heads * d, dtype=torch.bfloat16)
+    attention(1, q, k, v, out)
+    return q, k, v, offsets, out
+
+
+def test_attention_reads_and_writes_the_arena_as_the_reference():
+    heads, kv_heads, d = 6, 2, 64
+    torch.manual_seed(0)
+    k_arena = torch.randn(3, kv_heads, 512, d).bfloat16()
+    v_arena = torch.randn(3, kv_heads, 512, d).bfloat16()
+    before_k, before_v = k_arena.clone(), v_arena.clone()
+    seqs = [(0, 10, 1), (64, 30, 5), (128, 0, 3), (256, 200, 16), (480, 17, 2)]  # (block, cached, new)
+    q, k, v, offsets, out = _step((k_arena, v_arena), seqs, heads, kv_heads, d, 1)
+    for j, (base, start, n) in enumerate(seqs):
+        rows = slice(offsets[j], offsets[j + 1])
+        # the new keys and values land right after the cached ones, on the layer asked (1) only
+        assert torch.equal(k_arena[1, :, base + start : base + start + n], k[rows].transpose(0, 1))
+        assert torch.equal(v_arena[1, :, base + start : base + start + n], v[rows].transpose(0, 1))
+        ref = _reference_attention(q[rows], before_k[1], before_v[1], k[rows], v[rows], base, start,
+                                   heads // kv_heads, d**-0.5)
+        assert (out[rows].double() - ref).abs().max() <= 2**-7 * max(1.0, ref.abs().max().item())
+    untouched = torch.ones(512, dtype=torch.bool)
+    for base, start, n in seqs:
+        untouched[base + start : base + start + n] = False
+    assert torch.equal(k_arena[1][:, untouched], before_k[1][:, untouched])
+    assert torch.equal(k_arena[0], before_k[0]) and torch.equal(v_arena[2], before_v[2])
+
+
+def test_attention_rows_do_not_depend_on_the_rest_of_the_step():
+    heads, kv_heads, d = 4, 1, 32
+    torch.manual_seed(2)
+    arena = torch.randn(2, 2, kv_heads, 300, d).bfloat16()
+    together = _step((arena[0].clone(), arena[1].clone()), [(0, 40, 4), (100, 7, 1), (200, 90, 9)],
+                     heads, kv_heads, d, 3)
+    alone = _step((arena[0].clone(), arena[1].clone()), [(100, 7, 1)], heads, kv_heads, d, 4)
+    # the middle sequence's row again, alone, with the same q, k, v as in the group
+    arena_k, arena_v = arena[0].clone(), arena[1].clone()
+    q, k, v = together[0][4:5], together[1][4:5], together[2][4:5]
+    out = torch.empty(1, heads * d, dtype=torch.bfloat16)
+    cpukernels.Attention(arena_k, arena_v, [100], [7], [1], [0, 1], [0], heads, d**-0.5)(1, q, k, v, out)
+    assert torch.equal(out, together[4][4:5]) and alone[4].shape == out.shape
+    # a verify block's row i equals the decode step that feeds the same token after rows 0..i-1
+    arena_k, arena_v = arena[0].clone(), arena[1].clone()
+    q, k, v, _, block = _step((arena_k, arena_v), [(0, 40, 4)], heads, kv_heads, d, 5)
+    for i in range(4):
+        step_k, step_v = arena[0].clone(), arena[1].clone()
+        step_k[1, :, 40 : 40 + i], step_v[1, :, 40 : 40 + i] = arena_k[1, :, 40 : 40 + i], arena_v[1, :, 40 : 40 + i]
+        row = torch.empty(1, heads * d, dtype=torch.bfloat16)
+        cpukernels.Attention(step_k, step_v, [0], [40 + i], [1], [0, 1], [0], heads, d**-0.5)(
+            1, q[i : i + 1], k[i : i + 1], v[i : i + 1], row)
+        assert torch.equal(row, block[i : i + 1]), i
+
+
+def test_rms_norm_as_torch_up_to_rounding():
+    torch.manual_seed(0)
+    x = (torch.randn(37, 576) * 3).bfloat16()
+    weight = torch.randn(576).bfloat16()
+    ours = cpukernels.rms_norm(x, weight, 1e-5)
+    ref = weight * F.rms_norm(x.float(), (576,), eps=1e-5).to(torch.bfloat16)
+    assert ours.dtype == torch.bfloat16 and ours.shape == ref.shape
+    # the same up to a bf16 step where float32 sums round apart
+    assert (ours.float() - ref.float()).abs().max() <= 2**-7 * ref.float().abs().max()
+    assert (ours == ref).float().mean() > 0.99
+    assert torch.equal(cpukernels.rms_norm(x[5:6], weight, 1e-5), ours[5:6])  # a row as if alone
+    # a view's rows (a stride over the hidden size) are read where they are
+    wide = torch.randn(4, 1000).bfloat16()
+    assert torch.equal(cpukernels.rms_norm(wide[:, :576], weight, 1e-5),
+                       cpukernels.rms_norm(wide[:, :576].contiguous(), weight, 1e-5))
+
+
+def test_pooled_bf16_steps_with_the_kernels_match_torchs_ops(monkeypatch):
+    """A tiny bf16 model (head_dim 32) through a pool: the kernels' logits are torch's up to bf16 rounding, and a
+    verify block's rows equal the decode steps' bit for bit."""
+    model = tiny_llama(0, vocab=64, layers=2, hidden=128, heads=4, kv_heads=2, dtype=torch.bfloat16)
+
+    def run(enabled: bool):
+        monkeypatch.setattr(cpukernels, "ENABLED", enabled)
+        pool = KVPool(model, 1024)
+        a, b = pool.sequence(), pool.sequence()
+        with torch.inference_mode():
+            pool.forward([a, b], [list(range(1, 30)), list(range(5, 12))], [1, 1])
+            block = pool.forward([a, b], [[3, 4, 5, 6], [7]], [4, 1])
+            a.rollback(29)
+            steps = torch.cat([pool.forward([a], [[t]], [1]) for t in (3, 4, 5, 6)])
+        return block, steps
+
+    spy = []
+    monkeypatch.setattr(cpukernels, "rms_norm", lambda *a, _f=cpukernels.rms_norm: spy.append(1) or _f(*a))
+    block, steps = run(True)
+    assert spy, "the kernels were not used"
+    assert torch.equal(block[:4], steps)
+    torch_block, torch_steps = run(False)
+    assert (block - torch_block).abs().max() <= 0.05 * torch_block.abs().max()
+    assert torch.equal(block.argmax(-1), torch_block.argmax(-1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gamma", [3, "auto"])
+def test_quantized_embedded_greedy_speculation_equals_target_only_in_bf16(gamma):
+    """The shipped Q4_1 target in bfloat16: every verify row is computed as the decode step's would be, so greedy
+    speculation is target-only decoding token for token (prefix caching off: a prompt fed whole and one fed
+    after a cached prefix are different shapes, which may round apart)."""
+    decoder = SpeculativeDecoder(load_model("embedded", device="cpu"), "embedded-draft", gamma="auto",
+                                 prefix_caching=False)
+    greedy = SamplingParams(temperature=0.0)
+    for prompt in ("What are three practical tips for staying focused while working from home?",
+                   "Write a python function that reverses a linked list."):
+        chat = [{"role": "user", "content": prompt}]
+        plain = decoder.generate(chat, greedy, max_new_tokens=64, gamma=0)
+        spec = decoder.generate(chat, greedy, max_new_tokens=64, gamma=gamma)
+        assert spec.token_ids == plain.token_ids
+        assert spec.stats.accepted > 0 and spec.stats.rounds < len(spec.token_ids)
+
+
+def test_compiled_code_takes_torchs_ops():
+    """Under torch.compile the ctypes calls cannot be traced: the step's RMS norm falls back to torch's op."""
+    x = torch.randn(2, 64).bfloat16()
+    assert cpukernels.rms_ok(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t, w: lean._rms(t, w, 1e-6), backend="eager", fullgraph=True)
+    weight = torch.ones(64).bfloat16()
+    assert torch.allclose(compiled(x, weight).float(), lean._rms(x, weight, 1e-6).float(), atol=0.02)
+
+
+def test_a_dense_draft_named_for_a_cpu_is_int8_by_default():
+    from specserve.models.loading import draft_quantization
+
+    assert draft_quantization(None, "embedded-draft", None, "cpu") == "int8"
+    assert draft_quantization("auto", "some/draft", "bfloat16", "cpu") == "int8"
+    # asked for, another dtype, a GGUF draft, a model passed loaded, or a GPU: as given
+    assert draft_quantization("none", "embedded-draft", None, "cpu") == "none"
+    assert draft_quantization("int4", "embedded-draft", None, "cpu") == "int4"
+    assert draft_quantization("auto", "embedded-draft", "float32", "cpu") == "auto"
+    assert draft_quantization("auto", "d.gguf", None, "cpu") == "auto"
+    assert draft_quantization("auto", tiny_llama(0), None, "cpu") == "auto"
+    assert draft_quantization("auto", "embedded-draft", None, "cuda") == "auto"
