@@ -15,6 +15,7 @@
 // int8 (one scale a row): codes of 16 outputs x 2 inputs in 32 bytes, byte 2i + j = output i, input 2t + j.
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -97,6 +98,13 @@ void int8_tile(const uint16_t *x, int64_t K, const int8_t *codes, const float *s
   }
 }
 
+// Tiles a thread takes at a time: threads take work as they come, so one that another process preempts
+// holds up the step by at most its current chunk (a static split waits for its whole share).
+inline int64_t share(int64_t tiles) {
+  const int64_t chunk = tiles / (8 * omp_get_max_threads());
+  return chunk > 0 ? chunk : 1;
+}
+
 // Blocks per tile: enough independent sums to hide the dot product's latency, few enough to stay in registers.
 constexpr int tile_blocks(int rows) { return rows == 1 ? 4 : rows <= 3 ? 2 : 1; }
 
@@ -104,8 +112,8 @@ template <int MR>
 void int4_rows(const uint16_t *x, int64_t K, const float *xsum, int64_t G, const uint8_t *codes, const uint16_t *sb,
                uint16_t *out, int64_t N) {
   constexpr int NT = tile_blocks(MR);
-  const int64_t blocks = N / 16, groups = K / G, tiles = blocks / NT;
-#pragma omp parallel for schedule(static)
+  const int64_t blocks = N / 16, groups = K / G, tiles = blocks / NT, chunk = share(tiles);
+#pragma omp parallel for schedule(dynamic, chunk)
   for (int64_t i = 0; i < tiles; i++) int4_tile<MR, NT>(x, K, xsum, groups, G, codes, sb, i * NT, out, N);
   for (int64_t nb = tiles * NT; nb < blocks; nb++) int4_tile<MR, 1>(x, K, xsum, groups, G, codes, sb, nb, out, N);
 }
@@ -113,8 +121,8 @@ void int4_rows(const uint16_t *x, int64_t K, const float *xsum, int64_t G, const
 template <int MR>
 void int8_rows(const uint16_t *x, int64_t K, const int8_t *codes, const float *scales, uint16_t *out, int64_t N) {
   constexpr int NT = tile_blocks(MR);
-  const int64_t blocks = N / 16, tiles = blocks / NT;
-#pragma omp parallel for schedule(static)
+  const int64_t blocks = N / 16, tiles = blocks / NT, chunk = share(tiles);
+#pragma omp parallel for schedule(dynamic, chunk)
   for (int64_t i = 0; i < tiles; i++) int8_tile<MR, NT>(x, K, codes, scales, i * NT, out, N);
   for (int64_t nb = tiles * NT; nb < blocks; nb++) int8_tile<MR, 1>(x, K, codes, scales, nb, out, N);
 }
