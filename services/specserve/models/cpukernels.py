@@ -1,14 +1,17 @@
-"""specserve's own CPU kernels for weight-only int4 and int8 layers (csrc/cpu.cpp), built on first use.
+"""specserve's own CPU kernels (csrc/cpu.cpp), built on first use: weight-only int4 and int8 layers, and the
+attention and RMS norms of a bfloat16 step.
 
-torch's CPU kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) widen every weight to float32 and
-read the weights again for every four rows of activations, so a verify block of five rows costs two and a
-half one-row steps (docs/benchmarks.md). These read the weights once for up to eight rows and multiply with
-AVX-512's bfloat16 dot products; one row's result does not depend on how many rows are computed with it.
+torch's CPU kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) read the weights again for every
+four rows of activations (a 5-row product costs twice a 4-row one), so a verify block cost two and a half
+decode steps (docs/benchmarks.md). These read the weights once for up to eight rows and multiply with
+AVX-512's bfloat16 dot products. The attention reads the pool's arena in place (torch's fused attention and
+composite RMS norm took a third of a decode step in dispatch and threading). Each row of a result is computed
+the same way whatever else is computed with it.
 
 They need an AVX-512 CPU with bfloat16 dot products (`avx512_bf16`), bfloat16 activations and a C++
 compiler (`g++`, or `$CXX`); the shared library is cached under `$SPECSERVE_CACHE` (default
 `~/.cache/specserve`) by a hash of the source and flags. Without them, or with `SPECSERVE_CPU_KERNELS=0`,
-quantized layers use torch's kernels (`quant.QuantizedLinear`).
+torch's ops run (`quant.QuantizedLinear`, `lean._lean_forward`, `lean._rms`).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def build(compiler: str, verbose: bool = True) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     if verbose:
-        print(f"specserve: compiling the int4/int8 CPU kernels into {target} (once, a few seconds)",
+        print(f"specserve: compiling its CPU kernels into {target} (once, a few seconds)",
               file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # renamed into place: builds may race
         out = Path(tmp) / target.name
@@ -69,8 +72,6 @@ def build(compiler: str, verbose: bool = True) -> Path:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None (stderr says why, once) where they cannot run."""
-    if not ENABLED:
-        return None
     missing = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} - cpu_flags()
     if missing:
         return None  # torch's kernels are the path on this CPU; nothing to report
@@ -98,7 +99,8 @@ def library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    return library() is not None
+    """Whether the kernels run here (this CPU, a compiler, not turned off by SPECSERVE_CPU_KERNELS=0)."""
+    return ENABLED and library() is not None
 
 
 def fits(out_features: int, in_features: int, group: int | None) -> bool:
