@@ -76,13 +76,12 @@ def test_attention_rows_do_not_depend_on_the_rest_of_the_step():
     arena = torch.randn(2, 2, kv_heads, 300, d).bfloat16()
     together = _step((arena[0].clone(), arena[1].clone()), [(0, 40, 4), (100, 7, 1), (200, 90, 9)],
                      heads, kv_heads, d, 3)
-    alone = _step((arena[0].clone(), arena[1].clone()), [(100, 7, 1)], heads, kv_heads, d, 4)
     # the middle sequence's row again, alone, with the same q, k, v as in the group
     arena_k, arena_v = arena[0].clone(), arena[1].clone()
     q, k, v = together[0][4:5], together[1][4:5], together[2][4:5]
     out = torch.empty(1, heads * d, dtype=torch.bfloat16)
     cpukernels.Attention(arena_k, arena_v, [100], [7], [1], [0, 1], [0], heads, d**-0.5)(1, q, k, v, out)
-    assert torch.equal(out, together[4][4:5]) and alone[4].shape == out.shape
+    assert torch.equal(out, together[4][4:5])
     # a verify block's row i equals the decode step that feeds the same token after rows 0..i-1
     arena_k, arena_v = arena[0].clone(), arena[1].clone()
     q, k, v, _, block = _step((arena_k, arena_v), [(0, 40, 4)], heads, kv_heads, d, 5)

@@ -26,7 +26,7 @@ from specserve.engine.proposers import LookupOrModelProposer, ModelProposer, Ngr
 from specserve.engine.session import SessionFactory, gamma_spec
 from specserve.engine.stats import GenerationStats
 from specserve.models import LoadedModel, load_model, resolve_draft
-from specserve.models.loading import draft_quantization as draft_quantization_for
+from specserve.models.loading import load_draft
 from specserve.models.lean import draft_dtype, model_sequence, unsupported_reason
 from specserve.models.pool import KVPool, wants_runner
 from specserve.speculation import GammaController, PositionRNG, SamplingParams
@@ -112,9 +112,8 @@ class SpeculativeDecoder:
         draft = resolve_draft(target, draft)
         self.draft_kind = "none" if draft is None else "ngram" if draft == "ngram" else "model"
         if self.draft_kind == "model":
-            draft_device = str(self.target.device) if device is None else device
-            self.draft = load_model(draft, dtype, draft_device,
-                                    quantization=draft_quantization_for(draft_quantization, draft, dtype, draft_device))
+            self.draft = load_draft(draft, dtype, str(self.target.device) if device is None else device,
+                                    draft_quantization)
             if self.draft.vocab_size != self.target.vocab_size:
                 raise ValueError(
                     f"draft and target must share the vocabulary: draft vocab size {self.draft.vocab_size} "

@@ -133,7 +133,7 @@ def packed(weight) -> tuple | None:
     or None where the kernels cannot run it (this CPU, no compiler, its shape, scales not float16)."""
     group = getattr(weight, "group", None)
     n, k = weight.codes.shape
-    if not ENABLED or not fits(n, k, group) or not available():
+    if not fits(n, k, group) or not available():
         return None
     if group is None:
         return "int8", pack_int8(weight.codes), weight.scale.float().contiguous(), None
@@ -194,7 +194,7 @@ def _(x, codes, scales):
 
 def step_kernels(dtype: torch.dtype, device, head_dim: int) -> bool:
     """Whether a lean forward in `dtype` on `device` takes the attention and RMS-norm kernels (eager only)."""
-    return (ENABLED and dtype == torch.bfloat16 and torch.device(device).type == "cpu" and head_dim % 32 == 0
+    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and head_dim % 32 == 0
             and head_dim <= 256 and available())
 
 
@@ -202,8 +202,7 @@ def rms_ok(x: torch.Tensor) -> bool:
     """Whether `rms_norm` takes x (checked per call: cheap)."""
     if torch.compiler.is_compiling():  # a ctypes call cannot be traced
         return False
-    return (ENABLED and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
-            and library() is not None)
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1 and available()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -127,7 +127,7 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
             and cpukernels.step_kernels(w.dtype, w.device, w.head_dim):  # short blocks straight from the arena
         members = [j for j, n in enumerate(sizes) if n <= _PaddedAttention.MAX_NEW]
         kernel = cpukernels.Attention(*arena, starts, sizes, offsets, members, w.heads, w.scale) if members else None
-        looped = [j for j in range(len(caches)) if j not in set(members)]
+        looped = sorted(set(range(len(caches))) - set(members))
         looped_rows = torch.tensor([offsets[j] + i for j in looped for i in range(sizes[j])], dtype=torch.long)
     else:
         padded = _PaddedAttention.plan(w, arena, starts, sizes, offsets) if arena is not None else None

@@ -198,6 +198,12 @@ def _sliced_part(path, name: str, shard: Shard | None, layers: tuple[int, int] |
     return LoadedModel(model, _tokenizer_at(path), name)
 
 
+def load_draft(draft: Any, dtype: Any = None, device: str | None = None, quantization: str | None = None
+               ) -> LoadedModel:
+    """`load_model` for a model draft, its quantization resolved by `draft_quantization`."""
+    return load_model(draft, dtype, device, quantization=draft_quantization(quantization, draft, dtype, device))
+
+
 def draft_quantization(quantization: str | None, draft: Any, dtype: Any = None, device: Any = None) -> str | None:
     """A model draft's quantization: "auto" for a dense draft on a CPU that runs specserve's int4/int8 kernels
     (`cpukernels`) is int8, whose step there reads a quarter of float32's bytes for a few percent of the

@@ -21,8 +21,7 @@ import grpc
 from specserve.engine.profile import draft_step_time, verify_profile
 from specserve.engine.proposers import NgramProposer
 from specserve.models import load_model
-from specserve.models.loading import draft_quantization as draft_quantization_for
-from specserve.models.loading import model_config, resolve_model_path
+from specserve.models.loading import load_draft, model_config, resolve_model_path
 from specserve.rpc.auth import server_interceptors
 from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
 from specserve.scheduler.colocated import ScheduledDraft
@@ -115,8 +114,7 @@ class DraftWorkerActor(_GrpcActor):
             new_proposer = lambda: NgramProposer(vocab)  # noqa: E731
             self.free = True
         else:
-            quantization = draft_quantization_for(quantization, draft, dtype)
-            loaded = compute.call(load_model, draft, dtype, None, None, quantization).result()
+            loaded = compute.call(load_draft, draft, dtype, None, quantization).result()
             if loaded.vocab_size != vocab:
                 raise ValueError(f"draft vocab size {loaded.vocab_size} != target vocab size {vocab}")
             scheduled = ScheduledDraft(compute, loaded.model, vocab, top_k_q, loaded.name, kv_cache_tokens,
@@ -199,8 +197,7 @@ class TargetWorkerActor(_GrpcActor):
         if draft is not None:
             if stages:
                 raise ValueError("a colocated draft needs the whole target in one worker (not target_stages)")
-            draft_quantization = draft_quantization_for(draft_quantization, draft, dtype, loaded.device)
-            drafted = compute.call(load_model, draft, dtype, str(loaded.device), None, draft_quantization).result()
+            drafted = compute.call(load_draft, draft, dtype, str(loaded.device), draft_quantization).result()
             if drafted.vocab_size != self.vocab:
                 raise ValueError(f"draft vocab size {drafted.vocab_size} != target vocab size {self.vocab}")
             self.servicer.attach_draft(drafted.model, loaded.eos_ids, gamma_max, drafted.name, draft_top_k)

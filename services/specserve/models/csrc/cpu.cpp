@@ -6,12 +6,11 @@
 // Quantized products (models/quant.py):
 // y[m, n] = sum_k x[m, k] * w[n, k] for bfloat16 activations x and int4 or int8 weights w, the weights read
 // once for up to 8 rows of x (torch's CPU kernels read them again for every 4 rows). Codes are widened to
-// exact bfloat16 values and multiplied with `vdpbf16ps` (two products a lane, summed in float32), so a row's
-// result does not depend on how many rows are computed with it.
+// exact bfloat16 values and multiplied with `vdpbf16ps` (two products a lane, summed in float32).
 //
 // int4 (groups of G inputs, w = (q - 8) * scale + zero): per group, y += scale * sum(x * q) + bias * sum(x)
-// with bias = zero - 8 * scale, both float16 (as GGUF's Q4 blocks store them). Codes of 16 outputs x 4 inputs in 32 bytes: byte 2i + j holds output i's
-// code for input 4t + j in its low nibble and for input 4t + 2 + j in its high one.
+// with bias = zero - 8 * scale, both float16 (as GGUF's Q4 blocks store them). Codes of 16 outputs x 4 inputs
+// in 32 bytes: byte 2i + j holds output i's code for input 4t + j in its low nibble, 4t + 2 + j in its high one.
 // int8 (one scale a row): codes of 16 outputs x 2 inputs in 32 bytes, byte 2i + j = output i, input 2t + j.
 #include <immintrin.h>
 #include <math.h>
@@ -19,6 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -108,23 +108,33 @@ inline int64_t share(int64_t tiles) {
 // Blocks per tile: enough independent sums to hide the dot product's latency, few enough to stay in registers.
 constexpr int tile_blocks(int rows) { return rows == 1 ? 4 : rows <= 3 ? 2 : 1; }
 
-template <int MR>
-void int4_rows(const uint16_t *x, int64_t K, const float *xsum, int64_t G, const uint8_t *codes, const uint16_t *sb,
-               uint16_t *out, int64_t N) {
-  constexpr int NT = tile_blocks(MR);
-  const int64_t blocks = N / 16, groups = K / G, tiles = blocks / NT, chunk = share(tiles);
+// tile(first block) over every tile of NT blocks of 16 outputs, shared among the threads; one(block) after
+// them for the blocks left over.
+template <int NT, typename Tile, typename One>
+void over_blocks(int64_t blocks, Tile tile, One one) {
+  const int64_t tiles = blocks / NT, chunk = share(tiles);
 #pragma omp parallel for schedule(dynamic, chunk)
-  for (int64_t i = 0; i < tiles; i++) int4_tile<MR, NT>(x, K, xsum, groups, G, codes, sb, i * NT, out, N);
-  for (int64_t nb = tiles * NT; nb < blocks; nb++) int4_tile<MR, 1>(x, K, xsum, groups, G, codes, sb, nb, out, N);
+  for (int64_t i = 0; i < tiles; i++) tile(i * NT);
+  for (int64_t nb = tiles * NT; nb < blocks; nb++) one(nb);
 }
 
-template <int MR>
-void int8_rows(const uint16_t *x, int64_t K, const int8_t *codes, const float *scales, uint16_t *out, int64_t N) {
-  constexpr int NT = tile_blocks(MR);
-  const int64_t blocks = N / 16, tiles = blocks / NT, chunk = share(tiles);
-#pragma omp parallel for schedule(dynamic, chunk)
-  for (int64_t i = 0; i < tiles; i++) int8_tile<MR, NT>(x, K, codes, scales, i * NT, out, N);
-  for (int64_t nb = tiles * NT; nb < blocks; nb++) int8_tile<MR, 1>(x, K, codes, scales, nb, out, N);
+// f(std::integral_constant<int, rows>()) for rows in 1..kMaxRows: a pass compiled for each row count.
+template <typename F>
+void by_rows(int64_t rows, F f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    case 3: f(std::integral_constant<int, 3>()); break;
+    case 4: f(std::integral_constant<int, 4>()); break;
+    case 5: f(std::integral_constant<int, 5>()); break;
+    case 6: f(std::integral_constant<int, 6>()); break;
+    case 7: f(std::integral_constant<int, 7>()); break;
+    default: f(std::integral_constant<int, kMaxRows>()); break;
+  }
+}
+
+inline __mmask16 tail_mask(int64_t n) {  // the first min(n, 16) lanes
+  return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
 }
 
 float bf16_to_float(uint16_t v) {
@@ -140,11 +150,7 @@ uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's casts
   return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
-inline __m512 load_bf16(const uint16_t *p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-inline __m512 load_bf16_masked(const uint16_t *p, __mmask16 m) {
+inline __m512 load_bf16(const uint16_t *p, __mmask16 m = 0xffff) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
@@ -201,7 +207,7 @@ void attend_row(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t
       }
       dots[j] = acc;
     }
-    const __mmask16 m = keys == 16 ? (__mmask16)0xffff : (__mmask16)((1u << keys) - 1);
+    const __mmask16 m = tail_mask(keys);
     const __m512 row = _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale));
     _mm512_mask_storeu_ps(s + t0, m, row);
     top16 = _mm512_mask_max_ps(top16, m, top16, row);
@@ -209,7 +215,7 @@ void attend_row(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t
   const float top = _mm512_reduce_max_ps(top16);
   __m512 sum = _mm512_setzero_ps(), mx = _mm512_set1_ps(top);
   for (int64_t t = 0; t < L; t += 16) {
-    __mmask16 m = L - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (L - t)) - 1);
+    const __mmask16 m = tail_mask(L - t);
     __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mx));
     e = _mm512_maskz_mov_ps(m, e);
     _mm512_mask_storeu_ps(s + t, m, e);
@@ -246,16 +252,11 @@ void specserve_int4_mm(const uint16_t *x, int64_t M, int64_t K, const uint8_t *c
     const uint16_t *xm = x + m0 * K;
     const float *sm = xsum + m0 * groups;
     uint16_t *om = out + m0 * N;
-    switch (rows) {
-      case 1: int4_rows<1>(xm, K, sm, G, codes, sb, om, N); break;
-      case 2: int4_rows<2>(xm, K, sm, G, codes, sb, om, N); break;
-      case 3: int4_rows<3>(xm, K, sm, G, codes, sb, om, N); break;
-      case 4: int4_rows<4>(xm, K, sm, G, codes, sb, om, N); break;
-      case 5: int4_rows<5>(xm, K, sm, G, codes, sb, om, N); break;
-      case 6: int4_rows<6>(xm, K, sm, G, codes, sb, om, N); break;
-      case 7: int4_rows<7>(xm, K, sm, G, codes, sb, om, N); break;
-      default: int4_rows<8>(xm, K, sm, G, codes, sb, om, N); break;
-    }
+    by_rows(rows, [&](auto r) {
+      constexpr int MR = decltype(r)::value, NT = tile_blocks(MR);
+      over_blocks<NT>(N / 16, [&](int64_t nb) { int4_tile<MR, NT>(xm, K, sm, groups, G, codes, sb, nb, om, N); },
+                      [&](int64_t nb) { int4_tile<MR, 1>(xm, K, sm, groups, G, codes, sb, nb, om, N); });
+    });
   }
 }
 
@@ -266,16 +267,11 @@ void specserve_int8_mm(const uint16_t *x, int64_t M, int64_t K, const int8_t *co
     const int64_t rows = M - m0 < kMaxRows ? M - m0 : kMaxRows;
     const uint16_t *xm = x + m0 * K;
     uint16_t *om = out + m0 * N;
-    switch (rows) {
-      case 1: int8_rows<1>(xm, K, codes, scales, om, N); break;
-      case 2: int8_rows<2>(xm, K, codes, scales, om, N); break;
-      case 3: int8_rows<3>(xm, K, codes, scales, om, N); break;
-      case 4: int8_rows<4>(xm, K, codes, scales, om, N); break;
-      case 5: int8_rows<5>(xm, K, codes, scales, om, N); break;
-      case 6: int8_rows<6>(xm, K, codes, scales, om, N); break;
-      case 7: int8_rows<7>(xm, K, codes, scales, om, N); break;
-      default: int8_rows<8>(xm, K, codes, scales, om, N); break;
-    }
+    by_rows(rows, [&](auto r) {
+      constexpr int MR = decltype(r)::value, NT = tile_blocks(MR);
+      over_blocks<NT>(N / 16, [&](int64_t nb) { int8_tile<MR, NT>(xm, K, codes, scales, nb, om, N); },
+                      [&](int64_t nb) { int8_tile<MR, 1>(xm, K, codes, scales, nb, om, N); });
+    });
   }
 }
 
@@ -325,8 +321,7 @@ void specserve_rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *wei
     const uint16_t *row = x + m * x_stride;
     __m512 ss = _mm512_setzero_ps();
     for (int64_t c = 0; c < H; c += 16) {
-      __mmask16 mk = H - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (H - c)) - 1);
-      __m512 a = load_bf16_masked(row + c, mk);
+      __m512 a = load_bf16(row + c, tail_mask(H - c));
       ss = _mm512_fmadd_ps(a, a, ss);
     }
     const float r = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + eps);
