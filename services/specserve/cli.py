@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prefill every prompt in full (default: reuse the cached keys/values of a shared prefix)")
     srv.add_argument("--max-sessions", type=int, default=None, metavar="N",
                      help="sessions run at once (default 64); more wait in a queue (max_queued, queue_timeout_s)")
+    srv.add_argument("--stream-interval-ms", type=float, default=None, metavar="MS",
+                     help="a stream's rounds within MS of its last chunk go as one chunk (default 40; 0: a chunk "
+                     "per round)")
     srv.add_argument("--model-name", default=None, help="model id clients pass (default: the target's name)")
     srv.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 to listen on all interfaces)")
     srv.add_argument("--api-key", default=None,

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 from concurrent import futures
+from dataclasses import replace
 
 import grpc
 import pytest
 
 from specserve import SamplingParams, SpeculativeDecoder
 from specserve.coordinator import Coordinator, Overloaded, SessionRequest, SplitDriver
+from specserve.engine.loop import Round
 from specserve.engine.proposers import ModelProposer
 from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
 from specserve.v1 import workers_pb2_grpc
@@ -45,10 +47,11 @@ def setup():
 
 
 def coordinator(setup, max_sessions: int = 64, max_queued: int = 256, queue_timeout_s: float = 300.0,
-                **kwargs) -> Coordinator:
+                stream_interval_s: float = 0.0, **kwargs) -> Coordinator:
     a = setup["addresses"]
     driver = SplitDriver(a["target"], VOCAB, [], draft="remote", draft_address=a["draft"], gamma=3, **kwargs)
-    return Coordinator(driver, max_sessions=max_sessions, max_queued=max_queued, queue_timeout_s=queue_timeout_s)
+    return Coordinator(driver, max_sessions=max_sessions, max_queued=max_queued, queue_timeout_s=queue_timeout_s,
+                       stream_interval_s=stream_interval_s)
 
 
 async def collect(coord, request):
@@ -80,6 +83,52 @@ def test_non_streaming_request_is_one_chunk(setup):
     request = SessionRequest(PROMPT, SamplingParams(temperature=0.0, ignore_eos=True), 20, stream=False)
     chunks = asyncio.run(collect(coordinator(setup), request))
     assert len(chunks) == 1 and len(chunks[0].tokens) == 20 and chunks[0].stats["rounds"] > 1
+
+
+def test_a_stream_interval_sends_the_rounds_within_it_as_one_chunk(setup):
+    """Over real gRPC workers: an interval longer than the session sends its first round (the first token's
+    latency is kept), then everything else with the finish; the tokens and statistics are the per-round stream's."""
+    request = SessionRequest(PROMPT, SamplingParams(temperature=1.0, seed=8, ignore_eos=True), 30)
+    per_round = asyncio.run(collect(coordinator(setup), request))
+    held = asyncio.run(collect(coordinator(setup, stream_interval_s=60.0), replace(request, request_id="held")))
+    assert len(per_round) > 2 and len(held) == 2
+    assert len(held[0].rounds) == 1 and held[0].tokens == per_round[0].tokens and held[1].finish_reason == "length"
+    assert [t for c in held for t in c.tokens] == [t for c in per_round for t in c.tokens]
+    assert held[1].stats["rounds"] == per_round[-1].stats["rounds"] == len(held[0].rounds + held[1].rounds)
+
+
+class _Clocked:
+    """A driver whose rounds come at set times of a fake clock (the hold rule, not the gRPC path)."""
+
+    def __init__(self, clock, arrivals):
+        self.clock, self.arrivals = clock, arrivals
+
+    def rounds(self, request, stats):
+        for i, t in enumerate(self.arrivals):
+            self.clock[0] = t
+            yield Round([i], "length" if i == len(self.arrivals) - 1 else None, 0)
+
+
+@pytest.mark.parametrize("arrivals,interval,chunks", [
+    # rounds every 10 ms, 35 ms: a round waits while the next is due within 35 ms of the last chunk
+    ([0, 10, 20, 30, 40, 50, 60, 70, 80, 90], 35, [[0], [1, 2, 3], [4, 5, 6], [7, 8, 9]]),
+    ([0, 10, 20, 30], 0, [[0], [1], [2], [3]]),  # 0: a chunk per round
+    # a round that comes late holds the ones before it (the rule expects the last gap again), then goes at once
+    ([0, 10, 20, 200, 210, 220, 400], 35, [[0], [1, 2, 3], [4, 5, 6]]),
+])
+def test_stream_interval_hold_rule(monkeypatch, arrivals, interval, chunks):
+    from specserve.coordinator import core
+    from specserve.coordinator.metrics import SessionMetrics
+
+    clock = [0.0]
+    monkeypatch.setattr(core.time, "perf_counter", lambda: clock[0] / 1000)
+    emitted = []
+    request = SessionRequest([1], SamplingParams(temperature=0.0), len(arrivals))
+    session = core._Session(request, _Clocked(clock, arrivals), SessionMetrics(None, 1), emitted.append,
+                            None, interval / 1000)
+    session.drive()
+    assert emitted[-1] is None
+    assert [c.tokens for c in emitted[:-1]] == chunks
 
 
 def test_cancel_and_overload(setup):

@@ -135,7 +135,8 @@ def test_grpc_unary_and_stream(server, local):
     parts = list(stub.GenerateStream(request, metadata=metadata("sequential")))
     assert [t for p in parts for t in p.token_ids] == expected.token_ids
     assert "".join(p.text for p in parts) == expected.text
-    assert parts[-1].finish_reason and parts[-1].stats.rounds == len(parts)
+    # the first round alone (the first token's latency), later rounds within stream_interval_ms (40) together
+    assert parts[-1].finish_reason and 2 <= len(parts) <= parts[-1].stats.rounds
     chat = generator_pb2.GenerateRequest(
         messages=generator_pb2.ChatMessages(messages=[generator_pb2.ChatMessage(role="user", content=PROMPT)]),
         max_tokens=12, sampling=generator_pb2.SamplingParams(temperature=1.0, seed=5), gamma="3",
@@ -155,7 +156,7 @@ def test_raw_sse(server):
     payloads = [json.loads(e) for e in events[:-1]]
     assert all(p["object"] == "text_completion" and "usage" not in p for p in payloads)  # as OpenAI: no usage asked
     assert payloads[-1]["choices"][0]["finish_reason"] == "length"
-    assert payloads[-1]["specserve"]["rounds"] == len(payloads)
+    assert 2 <= len(payloads) <= payloads[-1]["specserve"]["rounds"]  # rounds within stream_interval_ms: one event
 
 
 LONG = "word " * 600  # the tiny target's context is 512 positions

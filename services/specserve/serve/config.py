@@ -55,6 +55,12 @@ class AppConfig(WorkersConfig):
         description="How long a request waits for a slot before it is refused (HTTP 503 + Retry-After / gRPC "
         "RESOURCE_EXHAUSTED). A client that disconnects while it waits leaves the queue at once.",
     )
+    stream_interval_ms: float = Field(
+        40.0, ge=0, le=1000,
+        description="A stream sends the tokens of rounds that come within this many milliseconds of its last chunk "
+        "as one chunk (one SSE event / gRPC message), so a token waits at most about this long; 0: a chunk per "
+        "round. Each chunk costs the relay and the client CPU that a small machine takes from the model.",
+    )
     api_key: str | None = Field(
         None, repr=False, min_length=1, validate_default=True,
         description="Clients must send it (HTTP `Authorization: Bearer KEY`, gRPC metadata `authorization: Bearer "

@@ -69,6 +69,8 @@ def config_from_flags(args) -> dict[str, Any]:
         app_args["prefix_caching"] = False
     if getattr(args, "max_sessions", None):
         app_args["max_sessions"] = args.max_sessions
+    if getattr(args, "stream_interval_ms", None) is not None:
+        app_args["stream_interval_ms"] = args.stream_interval_ms
     if getattr(args, "tensor_parallel", 1) != 1:
         app_args["target_resources"] = {"tensor_parallel": args.tensor_parallel}
     if getattr(args, "api_key", None):
