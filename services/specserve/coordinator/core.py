@@ -361,9 +361,11 @@ class _Session:
 
     def _hold(self) -> bool:
         """Whether the round just in waits for the next (see `interval`); else it goes now."""
+        if not self.interval:
+            return False
         now = time.perf_counter()
         gap, self.arrived = (0.0 if self.arrived is None else now - self.arrived), now
-        if self.interval and self.emitted is not None and now + gap - self.emitted < self.interval:
+        if self.emitted is not None and now + gap - self.emitted < self.interval:
             return True
         self.emitted = now
         return False
