@@ -137,6 +137,56 @@ def test_pooled_bf16_steps_with_the_kernels_match_torchs_ops(monkeypatch):
     assert torch.equal(block.argmax(-1), torch_block.argmax(-1))
 
 
+def test_rope_kernel_rounds_as_torchs_ops_and_silu_mul_is_silu_times_up():
+    torch.manual_seed(0)
+    heads, kv_heads, d, t = 6, 2, 64, 9
+    qkv = (torch.randn(t, (heads + 2 * kv_heads) * d) * 4).bfloat16()
+    angles = torch.arange(t, dtype=torch.float32)[:, None] * torch.rand(d // 2)
+    angles = torch.cat((angles, angles), -1)
+    cos, sin = angles.cos().bfloat16()[:, None], angles.sin().bfloat16()[:, None]
+    qk = qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d)
+    # bit for bit: the fused layer's rotary is the per-op path's
+    assert torch.equal(cpukernels.rope(qkv, heads + kv_heads, d, cos, sin), qk * cos + lean._rotate_half(qk) * sin)
+    gate_up = (torch.randn(t, 2 * 96) * 3).bfloat16()
+    gate, up = gate_up.chunk(2, -1)
+    ours, ref = cpukernels.silu_mul(gate_up), F.silu(gate) * up
+    assert ours.shape == ref.shape and ours.dtype == torch.bfloat16
+    assert (ours.float() - ref.float()).abs().max() <= 2**-7 * ref.float().abs().max()
+    assert (ours == ref).float().mean() > 0.95
+    assert torch.equal(cpukernels.silu_mul(gate_up[4:5]), ours[4:5])  # a row as if alone
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_fused_layers_equal_the_per_op_path(monkeypatch, method):
+    """A quantized bf16 model's decode steps and verify blocks through `FusedLayers` (one call a layer): the same
+    logits as the per-op path bit for bit, a verify block's rows the decode steps', and a prompt (too many rows
+    for the kernels' attention) still goes op by op."""
+    model = load_model(tiny_llama(0, vocab=64, layers=2, hidden=128, heads=4, kv_heads=2, dtype=torch.bfloat16),
+                       quantization=method).model
+    runs = []
+    monkeypatch.setattr(cpukernels.FusedLayers, "run", lambda *a, _f=cpukernels.FusedLayers.run: runs.append(1)
+                        or _f(*a))
+
+    def run(fused: bool):
+        monkeypatch.setattr(cpukernels, "FUSED", fused)
+        pool = KVPool(model, 1024)
+        a, b = pool.sequence(), pool.sequence()
+        with torch.inference_mode():
+            prompts = pool.forward([a, b], [list(range(1, 30)), list(range(5, 12))], [1, 1])
+            block = pool.forward([a, b], [[3, 4, 5, 6], [7]], [4, 1])
+            a.rollback(29)
+            steps = torch.cat([pool.forward([a], [[t]], [1]) for t in (3, 4, 5, 6)])
+        return prompts, block, steps
+
+    prompts, block, steps = run(True)
+    assert len(runs) == 5, "the decode steps and the block did not take the fused layers"
+    assert torch.equal(block[:4], steps)
+    per_op = run(False)
+    assert len(runs) == 5
+    for ours, theirs in zip((prompts, block, steps), per_op):
+        assert torch.equal(ours, theirs)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("gamma", [3, "auto"])
 def test_quantized_embedded_greedy_speculation_equals_target_only_in_bf16(gamma):

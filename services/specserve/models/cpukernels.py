@@ -32,6 +32,8 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu.cpp"
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
          "-mavx512bf16", "-mfma"]
 ENABLED: bool = os.environ.get("SPECSERVE_CPU_KERNELS", "1") != "0"
+# a step's decoder layers as one call each (`FusedLayers`); 0 keeps the per-op path (same values), to compare
+FUSED: bool = os.environ.get("SPECSERVE_FUSED_LAYERS", "1") != "0"
 ROWS = 8  # rows of activations a pass over the weights serves (csrc: kMaxRows)
 # Rows from which a layer with these kernels multiplies its dense bfloat16 copy instead (docs/benchmarks.md).
 DENSE_FROM = 32
@@ -93,7 +95,12 @@ def library() -> ctypes.CDLL | None:
     lib.specserve_int8_mm.argtypes = [p, i, i, p, p, p, i]
     lib.specserve_attend.argtypes = [p, i, p, i, p, i, p, p, i, p, i, i, i, i, ctypes.c_float, p]
     lib.specserve_rms_norm.argtypes = [p, i, p, i, i, ctypes.c_float, p]
-    for f in (lib.specserve_int4_mm, lib.specserve_int8_mm, lib.specserve_attend, lib.specserve_rms_norm):
+    lib.specserve_rope.argtypes = [p, i, i, i, i, p, p, p]
+    lib.specserve_silu_mul.argtypes = [p, i, i, p]
+    lib.specserve_layer.argtypes = [p, i, i, p, p, ctypes.c_float, p, p, p, p, p, i, p, i, i, i, i,
+                                    ctypes.c_float, p, p]
+    for f in (lib.specserve_int4_mm, lib.specserve_int8_mm, lib.specserve_attend, lib.specserve_rms_norm,
+              lib.specserve_rope, lib.specserve_silu_mul, lib.specserve_layer):
         f.restype = None
     return lib
 
@@ -232,3 +239,87 @@ class Attention:
         library().specserve_attend(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                                    ka.data_ptr(), va.data_ptr(), ka.stride(0), self.info.data_ptr(), self.count,
                                    self.heads, kvh, d, self.scale, out.data_ptr())
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """bfloat16(bfloat16(silu(gate)) · up) of gate_up [M, 2I] (gate first, rows contiguous): [M, I]. SiLU in float32
+    with the kernels' exp, so a step's MLP gives the same values here as in `specserve_layer`."""
+    gate_up = gate_up.contiguous()
+    m, i = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(m, i, dtype=torch.bfloat16)
+    library().specserve_silu_mul(gate_up.data_ptr(), m, i, out.data_ptr())
+    return out
+
+
+def rope(qkv: torch.Tensor, rotated_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x·cos + rotate_half(x)·sin of the first `rotated_heads` heads of qkv [T, ...] (bfloat16, rows contiguous),
+    with cos, sin [T, head_dim]: [T, rotated_heads, head_dim], rounded as torch's bfloat16 ops round."""
+    t = qkv.shape[0]
+    out = torch.empty(t, rotated_heads, head_dim, dtype=torch.bfloat16)
+    cos, sin = cos.reshape(t, head_dim).contiguous(), sin.reshape(t, head_dim).contiguous()
+    library().specserve_rope(qkv.data_ptr(), qkv.stride(0), t, rotated_heads, head_dim, cos.data_ptr(),
+                             sin.data_ptr(), out.data_ptr())
+    return out
+
+
+class _Linear(ctypes.Structure):  # csrc: struct Linear
+    _fields_ = [("kind", ctypes.c_int64), ("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("group", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64)]
+
+
+class FusedLayers:
+    """Every decoder layer of a bfloat16 model whose four linear layers all run on these kernels (no biases on
+    the attention's), as one `specserve_layer` call a layer: a decode step's or a short verify block's ~20 torch
+    ops a layer, with their dispatch, took a third of its time (docs/benchmarks.md). The same kernels in the
+    same order as the per-op path, so its values are the per-op path's (tests/cpu/test_cpukernels.py)."""
+
+    def __init__(self, layers: list, rows_below: int):
+        self.layers = layers  # (norm_in, norm_post, ctypes array of 4 _Linear, the linears they point into)
+        self.rows_below = rows_below  # steps of fewer rows than this (no layer's dense copy taking over)
+        h = layers[0][0].shape[0]
+        lin = layers[0][2]
+        self.hidden, self.inter = h, lin[2].N // 2
+        self.qkv = lin[0].N
+        self.max_groups = max(l.K // l.group if l.kind == 4 else 1 for _, _, ls, _ in layers for l in ls)
+
+    @classmethod
+    def plan(cls, w) -> FusedLayers | None:
+        """The plan for `LeanWeights` w, or None where a layer cannot be fused (made once per weights)."""
+        from specserve.models.quant import QuantizedLinear
+
+        rows_below, layers = 1 << 30, []
+        for norm_in, w_qkv, b_qkv, w_o, b_o, norm_post, w_gate_up, w_down in w.layers:
+            linears = (w_qkv, w_o, w_gate_up, w_down)
+            if b_qkv is not None or b_o is not None or any(
+                    not isinstance(q, QuantizedLinear) or q.kernel is None for q in linears):
+                return None
+            structs = (_Linear * 4)()
+            for s, q in zip(structs, linears):
+                kind, codes, scales, group = q.kernel
+                s.kind, s.codes, s.scales = (4 if kind == "int4" else 8), codes.data_ptr(), scales.data_ptr()
+                s.group, s.N, s.K = group or 0, q.out_features, q.in_features
+                if q.dense is not None:
+                    rows_below = min(rows_below, q.dense_from)
+            layers.append((norm_in, norm_post, structs, linears))  # the linears keep the addresses valid
+        return cls(layers, rows_below) if layers else None
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention, heads: int,
+            kv_heads: int, head_dim: int, eps: float) -> None:
+        """Every layer over x [T, hidden] (bfloat16, contiguous; updated in place) with `attention`'s sequences
+        (all of the step's)."""
+        t = x.shape[0]
+        per_row = 2 * self.hidden + 2 * self.qkv + heads * head_dim + 3 * self.inter
+        scratch = torch.empty(t * per_row, dtype=torch.bfloat16)
+        xsum = torch.empty(t * self.max_groups, dtype=torch.float32)
+        cos, sin = cos.reshape(t, head_dim).contiguous(), sin.reshape(t, head_dim).contiguous()
+        k, v = attention.k, attention.v
+        layer_bytes = k.stride(0) * k.element_size()
+        call = library().specserve_layer
+        args = (x.data_ptr(), t, self.hidden)
+        tail = (cos.data_ptr(), sin.data_ptr())
+        info, count, scale = attention.info.data_ptr(), attention.count, attention.scale
+        k0, v0, head_stride = k.data_ptr(), v.data_ptr(), k.stride(1)
+        s0, x0 = scratch.data_ptr(), xsum.data_ptr()
+        for i, (norm_in, norm_post, structs, _) in enumerate(self.layers):
+            call(*args, norm_in.data_ptr(), norm_post.data_ptr(), eps, structs, *tail, k0 + i * layer_bytes,
+                 v0 + i * layer_bytes, head_stride, info, count, heads, kv_heads, head_dim, scale, s0, x0)

@@ -134,7 +134,13 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
         looped = [j for j in range(len(caches)) if padded is None or j not in padded.members]
     masks = {j: torch.ones(sizes[j], starts[j] + sizes[j], dtype=torch.bool, device=w.device).tril(starts[j])
              for j in looped if sizes[j] > 1}
-    for i, layer in enumerate(w.layers):
+    fused = _fused_layers(w) if kernel is not None and not looped and w.tp is None else None
+    if fused is not None and total < fused.rows_below:  # every layer in one kernel call each
+        x = x.contiguous() if hidden is None else x.clone()  # updated in place: never the caller's states
+        fused.run(x, cos, sin, kernel, w.heads, w.kv_heads, w.head_dim, w.eps)
+    else:
+        fused = None
+    for i, layer in enumerate(w.layers if fused is None else ()):
         q, k, v = rotated_qkv(w, layer, x, cos, sin)
         outs = []
         for j in looped:
@@ -164,6 +170,15 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
     return head_logits(w, rows)
 
 
+def _fused_layers(w: LeanWeights) -> cpukernels.FusedLayers | None:
+    """w's layers as `cpukernels.FusedLayers` (planned once), or None where they do not fuse."""
+    if not cpukernels.FUSED:
+        return None
+    if not hasattr(w, "_fused"):
+        w._fused = cpukernels.FusedLayers.plan(w)
+    return w._fused
+
+
 def head_logits(w: LeanWeights, x: torch.Tensor) -> torch.Tensor:
     """The head's float32 logits of x [n, hidden]: [n, head rows] (a tensor-parallel group's, on rank 0)."""
     logits = linear(_rms(x, w.norm, w.eps), w.head).float()
@@ -189,8 +204,13 @@ def layer_output(w: LeanWeights, layer: tuple, x: torch.Tensor, att: torch.Tenso
     else:  # each rank's heads' share of the projection, summed over the ranks
         y = w.tp.all_reduce(linear(att, w_o))
         x = x + (y if b_o is None else y + b_o)
-    gate, up = linear(_rms(x, norm_post, w.eps), w_gate_up).chunk(2, -1)
-    down = linear(F.silu(gate) * up, w_down)
+    gate_up = linear(_rms(x, norm_post, w.eps), w_gate_up)
+    if cpukernels.rms_ok(gate_up):  # the kernels' SiLU, as `cpukernels.FusedLayers` computes it
+        act = cpukernels.silu_mul(gate_up)
+    else:
+        gate, up = gate_up.chunk(2, -1)
+        act = F.silu(gate) * up
+    down = linear(act, w_down)
     return x + (down if w.tp is None else w.tp.all_reduce(down))
 
 

@@ -232,6 +232,28 @@ void attend_row(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t
   for (int64_t c = 0; c < chunks; c++) store_bf16(out + c * 16, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
 }
 
+
+inline __m512 round_bf16(__m512 v) {  // v rounded to bfloat16 (nearest even), kept as float32
+  __m512i b = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+inline void store_bf16_masked(uint16_t *out, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(out, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16)));
+}
+
+// One linear layer of a fused step: kind 4 (int4 groups) or 8 (int8 rows), in the layout of the mm kernels.
+struct Linear {
+  int64_t kind;
+  const void *codes;
+  const void *scales;
+  int64_t group;
+  int64_t N;
+  int64_t K;
+};
+
 }  // namespace
 
 extern "C" {
@@ -330,6 +352,88 @@ void specserve_rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *wei
       out[m * H + c] = float_to_bf16(y * bf16_to_float(weight[c]));
     }
   }
+}
+
+
+// Rotary embedding of the queries and keys of rows of qkv [T, (heads + kv_heads + kv_heads) · D] (`stride` apart),
+// into out [T, heads + kv_heads, D]: x·cos + rotate_half(x)·sin with cos, sin [T, D], each product and the sum
+// rounded to bfloat16 as torch's bfloat16 ops round them (lean.rotated_qkv).
+void specserve_rope(const uint16_t *qkv, int64_t stride, int64_t T, int64_t rotated_heads, int64_t D,
+                    const uint16_t *cos, const uint16_t *sin, uint16_t *out) {
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t h = 0; h < rotated_heads; h++) {
+      const uint16_t *x = qkv + t * stride + h * D;
+      uint16_t *o = out + (t * rotated_heads + h) * D;
+      for (int64_t d = 0; d < D; d += 16) {  // D % 32 == 0: 16 lanes stay in one half
+        __m512 a = load_bf16(x + d), c = load_bf16(cos + t * D + d), s = load_bf16(sin + t * D + d);
+        __m512 r = d < half ? _mm512_sub_ps(_mm512_setzero_ps(), load_bf16(x + d + half)) : load_bf16(x + d - half);
+        __m512 y = _mm512_add_ps(round_bf16(_mm512_mul_ps(a, c)), round_bf16(_mm512_mul_ps(r, s)));
+        store_bf16_masked(o + d, y, 0xffff);
+      }
+    }
+}
+
+// act[t, i] = bfloat16(bfloat16(silu(gate)) · up) for gate_up [T, 2I] (gate first): SiLU in float32.
+void specserve_silu_mul(const uint16_t *gate_up, int64_t T, int64_t I, uint16_t *act) {
+  for (int64_t t = 0; t < T; t++) {
+    const uint16_t *g = gate_up + t * 2 * I, *u = g + I;
+    for (int64_t i = 0; i < I; i += 16) {
+      const __mmask16 m = tail_mask(I - i);
+      __m512 x = load_bf16(g + i, m);
+      __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));  // e^-|x|
+      __m512 one = _mm512_set1_ps(1.0f);
+      __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+      __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, one, e), _mm512_add_ps(one, e));
+      __m512 y = _mm512_mul_ps(round_bf16(_mm512_mul_ps(x, sig)), load_bf16(u + i, m));
+      store_bf16_masked(act + t * I + i, y, m);
+    }
+  }
+}
+
+}  // extern "C"
+
+namespace {
+void residual_add(uint16_t *x, const uint16_t *y, int64_t n) {  // x = bfloat16(x + y)
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    store_bf16_masked(x + i, _mm512_add_ps(load_bf16(x + i, m), load_bf16(y + i, m)), m);
+  }
+}
+
+void linear(const Linear &w, const uint16_t *x, int64_t M, uint16_t *out, float *xsum) {
+  if (w.kind == 4)
+    specserve_int4_mm(x, M, w.K, (const uint8_t *)w.codes, (const uint16_t *)w.scales, w.group, out, w.N, xsum);
+  else
+    specserve_int8_mm(x, M, w.K, (const int8_t *)w.codes, (const float *)w.scales, out, w.N);
+}
+}  // namespace
+
+extern "C" {
+
+// One decoder layer over T rows of x [T, H] (updated in place) for sequences whose new blocks all go through
+// specserve_attend: the same kernels, in the same order and with the same roundings, as lean._lean_forward's
+// per-op path, in one call. lin: qkv, o, gate_up, down. scratch: bfloat16 of T · (2H + 2·QKV + heads·D + 3I)
+// (QKV = (heads + 2·kv_heads)·D, I = gate_up's N / 2); xsum: float32 of T · max(K / group).
+void specserve_layer(uint16_t *x, int64_t T, int64_t H, const uint16_t *norm_in, const uint16_t *norm_post, float eps,
+                     const Linear *lin, const uint16_t *cos, const uint16_t *sin, uint16_t *k, uint16_t *v,
+                     int64_t head_stride, const int64_t *info, int64_t nseq, int64_t heads, int64_t kv_heads,
+                     int64_t D, float scale, uint16_t *scratch, float *xsum) {
+  const int64_t QK = (heads + kv_heads) * D, QKV = QK + kv_heads * D, I = lin[2].N / 2;
+  uint16_t *h = scratch, *qkv = h + T * H, *qk = qkv + T * QKV, *att = qk + T * QKV, *o = att + T * heads * D;
+  uint16_t *gate_up = o + T * H, *act = gate_up + T * 2 * I;
+  specserve_rms_norm(x, H, norm_in, T, H, eps, h);
+  linear(lin[0], h, T, qkv, xsum);
+  specserve_rope(qkv, QKV, T, heads + kv_heads, D, cos, sin, qk);
+  specserve_attend(qk, QK, qk + heads * D, QK, qkv + QK, QKV, k, v, head_stride, info, nseq, heads, kv_heads, D,
+                   scale, att);
+  linear(lin[1], att, T, o, xsum);
+  residual_add(x, o, T * H);
+  specserve_rms_norm(x, H, norm_post, T, H, eps, h);
+  linear(lin[2], h, T, gate_up, xsum);
+  specserve_silu_mul(gate_up, T, I, act);
+  linear(lin[3], act, T, o, xsum);
+  residual_add(x, o, T * H);
 }
 
 }  // extern "C"
