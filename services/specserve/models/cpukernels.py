@@ -95,12 +95,11 @@ def library() -> ctypes.CDLL | None:
     lib.specserve_int8_mm.argtypes = [p, i, i, p, p, p, i]
     lib.specserve_attend.argtypes = [p, i, p, i, p, i, p, p, i, p, i, i, i, i, ctypes.c_float, p]
     lib.specserve_rms_norm.argtypes = [p, i, p, i, i, ctypes.c_float, p]
-    lib.specserve_rope.argtypes = [p, i, i, i, i, p, p, p]
     lib.specserve_silu_mul.argtypes = [p, i, i, p]
     lib.specserve_layer.argtypes = [p, i, i, p, p, ctypes.c_float, p, p, p, p, p, i, p, i, i, i, i,
                                     ctypes.c_float, p, p]
     for f in (lib.specserve_int4_mm, lib.specserve_int8_mm, lib.specserve_attend, lib.specserve_rms_norm,
-              lib.specserve_rope, lib.specserve_silu_mul, lib.specserve_layer):
+              lib.specserve_silu_mul, lib.specserve_layer):
         f.restype = None
     return lib
 
@@ -248,17 +247,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     m, i = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(m, i, dtype=torch.bfloat16)
     library().specserve_silu_mul(gate_up.data_ptr(), m, i, out.data_ptr())
-    return out
-
-
-def rope(qkv: torch.Tensor, rotated_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x·cos + rotate_half(x)·sin of the first `rotated_heads` heads of qkv [T, ...] (bfloat16, rows contiguous),
-    with cos, sin [T, head_dim]: [T, rotated_heads, head_dim], rounded as torch's bfloat16 ops round."""
-    t = qkv.shape[0]
-    out = torch.empty(t, rotated_heads, head_dim, dtype=torch.bfloat16)
-    cos, sin = cos.reshape(t, head_dim).contiguous(), sin.reshape(t, head_dim).contiguous()
-    library().specserve_rope(qkv.data_ptr(), qkv.stride(0), t, rotated_heads, head_dim, cos.data_ptr(),
-                             sin.data_ptr(), out.data_ptr())
     return out
 
 

@@ -134,12 +134,10 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
         looped = [j for j in range(len(caches)) if padded is None or j not in padded.members]
     masks = {j: torch.ones(sizes[j], starts[j] + sizes[j], dtype=torch.bool, device=w.device).tril(starts[j])
              for j in looped if sizes[j] > 1}
-    fused = _fused_layers(w) if kernel is not None and not looped and w.tp is None else None
-    if fused is not None and total < fused.rows_below:  # every layer in one kernel call each
+    fused = _fused_layers(w, total) if kernel is not None and not looped and w.tp is None else None
+    if fused is not None:  # every layer in one kernel call each
         x = x.contiguous() if hidden is None else x.clone()  # updated in place: never the caller's states
         fused.run(x, cos, sin, kernel, w.heads, w.kv_heads, w.head_dim, w.eps)
-    else:
-        fused = None
     for i, layer in enumerate(w.layers if fused is None else ()):
         q, k, v = rotated_qkv(w, layer, x, cos, sin)
         outs = []
@@ -170,13 +168,13 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
     return head_logits(w, rows)
 
 
-def _fused_layers(w: LeanWeights) -> cpukernels.FusedLayers | None:
-    """w's layers as `cpukernels.FusedLayers` (planned once), or None where they do not fuse."""
+def _fused_layers(w: LeanWeights, rows: int) -> cpukernels.FusedLayers | None:
+    """w's layers as `cpukernels.FusedLayers` (planned once) for a step of `rows`, or None where they do not fuse."""
     if not cpukernels.FUSED:
         return None
     if not hasattr(w, "_fused"):
         w._fused = cpukernels.FusedLayers.plan(w)
-    return w._fused
+    return w._fused if w._fused is not None and rows < w._fused.rows_below else None
 
 
 def head_logits(w: LeanWeights, x: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,8 @@ inline __m512 dot2(__m512 acc, __m512i w, const uint16_t *x) {
   return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_set1_epi32(pair));
 }
 
-inline void store_bf16(uint16_t *out, __m512 v) {
-  _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(v));
+inline void store_bf16(uint16_t *out, __m512 v, __mmask16 m = 0xffff) {  // round to nearest even
+  _mm256_mask_storeu_epi16(out, m, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
 // Rows [0, MR) of x against NT blocks of 16 outputs starting at block nb.
@@ -240,10 +240,6 @@ inline __m512 round_bf16(__m512 v) {  // v rounded to bfloat16 (nearest even), k
   return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
-inline void store_bf16_masked(uint16_t *out, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(out, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16)));
-}
-
 // One linear layer of a fused step: kind 4 (int4 groups) or 8 (int8 rows), in the layout of the mm kernels.
 struct Linear {
   int64_t kind;
@@ -355,25 +351,6 @@ void specserve_rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *wei
 }
 
 
-// Rotary embedding of the queries and keys of rows of qkv [T, (heads + kv_heads + kv_heads) · D] (`stride` apart),
-// into out [T, heads + kv_heads, D]: x·cos + rotate_half(x)·sin with cos, sin [T, D], each product and the sum
-// rounded to bfloat16 as torch's bfloat16 ops round them (lean.rotated_qkv).
-void specserve_rope(const uint16_t *qkv, int64_t stride, int64_t T, int64_t rotated_heads, int64_t D,
-                    const uint16_t *cos, const uint16_t *sin, uint16_t *out) {
-  const int64_t half = D / 2;
-  for (int64_t t = 0; t < T; t++)
-    for (int64_t h = 0; h < rotated_heads; h++) {
-      const uint16_t *x = qkv + t * stride + h * D;
-      uint16_t *o = out + (t * rotated_heads + h) * D;
-      for (int64_t d = 0; d < D; d += 16) {  // D % 32 == 0: 16 lanes stay in one half
-        __m512 a = load_bf16(x + d), c = load_bf16(cos + t * D + d), s = load_bf16(sin + t * D + d);
-        __m512 r = d < half ? _mm512_sub_ps(_mm512_setzero_ps(), load_bf16(x + d + half)) : load_bf16(x + d - half);
-        __m512 y = _mm512_add_ps(round_bf16(_mm512_mul_ps(a, c)), round_bf16(_mm512_mul_ps(r, s)));
-        store_bf16_masked(o + d, y, 0xffff);
-      }
-    }
-}
-
 // act[t, i] = bfloat16(bfloat16(silu(gate)) · up) for gate_up [T, 2I] (gate first): SiLU in float32.
 void specserve_silu_mul(const uint16_t *gate_up, int64_t T, int64_t I, uint16_t *act) {
   for (int64_t t = 0; t < T; t++) {
@@ -386,7 +363,7 @@ void specserve_silu_mul(const uint16_t *gate_up, int64_t T, int64_t I, uint16_t 
       __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
       __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, one, e), _mm512_add_ps(one, e));
       __m512 y = _mm512_mul_ps(round_bf16(_mm512_mul_ps(x, sig)), load_bf16(u + i, m));
-      store_bf16_masked(act + t * I + i, y, m);
+      store_bf16(act + t * I + i, y, m);
     }
   }
 }
@@ -394,10 +371,29 @@ void specserve_silu_mul(const uint16_t *gate_up, int64_t T, int64_t I, uint16_t 
 }  // extern "C"
 
 namespace {
+// Rotary embedding of the queries and keys of rows of qkv [T, (heads + kv_heads + kv_heads) · D] (`stride` apart),
+// into out [T, heads + kv_heads, D]: x·cos + rotate_half(x)·sin with cos, sin [T, D], each product and the sum
+// rounded to bfloat16 as torch's bfloat16 ops round them (lean.rotated_qkv).
+void rope(const uint16_t *qkv, int64_t stride, int64_t T, int64_t rotated_heads, int64_t D,
+          const uint16_t *cos, const uint16_t *sin, uint16_t *out) {
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t h = 0; h < rotated_heads; h++) {
+      const uint16_t *x = qkv + t * stride + h * D;
+      uint16_t *o = out + (t * rotated_heads + h) * D;
+      for (int64_t d = 0; d < D; d += 16) {  // D % 32 == 0: 16 lanes stay in one half
+        __m512 a = load_bf16(x + d), c = load_bf16(cos + t * D + d), s = load_bf16(sin + t * D + d);
+        __m512 r = d < half ? _mm512_sub_ps(_mm512_setzero_ps(), load_bf16(x + d + half)) : load_bf16(x + d - half);
+        __m512 y = _mm512_add_ps(round_bf16(_mm512_mul_ps(a, c)), round_bf16(_mm512_mul_ps(r, s)));
+        store_bf16(o + d, y);
+      }
+    }
+}
+
 void residual_add(uint16_t *x, const uint16_t *y, int64_t n) {  // x = bfloat16(x + y)
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = tail_mask(n - i);
-    store_bf16_masked(x + i, _mm512_add_ps(load_bf16(x + i, m), load_bf16(y + i, m)), m);
+    store_bf16(x + i, _mm512_add_ps(load_bf16(x + i, m), load_bf16(y + i, m)), m);
   }
 }
 
@@ -424,7 +420,7 @@ void specserve_layer(uint16_t *x, int64_t T, int64_t H, const uint16_t *norm_in,
   uint16_t *gate_up = o + T * H, *act = gate_up + T * 2 * I;
   specserve_rms_norm(x, H, norm_in, T, H, eps, h);
   linear(lin[0], h, T, qkv, xsum);
-  specserve_rope(qkv, QKV, T, heads + kv_heads, D, cos, sin, qk);
+  rope(qkv, QKV, T, heads + kv_heads, D, cos, sin, qk);
   specserve_attend(qk, QK, qk + heads * D, QK, qkv + QK, QKV, k, v, head_stride, info, nseq, heads, kv_heads, D,
                    scale, att);
   linear(lin[1], att, T, o, xsum);
