@@ -1,6 +1,9 @@
 """specserve's CPU kernels (`models.cpukernels`, csrc/cpu.cpp): attention straight from the pool's arena and RMS
 norm compute what torch's ops do up to bf16 rounding; every row is computed as if alone, so in bfloat16 a
-verify block's logits equal decode steps' and greedy speculation equals target-only decoding exactly."""
+verify block's logits equal decode steps' and greedy speculation equals target-only decoding exactly.
+
+Every test runs once for each build this CPU runs (AVX-512 bf16, AVX2+FMA): an AVX-512 machine checks the
+AVX2 path too, as `SPECSERVE_CPU_ISA=avx2` forces it."""
 
 from __future__ import annotations
 
@@ -14,7 +17,107 @@ from specserve.models.pool import KVPool
 from tests.conftest import tiny_llama
 
 pytestmark = pytest.mark.skipif(not cpukernels.available(),
-                                reason="specserve's CPU kernels need AVX-512 with bfloat16 dot products and g++")
+                                reason="specserve's CPU kernels need AVX-512 bf16 or AVX2+FMA+F16C, and g++")
+ISAS_HERE = [isa for isa in cpukernels.ISAS if cpukernels.runs_here(isa)]
+
+
+@pytest.fixture(autouse=True, params=ISAS_HERE)
+def isa(request, monkeypatch):
+    monkeypatch.setattr(cpukernels, "ISA", request.param)
+    return request.param
+
+
+def _bf16_products_reference(x, w, order):
+    """float32 sums of x [M, K] · w [N, K] (bfloat16 values, small integers) in the order of `order` (input
+    offsets within a step of len(order)), each product added with one rounding, as vdpbf16ps defines it: [M, N]."""
+    x, w = x.float(), w.float()
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for k in range(0, x.shape[1], len(order)):
+        for j in order:
+            acc = acc + x[:, None, k + j] * w[None, :, k + j]  # the product is exact in float32
+    return acc
+
+
+def _fma(a, b, c):
+    """a · b + c rounded once to float32 (the product is exact in float64 for these operands)."""
+    return (a.double() * b.double() + c.double()).float()
+
+
+def test_quantized_products_round_as_the_dot_product_instruction_defines(isa):
+    """int4 and int8 products equal a float32 reference of the kernels' arithmetic bit for bit: pairs summed odd
+    then even (vdpbf16ps's definition), int4 groups scaled and biased by one FMA each, bfloat16 out."""
+    torch.manual_seed(0)
+    m, n, k, group = 5, 48, 128, 32
+    x = (torch.randn(m, k) * 2).bfloat16()
+    # rows where the order of the sums shows: 3/64 is lost beside 2^20 in float32, so output 0 (codes 1) is 3/64
+    # summed after a cancellation and 0 summed before it
+    big, small = 2.0**20, 3 / 64
+    x[:3] = 0
+    x[0, :8] = torch.tensor([0, big, small, -big, 0, 0, 0, 0])
+    x[1, :8] = torch.tensor([big, 0, 0, 0, small, -big, 0, 0])
+    x[2, :8] = torch.tensor([big, 0, small, -big, 0, 0, 0, 0])
+    codes4 = torch.randint(0, 16, (n, k))
+    codes4[0, :8] = 1
+    scale = (torch.rand(n, k // group) * 0.05).half().float()
+    bias = (torch.randn(n, k // group) * 0.1).half().float()
+    packed, sb = cpukernels.pack_int4(codes4, scale, bias + 8 * scale, group)
+    ours = cpukernels.int4_mm(x, packed, sb, group)
+    acc = torch.zeros(m, n)
+    for g in range(k // group):
+        cols = slice(g * group, (g + 1) * group)
+        part = _bf16_products_reference(x[:, cols], codes4[:, cols], (1, 0, 3, 2))
+        xsum = torch.zeros(m)
+        for i in range(g * group, (g + 1) * group):  # the kernel's sequential float32 sum
+            xsum = xsum + x[:, i].float()
+        acc = _fma(part, scale[:, g][None], acc)
+        acc = _fma(xsum[:, None].expand(m, n), bias[:, g][None], acc)
+    assert torch.equal(ours, acc.bfloat16())
+    codes8 = torch.randint(-127, 128, (n, k))
+    codes8[0, :8] = 1
+    scales8 = torch.rand(n) * 0.01
+    ours = cpukernels.int8_mm(x, cpukernels.pack_int8(codes8), scales8)
+    assert torch.equal(ours, (_bf16_products_reference(x, codes8, (1, 0)) * scales8).bfloat16())
+    # and each row as if alone
+    assert torch.equal(cpukernels.int8_mm(x[2:3], cpukernels.pack_int8(codes8), scales8), ours[2:3])
+
+
+@pytest.mark.skipif(len(ISAS_HERE) < 2, reason="one build runs on this CPU")
+def test_both_builds_compute_the_same_values(monkeypatch):
+    """Where both builds run, the AVX2 one computes what the AVX-512 one does (their products, attention, norms
+    and SiLU round alike): a quantized model's logits through the fused layers."""
+    model = load_model(tiny_llama(0, vocab=64, layers=2, hidden=128, heads=4, kv_heads=2, dtype=torch.bfloat16),
+                       quantization="int4").model
+
+    def logits(isa):
+        monkeypatch.setattr(cpukernels, "ISA", isa)
+        pool = KVPool(model, 1024)
+        a, b = pool.sequence(), pool.sequence()
+        with torch.inference_mode():
+            pool.forward([a, b], [list(range(1, 30)), list(range(5, 12))], [1, 1])
+            return pool.forward([a, b], [[3, 4, 5, 6], [7]], [4, 1])
+
+    avx512, avx2 = logits("avx512"), logits("avx2")
+    assert (avx512 - avx2).abs().max() <= 2**-7 * avx512.abs().max()
+    assert torch.equal(avx512.argmax(-1), avx2.argmax(-1))
+
+
+def test_the_build_is_chosen_from_the_cpu_and_the_switch(monkeypatch):
+    monkeypatch.setattr(cpukernels, "ISA", "auto")
+    assert cpukernels.chosen_isa() == ISAS_HERE[0]
+    assert "specserve's CPU kernels" in cpukernels.describe()
+    monkeypatch.setattr(cpukernels, "ISA", "avx3")
+    with pytest.raises(ValueError, match="SPECSERVE_CPU_ISA"):
+        cpukernels.available()
+    monkeypatch.setattr(cpukernels, "cpu_flags", lambda: frozenset({"sse2", "avx"}))
+    cpukernels._choose.cache_clear()
+    try:
+        for forced in ("auto", "avx2"):
+            monkeypatch.setattr(cpukernels, "ISA", forced)
+            assert not cpukernels.available() and "lacks" in cpukernels.describe()
+    finally:
+        cpukernels._choose.cache_clear()
+    monkeypatch.setattr(cpukernels, "ENABLED", False)
+    assert "SPECSERVE_CPU_KERNELS=0" in cpukernels.describe()
 
 
 def _reference_attention(q, arena_k, arena_v, new_k, new_v, base, start, group, scale):

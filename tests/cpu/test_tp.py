@@ -238,7 +238,8 @@ def test_cached_prefixes_reach_every_rank():
 
 def test_the_embedded_target_split_over_two_ranks():
     """The shipped Q4_1 target (9 heads, 3 KV heads): each rank packs only its part of the file's int4 blocks;
-    logits equal the whole model's up to bfloat16 rounding (the partial sums round per rank), same argmax."""
+    logits equal the whole model's up to bfloat16 rounding (the partial sums round per rank), same argmax but
+    at near-ties."""
 
     def steps(pool: KVPool) -> torch.Tensor:
         seqs = [pool.sequence() for _ in range(2)]
@@ -250,7 +251,13 @@ def test_the_embedded_target_split_over_two_ranks():
     whole = steps(KVPool(load_model("embedded").model, 1024))
     split, stats, _ = run_group(2, lambda shard: load_model("embedded", shard=shard).model, steps, tokens=1024)
     assert split.shape == whole.shape == (2 + 3 * 4, 49152)
-    assert (split - whole).abs().max() < 1.0 and torch.equal(split.argmax(-1), whole.argmax(-1))
+    diff = (split - whole).abs().max()
+    assert diff < 1.0
+    # the same argmax, but where the whole model's top two are within the rounding (how near a tie is depends
+    # on the CPU's kernels)
+    chosen = whole.gather(1, split.argmax(-1, keepdim=True)).squeeze(1)
+    assert (whole.max(-1).values - chosen <= 2 * diff).all()
+    assert (split.argmax(-1) == whole.argmax(-1)).float().mean() >= 0.9
     assert stats["tp_all_reduces"] == 4 * 2 * 30
 
 

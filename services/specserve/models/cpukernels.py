@@ -3,15 +3,17 @@ attention and RMS norms of a bfloat16 step.
 
 torch's CPU kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) read the weights again for every
 four rows of activations (a 5-row product costs twice a 4-row one), so a verify block cost two and a half
-decode steps (docs/benchmarks.md). These read the weights once for up to eight rows and multiply with
-AVX-512's bfloat16 dot products. The attention reads the pool's arena in place (torch's fused attention and
-composite RMS norm took a third of a decode step in dispatch and threading). Each row of a result is computed
-the same way whatever else is computed with it.
+decode steps (docs/benchmarks.md). These read the weights once for up to eight rows. The attention reads the
+pool's arena in place (torch's fused attention and composite RMS norm took a third of a decode step in dispatch
+and threading). Each row of a result is computed the same way whatever else is computed with it.
 
-They need an AVX-512 CPU with bfloat16 dot products (`avx512_bf16`), bfloat16 activations and a C++
-compiler (`g++`, or `$CXX`); the shared library is cached under `$SPECSERVE_CACHE` (default
-`~/.cache/specserve`) by a hash of the source and flags. Without them, or with `SPECSERVE_CPU_KERNELS=0`,
-torch's ops run (`quant.QuantizedLinear`, `lean._lean_forward`, `lean._rms`).
+One source is compiled for the CPU's instruction set: AVX-512 with bfloat16 dot products (`avx512_bf16`), else
+AVX2 with FMA and F16C (most laptops); both round every value the same way, so they give the same bits.
+`SPECSERVE_CPU_ISA=avx2` runs the AVX2 build on an AVX-512 CPU too (`avx512`, `auto` the default). They need
+bfloat16 activations and a C++ compiler (`g++`, or `$CXX`); the shared library is cached under
+`$SPECSERVE_CACHE` (default `~/.cache/specserve`) by a hash of the source and flags. Without them, or with
+`SPECSERVE_CPU_KERNELS=0`, torch's ops run (`quant.QuantizedLinear`, `lean._lean_forward`, `lean._rms`);
+`describe()` says which path runs and why.
 """
 
 from __future__ import annotations
@@ -29,8 +31,14 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu.cpp"
-FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-         "-mavx512bf16", "-mfma"]
+FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp"]
+# the builds, best first: (compiler flags, /proc/cpuinfo flags they need, name in messages)
+ISAS = {
+    "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"],
+               {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}, "AVX-512 bf16"),
+    "avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}, "AVX2+FMA"),
+}
+ISA: str = os.environ.get("SPECSERVE_CPU_ISA", "auto")  # a build of ISAS, or auto: the best this CPU runs
 ENABLED: bool = os.environ.get("SPECSERVE_CPU_KERNELS", "1") != "0"
 # a step's decoder layers as one call each (`FusedLayers`); 0 keeps the per-op path (same values), to compare
 FUSED: bool = os.environ.get("SPECSERVE_FUSED_LAYERS", "1") != "0"
@@ -39,51 +47,79 @@ ROWS = 8  # rows of activations a pass over the weights serves (csrc: kMaxRows)
 DENSE_FROM = 32
 
 
-def cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve") / "kernels"
 
 
-def build(compiler: str, verbose: bool = True) -> Path:
-    """The shared library for this source and these flags, compiled now unless cached."""
+def build(compiler: str, isa: str, verbose: bool = True) -> Path:
+    """The shared library for this source and `isa`'s flags, compiled now unless cached."""
+    flags = [*FLAGS, *ISAS[isa][0]]
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"cpu-{key}.so"
+    key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"cpu-{isa}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     if verbose:
-        print(f"specserve: compiling its CPU kernels into {target} (once, a few seconds)",
+        print(f"specserve: compiling its CPU kernels ({ISAS[isa][2]}) into {target} (once, a few seconds)",
               file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # renamed into place: builds may race
         out = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out)], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", str(out)], check=True, capture_output=True, text=True)
         os.replace(out, target)
     return target
 
 
+def runs_here(isa: str) -> bool:
+    """Whether this CPU has the instructions of `isa`'s build."""
+    return ISAS[isa][1] <= cpu_flags()
+
+
+def chosen_isa() -> str | None:
+    """The build `ISA` asks for on this CPU (None where the CPU has none of them); an unknown value is an error."""
+    return _choose(ISA)
+
+
 @functools.cache
+def _choose(wanted: str) -> str | None:
+    if wanted == "auto":
+        return next((isa for isa in ISAS if runs_here(isa)), None)
+    if wanted not in ISAS:
+        raise ValueError(f"SPECSERVE_CPU_ISA must be auto or one of {', '.join(ISAS)}, got {wanted!r}")
+    return wanted if runs_here(wanted) else None
+
+
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (stderr says why, once) where they cannot run."""
-    missing = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} - cpu_flags()
-    if missing:
-        return None  # torch's kernels are the path on this CPU; nothing to report
-    compiler = os.environ.get("CXX") or shutil.which("g++")
+    """The loaded kernels of the chosen build, or None where they cannot run (`describe` says why)."""
+    isa = chosen_isa()
+    return None if isa is None else _load(isa)
+
+
+@functools.cache
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++")
+
+
+@functools.cache
+def _load(isa: str) -> ctypes.CDLL | None:
+    compiler = _compiler()
     if compiler is None:
         print("specserve: no C++ compiler (g++ or $CXX): int4/int8 layers use torch's slower kernels",
               file=sys.stderr)
         return None
     try:
-        path = build(compiler)
+        path = build(compiler, isa)
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         print(f"specserve: could not compile the CPU kernels ({detail.strip()[:500]}); "
@@ -101,12 +137,28 @@ def library() -> ctypes.CDLL | None:
     for f in (lib.specserve_int4_mm, lib.specserve_int8_mm, lib.specserve_attend, lib.specserve_rms_norm,
               lib.specserve_silu_mul, lib.specserve_layer):
         f.restype = None
+    lib.specserve_isa.restype = ctypes.c_int
+    assert lib.specserve_isa() == (512 if isa == "avx512" else 2), f"{path} is not the {isa} build"
     return lib
 
 
 def available() -> bool:
     """Whether the kernels run here (this CPU, a compiler, not turned off by SPECSERVE_CPU_KERNELS=0)."""
     return ENABLED and library() is not None
+
+
+def describe() -> str:
+    """Which path a bfloat16 CPU step takes here, and why (for start-up messages)."""
+    if not ENABLED:
+        return "torch's CPU kernels (SPECSERVE_CPU_KERNELS=0)"
+    isa = chosen_isa()
+    if isa is None:
+        wanted = "any of " + ", ".join(ISAS[i][2] for i in ISAS) if ISA == "auto" else ISAS[ISA][2]
+        return f"torch's CPU kernels (this CPU lacks {wanted})"
+    if _load(isa) is None:
+        return "torch's CPU kernels (specserve's could not be compiled: no g++ or $CXX, or it failed)"
+    forced = " (SPECSERVE_CPU_ISA)" if ISA != "auto" else ""
+    return f"specserve's CPU kernels, {ISAS[isa][2]} build{forced}"
 
 
 def fits(out_features: int, in_features: int, group: int | None) -> bool:

@@ -180,8 +180,8 @@ class QuantizedLinear:
         self.kernel = None if cuda or dtype != torch.bfloat16 else cpukernels.packed(weight)
         if self.kernel is not None:
             self.packed, self.scales = self.kernel[1:3]
-            if dense_from:
-                self.dense_from = dense_from = max(dense_from, cpukernels.DENSE_FROM)
+            # where oneDNN has no bfloat16 GEMM (no AVX-512) torch's is far slower than the kernels at any rows
+            self.dense_from = dense_from = max(dense_from, cpukernels.DENSE_FROM) if dense_from and _onednn_bf16() else 0
         elif self.bits == 8:
             self.packed = weight.codes.to(self.device).contiguous()
             self.scales = weight.scale.to(self.device, dtype)

@@ -147,6 +147,10 @@ def serve_main(args) -> int:
         config = load_serve_config(args.config) if args.config else config_from_flags(args)
         if not args.config:
             AppConfig(**config["applications"][0]["args"])
+        if not args.address:  # the workers run here: which CPU path their bfloat16 (quantized) steps take
+            from specserve.models import cpukernels
+
+            print(f"[specserve] bfloat16 CPU steps: {cpukernels.describe()}", flush=True)
     except (ValueError, FileNotFoundError, ValidationError, yaml.YAMLError) as exc:
         print(f"specserve: {exc}", file=sys.stderr)
         return 2

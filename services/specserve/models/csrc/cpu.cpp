@@ -1,12 +1,17 @@
-// specserve's CPU kernels for a bfloat16 step on AVX-512 CPUs with bfloat16 dot products (models/cpukernels.py
-// builds and loads this): weight-only quantized products, attention over the pool's arena, RMS norm. Each row
-// of a result is computed the same way whatever else is computed with it, so a verify block's rows equal
-// decode steps' bit for bit.
+// specserve's CPU kernels for a bfloat16 step (models/cpukernels.py builds and loads this): weight-only quantized
+// products, attention over the pool's arena, RMS norm, a whole decoder layer. Each row of a result is computed
+// the same way whatever else is computed with it, so a verify block's rows equal decode steps' bit for bit.
+//
+// One source, two instruction sets, chosen when it is compiled: AVX-512 with bfloat16 dot products
+// (__AVX512BF16__) or AVX2 + FMA + F16C. The kernels are written once over `vec`, 16 float32 lanes (one register
+// on AVX-512, two on AVX2); every operation of that layer rounds each lane as the AVX-512 instruction does
+// (vdpbf16ps: the odd product, then the even one, each added with one rounding; vcvtneps2bf16: nearest even,
+// subnormals to zero), so both builds compute the same bits, bfloat16 subnormal inputs aside.
 //
 // Quantized products (models/quant.py):
 // y[m, n] = sum_k x[m, k] * w[n, k] for bfloat16 activations x and int4 or int8 weights w, the weights read
 // once for up to 8 rows of x (torch's CPU kernels read them again for every 4 rows). Codes are widened to
-// exact bfloat16 values and multiplied with `vdpbf16ps` (two products a lane, summed in float32).
+// exact values and multiplied pairwise with the dot product's roundings.
 //
 // int4 (groups of G inputs, w = (q - 8) * scale + zero): per group, y += scale * sum(x * q) + bias * sum(x)
 // with bias = zero - 8 * scale, both float16 (as GGUF's Q4 blocks store them). Codes of 16 outputs x 4 inputs
@@ -25,19 +30,97 @@ namespace {
 
 constexpr int kMaxRows = 8;
 
+float bf16_to_float(uint16_t v) {
+  uint32_t bits = (uint32_t)v << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's casts
+  uint32_t bits;
+  memcpy(&bits, &f, 4);
+  return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+// ---- the vector layer: `n` is how many leading lanes a load or store touches (the others read as zero) ----
+#if defined(__AVX512BF16__)
+constexpr int kIsa = 512;
+using vec = __m512;
+
+inline __mmask16 tail_mask(int64_t n) {  // the first min(n, 16) lanes
+  return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+}
+inline vec zero() { return _mm512_setzero_ps(); }
+inline vec set1(float v) { return _mm512_set1_ps(v); }
+inline vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec sub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+inline vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec div(vec a, vec b) { return _mm512_div_ps(a, b); }
+inline vec max(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline vec fmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }    // a·b + c
+inline vec fnmadd(vec a, vec b, vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a·b
+inline vec abs(vec a) { return _mm512_abs_ps(a); }
+inline vec round_int(vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vec scale2(vec a, vec n) { return _mm512_scalef_ps(a, n); }  // a · 2^n, n integral
+inline vec where_negative(vec x, vec a, vec b) {                     // a where x < 0, else b
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), b, a);
+}
+inline vec keep(vec a, int64_t n) { return _mm512_maskz_mov_ps(tail_mask(n), a); }
+inline vec max_first(vec acc, vec a, int64_t n) { return _mm512_mask_max_ps(acc, tail_mask(n), acc, a); }
+inline float reduce_add(vec a) { return _mm512_reduce_add_ps(a); }
+inline float reduce_max(vec a) { return _mm512_reduce_max_ps(a); }
+inline vec load_f32(const float *p, int64_t n = 16) { return _mm512_maskz_loadu_ps(tail_mask(n), p); }
+inline void store_f32(float *p, vec v, int64_t n = 16) { _mm512_mask_storeu_ps(p, tail_mask(n), v); }
+inline vec load_bf16(const uint16_t *p, int64_t n = 16) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(tail_mask(n), p)), 16));
+}
+inline void store_bf16(uint16_t *out, vec v, int64_t n = 16) {
+  _mm256_mask_storeu_epi16(out, tail_mask(n), (__m256i)_mm512_cvtneps_pbh(v));
+}
+inline vec round_bf16(vec v) {  // v rounded to bfloat16 (nearest even), kept as float32
+  __m512i b = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32((int)0xffff0000u)));
+}
+// acc + the dot products of 16 pairs of bfloat16 values (a[2l], a[2l+1]) · (b[2l], b[2l+1]) into lane l
+inline vec dot_bf16(vec acc, const uint16_t *a, const uint16_t *b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a), (__m512bh)_mm512_loadu_si512(b));
+}
+
+// Lane j of the result: the sum of v[j]'s 16 lanes (a transpose as it adds: 45 operations for 16 sums), as
+// ((s0 + s1) + (s2 + s3)) with s_q = (e[4q] + e[4q+2]) + (e[4q+1] + e[4q+3]).
+inline vec sum16(const vec *v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; i++)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; i++) {
+    __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Quantized tiles: activations as given (bfloat16), two products a lane with vdpbf16ps.
+using act_t = uint16_t;
+
+inline const act_t *activations(const uint16_t *x, int64_t, int64_t, bool) { return x; }
+
 inline __m512 dot2(__m512 acc, __m512i w, const uint16_t *x) {
   int32_t pair;
   memcpy(&pair, x, 4);
   return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_set1_epi32(pair));
 }
 
-inline void store_bf16(uint16_t *out, __m512 v, __mmask16 m = 0xffff) {  // round to nearest even
-  _mm256_mask_storeu_epi16(out, m, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
 // Rows [0, MR) of x against NT blocks of 16 outputs starting at block nb.
 template <int MR, int NT>
-void int4_tile(const uint16_t *x, int64_t K, const float *xsum, int64_t groups, int64_t G, const uint8_t *codes,
+void int4_tile(const act_t *x, int64_t K, const float *xsum, int64_t groups, int64_t G, const uint8_t *codes,
                const uint16_t *sb, int64_t nb, uint16_t *out, int64_t N) {
   const __m512i table = _mm512_set_epi16(
       0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040,
@@ -78,7 +161,7 @@ void int4_tile(const uint16_t *x, int64_t K, const float *xsum, int64_t groups, 
 }
 
 template <int MR, int NT>
-void int8_tile(const uint16_t *x, int64_t K, const int8_t *codes, const float *scales, int64_t nb, uint16_t *out,
+void int8_tile(const act_t *x, int64_t K, const int8_t *codes, const float *scales, int64_t nb, uint16_t *out,
                int64_t N) {
   __m512 acc[MR][NT];
   for (int m = 0; m < MR; m++)
@@ -98,15 +181,262 @@ void int8_tile(const uint16_t *x, int64_t K, const int8_t *codes, const float *s
   }
 }
 
+#else  // AVX2 + FMA + F16C: a vec is two 8-lane registers, lanes 0-7 and 8-15
+constexpr int kIsa = 2;
+struct vec {
+  __m256 lo, hi;
+};
+
+alignas(32) const int32_t kLeading[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+inline __m256i lanes8(int64_t n) {  // a mask of the first n (0..8) of 8 lanes
+  return _mm256_loadu_si256((const __m256i *)(kLeading + 8 - n));
+}
+inline int64_t lo_lanes(int64_t n) { return n >= 8 ? 8 : n < 0 ? 0 : n; }
+inline int64_t hi_lanes(int64_t n) { return n >= 16 ? 8 : n <= 8 ? 0 : n - 8; }
+
+inline vec both(__m256 a) { return {a, a}; }
+inline vec zero() { return both(_mm256_setzero_ps()); }
+inline vec set1(float v) { return both(_mm256_set1_ps(v)); }
+inline vec add(vec a, vec b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline vec sub(vec a, vec b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline vec mul(vec a, vec b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline vec div(vec a, vec b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline vec max(vec a, vec b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline vec fmadd(vec a, vec b, vec c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline vec fnmadd(vec a, vec b, vec c) {
+  return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline vec abs(vec a) {
+  const __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  return {_mm256_and_ps(a.lo, m), _mm256_and_ps(a.hi, m)};
+}
+inline vec round_int(vec a) {
+  return {_mm256_round_ps(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+          _mm256_round_ps(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+inline __m256 pow2(__m256 n) {  // 2^n for integral n in [-126, 127]: exact, so a · 2^n rounds as scalef does
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+inline vec scale2(vec a, vec n) { return {_mm256_mul_ps(a.lo, pow2(n.lo)), _mm256_mul_ps(a.hi, pow2(n.hi))}; }
+inline vec where_negative(vec x, vec a, vec b) {
+  const __m256 z = _mm256_setzero_ps();
+  return {_mm256_blendv_ps(b.lo, a.lo, _mm256_cmp_ps(x.lo, z, _CMP_LT_OQ)),
+          _mm256_blendv_ps(b.hi, a.hi, _mm256_cmp_ps(x.hi, z, _CMP_LT_OQ))};
+}
+inline vec keep(vec a, int64_t n) {
+  return {_mm256_and_ps(a.lo, _mm256_castsi256_ps(lanes8(lo_lanes(n)))),
+          _mm256_and_ps(a.hi, _mm256_castsi256_ps(lanes8(hi_lanes(n))))};
+}
+inline vec max_first(vec acc, vec a, int64_t n) {
+  return {_mm256_blendv_ps(acc.lo, _mm256_max_ps(acc.lo, a.lo), _mm256_castsi256_ps(lanes8(lo_lanes(n)))),
+          _mm256_blendv_ps(acc.hi, _mm256_max_ps(acc.hi, a.hi), _mm256_castsi256_ps(lanes8(hi_lanes(n))))};
+}
+inline float reduce_add(vec a) {  // the tree of GCC's _mm512_reduce_add_ps
+  __m256 t3 = _mm256_add_ps(a.hi, a.lo);
+  __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+  __m128 t8 = _mm_add_ps(t6, _mm_movehl_ps(t6, t6));
+  return _mm_cvtss_f32(_mm_add_ss(t8, _mm_movehdup_ps(t8)));
+}
+inline float reduce_max(vec a) {
+  __m256 t = _mm256_max_ps(a.hi, a.lo);
+  __m128 u = _mm_max_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
+  u = _mm_max_ps(u, _mm_movehl_ps(u, u));
+  return _mm_cvtss_f32(_mm_max_ss(u, _mm_movehdup_ps(u)));
+}
+inline vec load_f32(const float *p, int64_t n = 16) {
+  if (n >= 16) return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+  return {_mm256_maskload_ps(p, lanes8(lo_lanes(n))), _mm256_maskload_ps(p + 8, lanes8(hi_lanes(n)))};
+}
+inline void store_f32(float *p, vec v, int64_t n = 16) {
+  if (n >= 16) {
+    _mm256_storeu_ps(p, v.lo);
+    _mm256_storeu_ps(p + 8, v.hi);
+    return;
+  }
+  _mm256_maskstore_ps(p, lanes8(lo_lanes(n)), v.lo);
+  _mm256_maskstore_ps(p + 8, lanes8(hi_lanes(n)), v.hi);
+}
+inline __m256 widen_bf16(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+inline vec load_bf16(const uint16_t *p, int64_t n = 16) {
+  alignas(32) uint16_t tmp[16] = {0};
+  if (n < 16) {
+    memcpy(tmp, p, (n > 0 ? n : 0) * 2);
+    p = tmp;
+  }
+  return {widen_bf16(_mm_loadu_si128((const __m128i *)p)), widen_bf16(_mm_loadu_si128((const __m128i *)(p + 8)))};
+}
+inline __m256i narrow_bf16(__m256 v) {  // vcvtneps2bf16 per lane, in the low 16 bits of each 32
+  const __m256i b = _mm256_castps_si256(v), top = _mm256_srli_epi32(b, 16);
+  __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(top, _mm256_set1_epi32(1)))),
+      16);
+  const __m256i magnitude = _mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff));
+  const __m256i subnormal = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x00800000), magnitude);  // and zero
+  const __m256i nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f800000));
+  r = _mm256_blendv_epi8(r, _mm256_and_si256(top, _mm256_set1_epi32(0x8000)), subnormal);
+  return _mm256_blendv_epi8(r, _mm256_or_si256(top, _mm256_set1_epi32(0x40)), nan);
+}
+inline void store_bf16_8(uint16_t *out, __m256 v) {
+  const __m256i r = narrow_bf16(v);
+  _mm_storeu_si128((__m128i *)out, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+inline void store_bf16(uint16_t *out, vec v, int64_t n = 16) {
+  if (n >= 16) {
+    store_bf16_8(out, v.lo);
+    store_bf16_8(out + 8, v.hi);
+    return;
+  }
+  alignas(32) uint16_t tmp[16];
+  store_bf16_8(tmp, v.lo);
+  store_bf16_8(tmp + 8, v.hi);
+  memcpy(out, tmp, (n > 0 ? n : 0) * 2);
+}
+inline vec round_bf16(vec v) {
+  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff), top = _mm256_set1_epi32((int)0xffff0000u);
+  auto half = [&](__m256 h) {
+    __m256i b = _mm256_castps_si256(h);
+    b = _mm256_add_epi32(b, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(b, 16), one)));
+    return _mm256_castsi256_ps(_mm256_and_si256(b, top));
+  };
+  return {half(v.lo), half(v.hi)};
+}
+// 8 lanes of vdpbf16ps: lane l += a[2l+1]·b[2l+1], then += a[2l]·b[2l] (a product of bfloat16 values is exact
+// in float32, so an FMA rounds each sum once, as the instruction does)
+inline __m256 dot_bf16_8(__m256 acc, const uint16_t *a, const uint16_t *b) {
+  const __m256i x = _mm256_loadu_si256((const __m256i *)a), y = _mm256_loadu_si256((const __m256i *)b);
+  const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
+  acc = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(x, odd)), _mm256_castsi256_ps(_mm256_and_si256(y, odd)),
+                        acc);
+  return _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(x, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(y, 16)),
+                         acc);
+}
+inline vec dot_bf16(vec acc, const uint16_t *a, const uint16_t *b) {
+  return {dot_bf16_8(acc.lo, a, b), dot_bf16_8(acc.hi, a + 16, b + 16)};
+}
+// The sums of v[0..3]'s 16 lanes each, in sum16's order: s_q of 128-bit lane q of lo (q = 0, 1) and hi (2, 3).
+inline __m128 sum4(const vec *v) {
+  auto pairs = [](__m256 a, __m256 b) { return _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b)); };
+  auto quads = [&](__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256d ab = _mm256_castps_pd(pairs(a, b)), cd = _mm256_castps_pd(pairs(c, d));
+    return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(ab, cd)), _mm256_castpd_ps(_mm256_unpackhi_pd(ab, cd)));
+  };
+  const __m256 x = quads(v[0].lo, v[1].lo, v[2].lo, v[3].lo), y = quads(v[0].hi, v[1].hi, v[2].hi, v[3].hi);
+  return _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1)),
+                    _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1)));
+}
+inline vec sum16(const vec *v) {
+  return {_mm256_set_m128(sum4(v + 4), sum4(v)), _mm256_set_m128(sum4(v + 12), sum4(v + 8))};
+}
+
+// Quantized tiles: activations widened to float32 once per product, weights to float32 per 8 outputs, and
+// multiplied with FMAs in vdpbf16ps's order (the odd input of a pair, then the even one). For int4, inputs
+// 4t + j are divided by 1, 256, 16, 4096 (j = 0..3), the place of their code in a lane's 16 bits, so a code
+// is widened by a mask alone: the product is the same number (powers of two are exact), so are its sums.
+using act_t = float;
+
+inline const act_t *activations(const uint16_t *x, int64_t M, int64_t K, bool int4) {
+  thread_local std::vector<float> wide;
+  wide.resize(M * K);
+  const float place[4] = {1.0f, 1.0f / 256, 1.0f / 16, 1.0f / 4096};
+  for (int64_t i = 0; i < M * K; i++) wide[i] = bf16_to_float(x[i]) * (int4 ? place[i % 4] : 1.0f);
+  return wide.data();
+}
+
+inline void store_bf16(uint16_t *out, __m256 v) { store_bf16_8(out, v); }
+
+// A tile's columns are 8 outputs each (block nb + c / H, half h0 + c % H): both halves of its blocks at once, or,
+// where MR · NT · 2 sums would not fit in the 16 registers, one half a pass. Each sum is a chain of dependent FMAs
+// (the pairs' order is fixed), so a tile keeps several going at once.
+template <int MR, int NT>
+constexpr int halves() { return MR * NT * 2 > 12 ? 1 : 2; }
+
+// Rows [0, MR) of x against NT blocks of 16 outputs starting at block nb.
+template <int MR, int NT>
+void int4_tile(const act_t *x, int64_t K, const float *xsum, int64_t groups, int64_t G, const uint8_t *codes,
+               const uint16_t *sb, int64_t nb, uint16_t *out, int64_t N) {
+  constexpr int H = halves<MR, NT>(), C = NT * H;
+  const __m256i f0 = _mm256_set1_epi32(0x000f), f1 = _mm256_set1_epi32(0x0f00), f2 = _mm256_set1_epi32(0x00f0),
+                f3 = _mm256_set1_epi32(0xf000);
+  for (int h0 = 0; h0 < 2; h0 += H) {
+    __m256 acc[MR][C];
+    for (int m = 0; m < MR; m++)
+      for (int c = 0; c < C; c++) acc[m][c] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+      __m256 part[MR][C];
+      for (int m = 0; m < MR; m++)
+        for (int c = 0; c < C; c++) part[m][c] = _mm256_setzero_ps();
+      for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
+        for (int c = 0; c < C; c++) {
+          // lane i: bytes 2i and 2i+1 of the half: inputs k, k+2 in byte 2i's nibbles, k+1, k+3 in byte 2i+1's
+          const uint8_t *b = codes + ((nb + c / H) * (K / 4) + k / 4) * 32 + 16 * (h0 + c % H);
+          const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)b));
+          const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(w, f0)), w1 = _mm256_cvtepi32_ps(_mm256_and_si256(w, f1));
+          const __m256 w2 = _mm256_cvtepi32_ps(_mm256_and_si256(w, f2)), w3 = _mm256_cvtepi32_ps(_mm256_and_si256(w, f3));
+          for (int m = 0; m < MR; m++) {
+            const float *xm = x + m * K + k;
+            part[m][c] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xm + 1), part[m][c]);
+            part[m][c] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xm), part[m][c]);
+            part[m][c] = _mm256_fmadd_ps(w3, _mm256_broadcast_ss(xm + 3), part[m][c]);
+            part[m][c] = _mm256_fmadd_ps(w2, _mm256_broadcast_ss(xm + 2), part[m][c]);
+          }
+        }
+      }
+      for (int c = 0; c < C; c++) {
+        const uint16_t *s = sb + ((nb + c / H) * groups + g) * 32 + 8 * (h0 + c % H);
+        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));
+        const __m256 bias = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16)));
+        for (int m = 0; m < MR; m++) {
+          acc[m][c] = _mm256_fmadd_ps(part[m][c], scale, acc[m][c]);
+          acc[m][c] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[m * groups + g]), bias, acc[m][c]);
+        }
+      }
+    }
+    for (int m = 0; m < MR; m++)
+      for (int c = 0; c < C; c++) store_bf16(out + m * N + (nb + c / H) * 16 + 8 * (h0 + c % H), acc[m][c]);
+  }
+}
+
+template <int MR, int NT>
+void int8_tile(const act_t *x, int64_t K, const int8_t *codes, const float *scales, int64_t nb, uint16_t *out,
+               int64_t N) {
+  constexpr int H = halves<MR, NT>(), C = NT * H;
+  for (int h0 = 0; h0 < 2; h0 += H) {
+    __m256 acc[MR][C];
+    for (int m = 0; m < MR; m++)
+      for (int c = 0; c < C; c++) acc[m][c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 2) {
+      for (int c = 0; c < C; c++) {
+        // lane i: bytes 2i (input k) and 2i+1 (input k+1) of the half, as one sign-extended 16-bit value
+        const int8_t *b = codes + ((nb + c / H) * (K / 2) + k / 2) * 32 + 16 * (h0 + c % H);
+        const __m256i w = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)b));
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 24), 24));
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(w, 8));
+        for (int m = 0; m < MR; m++) {
+          acc[m][c] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(x + m * K + k + 1), acc[m][c]);
+          acc[m][c] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(x + m * K + k), acc[m][c]);
+        }
+      }
+    }
+    for (int c = 0; c < C; c++) {
+      const int64_t o = (nb + c / H) * 16 + 8 * (h0 + c % H);
+      const __m256 scale = _mm256_loadu_ps(scales + o);
+      for (int m = 0; m < MR; m++) store_bf16(out + m * N + o, _mm256_mul_ps(acc[m][c], scale));
+    }
+  }
+}
+#endif
+
+// ---- written once over `vec` ----
+
+// Blocks per tile: enough independent sums to hide the dot product's latency, few enough to stay in registers.
+constexpr int tile_blocks(int rows) { return rows == 1 ? 4 : rows <= 3 ? 2 : 1; }
+
 // Tiles a thread takes at a time: threads take work as they come, so one that another process preempts
 // holds up the step by at most its current chunk (a static split waits for its whole share).
 inline int64_t share(int64_t tiles) {
   const int64_t chunk = tiles / (8 * omp_get_max_threads());
   return chunk > 0 ? chunk : 1;
 }
-
-// Blocks per tile: enough independent sums to hide the dot product's latency, few enough to stay in registers.
-constexpr int tile_blocks(int rows) { return rows == 1 ? 4 : rows <= 3 ? 2 : 1; }
 
 // tile(first block) over every tile of NT blocks of 16 outputs, shared among the threads; one(block) after
 // them for the blocks left over.
@@ -133,59 +463,20 @@ void by_rows(int64_t rows, F f) {
   }
 }
 
-inline __mmask16 tail_mask(int64_t n) {  // the first min(n, 16) lanes
-  return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
-}
-
-float bf16_to_float(uint16_t v) {
-  uint32_t bits = (uint32_t)v << 16;
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
-
-uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's casts
-  uint32_t bits;
-  memcpy(&bits, &f, 4);
-  return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
-}
-
-inline __m512 load_bf16(const uint16_t *p, __mmask16 m = 0xffff) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
 // e^x for x <= 0 (x - max of a softmax): range reduction to |r| <= ln2/2, a degree-6 polynomial.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// Lane j of the result: the sum of v[j]'s 16 lanes (a transpose as it adds: 45 operations for 16 sums).
-inline __m512 sum16(const __m512 *v) {
-  __m512 w[8], x[4];
-  for (int i = 0; i < 8; i++)
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; i++) {
-    __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
-    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                            _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                            _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
+inline vec exp_nonpositive(vec x) {
+  x = max(x, set1(-87.0f));
+  const vec n = round_int(mul(x, set1(1.44269504088896341f)));
+  vec r = fnmadd(n, set1(0.693145751953125f), x);
+  r = fnmadd(n, set1(1.428606765330187e-06f), r);
+  vec p = set1(1.0f / 720);
+  p = fmadd(p, r, set1(1.0f / 120));
+  p = fmadd(p, r, set1(1.0f / 24));
+  p = fmadd(p, r, set1(1.0f / 6));
+  p = fmadd(p, r, set1(0.5f));
+  p = fmadd(p, r, set1(1.0f));
+  p = fmadd(p, r, set1(1.0f));
+  return scale2(p, n);
 }
 
 // One query row of one head against keys [0, L) (rows of D bfloat16 values, `stride` apart): softmax(q·k ·
@@ -194,50 +485,36 @@ void attend_row(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t
                 float scale, uint16_t *out, std::vector<float> &scores) {
   scores.resize(L + 16);
   float *s = scores.data();
-  __m512 top16 = _mm512_set1_ps(-INFINITY);
+  vec top16 = set1(-INFINITY);
   for (int64_t t0 = 0; t0 < L; t0 += 16) {  // 16 keys' dot products, summed across lanes together
     const int64_t keys = L - t0 < 16 ? L - t0 : 16;
-    __m512 dots[16];
+    vec dots[16];
     for (int64_t j = 0; j < 16; j++) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t c = 0; j < keys && c < D; c += 32) {
-        __m512i kv = _mm512_loadu_si512((const void *)(k + (t0 + j) * stride + c));
-        __m512i qv = _mm512_loadu_si512((const void *)(q + c));
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)kv, (__m512bh)qv);
-      }
+      vec acc = zero();
+      for (int64_t c = 0; j < keys && c < D; c += 32) acc = dot_bf16(acc, k + (t0 + j) * stride + c, q + c);
       dots[j] = acc;
     }
-    const __mmask16 m = tail_mask(keys);
-    const __m512 row = _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale));
-    _mm512_mask_storeu_ps(s + t0, m, row);
-    top16 = _mm512_mask_max_ps(top16, m, top16, row);
+    const vec row = mul(sum16(dots), set1(scale));
+    store_f32(s + t0, row, keys);
+    top16 = max_first(top16, row, keys);
   }
-  const float top = _mm512_reduce_max_ps(top16);
-  __m512 sum = _mm512_setzero_ps(), mx = _mm512_set1_ps(top);
+  const float top = reduce_max(top16);
+  vec sum = zero();
+  const vec mx = set1(top);
   for (int64_t t = 0; t < L; t += 16) {
-    const __mmask16 m = tail_mask(L - t);
-    __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mx));
-    e = _mm512_maskz_mov_ps(m, e);
-    _mm512_mask_storeu_ps(s + t, m, e);
-    sum = _mm512_add_ps(sum, e);
+    const vec e = keep(exp_nonpositive(sub(load_f32(s + t, L - t), mx)), L - t);
+    store_f32(s + t, e, L - t);
+    sum = add(sum, e);
   }
-  const float inv = 1.0f / _mm512_reduce_add_ps(sum);
-  __m512 acc[16];  // D / 16 <= 16
+  const float inv = 1.0f / reduce_add(sum);
+  vec acc[16];  // D / 16 <= 16
   const int64_t chunks = D / 16;
-  for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; c++) acc[c] = zero();
   for (int64_t t = 0; t < L; t++) {
-    __m512 p = _mm512_set1_ps(s[t]);
-    for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_fmadd_ps(p, load_bf16(v + t * stride + c * 16), acc[c]);
+    const vec p = set1(s[t]);
+    for (int64_t c = 0; c < chunks; c++) acc[c] = fmadd(p, load_bf16(v + t * stride + c * 16), acc[c]);
   }
-  for (int64_t c = 0; c < chunks; c++) store_bf16(out + c * 16, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
-}
-
-
-inline __m512 round_bf16(__m512 v) {  // v rounded to bfloat16 (nearest even), kept as float32
-  __m512i b = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-  return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32((int)0xffff0000u)));
+  for (int64_t c = 0; c < chunks; c++) store_bf16(out + c * 16, mul(acc[c], set1(inv)));
 }
 
 // One linear layer of a fused step: kind 4 (int4 groups) or 8 (int8 rows), in the layout of the mm kernels.
@@ -254,6 +531,9 @@ struct Linear {
 
 extern "C" {
 
+// Which build this is: 512 (AVX-512 with bfloat16 dot products) or 2 (AVX2 + FMA + F16C).
+int specserve_isa() { return kIsa; }
+
 // x: bfloat16 [M, K]; codes: N/16 x K/4 x 32 bytes; sb: float16 [N/16, K/G, 2, 16] (scale, bias); out: [M, N];
 // xsum: float scratch of M * K/G. N % 16 == 0, G % 4 == 0, K % G == 0.
 void specserve_int4_mm(const uint16_t *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *sb, int64_t G,
@@ -265,9 +545,10 @@ void specserve_int4_mm(const uint16_t *x, int64_t M, int64_t K, const uint8_t *c
       for (int64_t k = g * G; k < (g + 1) * G; k++) s += bf16_to_float(x[m * K + k]);
       xsum[m * groups + g] = s;
     }
+  const act_t *xa = activations(x, M, K, true);
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     const int64_t rows = M - m0 < kMaxRows ? M - m0 : kMaxRows;
-    const uint16_t *xm = x + m0 * K;
+    const act_t *xm = xa + m0 * K;
     const float *sm = xsum + m0 * groups;
     uint16_t *om = out + m0 * N;
     by_rows(rows, [&](auto r) {
@@ -281,9 +562,10 @@ void specserve_int4_mm(const uint16_t *x, int64_t M, int64_t K, const uint8_t *c
 // x: bfloat16 [M, K]; codes: N/16 x K/2 x 32 bytes; scales: float [N]; out: bfloat16 [M, N]. N % 16 == 0, K even.
 void specserve_int8_mm(const uint16_t *x, int64_t M, int64_t K, const int8_t *codes, const float *scales,
                        uint16_t *out, int64_t N) {
+  const act_t *xa = activations(x, M, K, false);
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     const int64_t rows = M - m0 < kMaxRows ? M - m0 : kMaxRows;
-    const uint16_t *xm = x + m0 * K;
+    const act_t *xm = xa + m0 * K;
     uint16_t *om = out + m0 * N;
     by_rows(rows, [&](auto r) {
       constexpr int MR = decltype(r)::value, NT = tile_blocks(MR);
@@ -337,12 +619,12 @@ void specserve_rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *wei
 #pragma omp parallel for schedule(static) if (M >= 16)
   for (int64_t m = 0; m < M; m++) {
     const uint16_t *row = x + m * x_stride;
-    __m512 ss = _mm512_setzero_ps();
+    vec ss = zero();
     for (int64_t c = 0; c < H; c += 16) {
-      __m512 a = load_bf16(row + c, tail_mask(H - c));
-      ss = _mm512_fmadd_ps(a, a, ss);
+      const vec a = load_bf16(row + c, H - c);
+      ss = fmadd(a, a, ss);
     }
-    const float r = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + eps);
+    const float r = 1.0f / sqrtf(reduce_add(ss) / (float)H + eps);
     for (int64_t c = 0; c < H; c++) {
       const float y = bf16_to_float(float_to_bf16(bf16_to_float(row[c]) * r));
       out[m * H + c] = float_to_bf16(y * bf16_to_float(weight[c]));
@@ -353,17 +635,14 @@ void specserve_rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *wei
 
 // act[t, i] = bfloat16(bfloat16(silu(gate)) · up) for gate_up [T, 2I] (gate first): SiLU in float32.
 void specserve_silu_mul(const uint16_t *gate_up, int64_t T, int64_t I, uint16_t *act) {
+  const vec one = set1(1.0f);
   for (int64_t t = 0; t < T; t++) {
     const uint16_t *g = gate_up + t * 2 * I, *u = g + I;
     for (int64_t i = 0; i < I; i += 16) {
-      const __mmask16 m = tail_mask(I - i);
-      __m512 x = load_bf16(g + i, m);
-      __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));  // e^-|x|
-      __m512 one = _mm512_set1_ps(1.0f);
-      __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-      __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, one, e), _mm512_add_ps(one, e));
-      __m512 y = _mm512_mul_ps(round_bf16(_mm512_mul_ps(x, sig)), load_bf16(u + i, m));
-      store_bf16(act + t * I + i, y, m);
+      const vec x = load_bf16(g + i, I - i);
+      const vec e = exp_nonpositive(sub(zero(), abs(x)));  // e^-|x|
+      const vec sig = div(where_negative(x, e, one), add(one, e));
+      store_bf16(act + t * I + i, mul(round_bf16(mul(x, sig)), load_bf16(u + i, I - i)), I - i);
     }
   }
 }
@@ -382,19 +661,15 @@ void rope(const uint16_t *qkv, int64_t stride, int64_t T, int64_t rotated_heads,
       const uint16_t *x = qkv + t * stride + h * D;
       uint16_t *o = out + (t * rotated_heads + h) * D;
       for (int64_t d = 0; d < D; d += 16) {  // D % 32 == 0: 16 lanes stay in one half
-        __m512 a = load_bf16(x + d), c = load_bf16(cos + t * D + d), s = load_bf16(sin + t * D + d);
-        __m512 r = d < half ? _mm512_sub_ps(_mm512_setzero_ps(), load_bf16(x + d + half)) : load_bf16(x + d - half);
-        __m512 y = _mm512_add_ps(round_bf16(_mm512_mul_ps(a, c)), round_bf16(_mm512_mul_ps(r, s)));
-        store_bf16(o + d, y);
+        const vec a = load_bf16(x + d), c = load_bf16(cos + t * D + d), s = load_bf16(sin + t * D + d);
+        const vec r = d < half ? sub(zero(), load_bf16(x + d + half)) : load_bf16(x + d - half);
+        store_bf16(o + d, add(round_bf16(mul(a, c)), round_bf16(mul(r, s))));
       }
     }
 }
 
 void residual_add(uint16_t *x, const uint16_t *y, int64_t n) {  // x = bfloat16(x + y)
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = tail_mask(n - i);
-    store_bf16(x + i, _mm512_add_ps(load_bf16(x + i, m), load_bf16(y + i, m)), m);
-  }
+  for (int64_t i = 0; i < n; i += 16) store_bf16(x + i, add(load_bf16(x + i, n - i), load_bf16(y + i, n - i)), n - i);
 }
 
 void linear(const Linear &w, const uint16_t *x, int64_t M, uint16_t *out, float *xsum) {
