@@ -254,9 +254,9 @@ def test_silu_mul_is_silu_times_up():
 
 @pytest.mark.parametrize("method", ["int4", "int8"])
 def test_fused_layers_equal_the_per_op_path(monkeypatch, method):
-    """A quantized bf16 model's decode steps and verify blocks through `FusedLayers` (one call a layer; its rotary,
-    residual adds and roundings in C++): the same logits as the per-op path bit for bit, a verify block's rows the decode steps', and a prompt (too many rows
-    for the kernels' attention) still goes op by op."""
+    """A quantized bf16 model's prompts, decode steps and verify blocks through `FusedLayers` (one call a layer; its
+    rotary, residual adds and roundings in C++): the same logits as the per-op path bit for bit, a verify block's
+    rows the decode steps'."""
     model = load_model(tiny_llama(0, vocab=64, layers=2, hidden=128, heads=4, kv_heads=2, dtype=torch.bfloat16),
                        quantization=method).model
     runs = []
@@ -268,19 +268,42 @@ def test_fused_layers_equal_the_per_op_path(monkeypatch, method):
         pool = KVPool(model, 1024)
         a, b = pool.sequence(), pool.sequence()
         with torch.inference_mode():
-            prompts = pool.forward([a, b], [list(range(1, 30)), list(range(5, 12))], [1, 1])
+            prompts = pool.forward([a, b], [list(range(1, 20)), list(range(5, 12))], [1, 1])
             block = pool.forward([a, b], [[3, 4, 5, 6], [7]], [4, 1])
-            a.rollback(29)
+            a.rollback(19)
             steps = torch.cat([pool.forward([a], [[t]], [1]) for t in (3, 4, 5, 6)])
         return prompts, block, steps
 
     prompts, block, steps = run(True)
-    assert len(runs) == 5, "the decode steps and the block did not take the fused layers"
+    assert len(runs) == 6, "the steps did not take the fused layers"
     assert torch.equal(block[:4], steps)
     per_op = run(False)
-    assert len(runs) == 5
+    assert len(runs) == 6
     for ours, theirs in zip((prompts, block, steps), per_op):
         assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_a_session_resumed_by_prefill_goes_on_with_the_same_logits(method):
+    """Prompts go through the kernels' attention too, so every row of every step is computed as if alone: a
+    session whose committed tokens are fed again as one prompt (a worker restarted; a prefix found in the cache)
+    gets the logits its uninterrupted run got, bit for bit, beside other sessions or not (below 32 rows, where
+    an AVX-512 CPU's layers switch to their dense copy)."""
+    model = load_model(tiny_llama(1, vocab=64, layers=2, hidden=128, heads=4, kv_heads=2, dtype=torch.bfloat16),
+                       quantization=method).model
+    prompt, generated = list(range(3, 17)), [9, 41, 2, 60, 17, 33]
+    with torch.inference_mode():
+        pool = KVPool(model, 1024)
+        a = pool.sequence()
+        uninterrupted = [pool.forward([a], [prompt], [1])]
+        uninterrupted += [pool.forward([a], [[t]], [1]) for t in generated]
+        for cut in (2, 5):  # resumed after `cut` generated tokens, alone and beside another session's prompt
+            fresh = KVPool(model, 1024)
+            r, other = fresh.sequence(), fresh.sequence()
+            first = fresh.forward([other, r], [list(range(20, 31)), prompt + generated[:cut]], [1, 1])[1:]
+            assert torch.equal(first, uninterrupted[cut])
+            for i, t in enumerate(generated[cut:-1], start=cut + 1):
+                assert torch.equal(fresh.forward([r], [[t]], [1]), uninterrupted[i])
 
 
 @pytest.mark.slow

@@ -249,3 +249,16 @@ def test_quantization_errors_name_what_is_wrong(tmp_path):
 
     with pytest.raises(ValidationError, match="draft_quantization"):
         AppConfig(draft_quantization="int3")
+
+
+@pytest.mark.slow
+def test_where_no_cpu_kernels_run_a_gguf_file_loads_dense_in_float32(monkeypatch, capsys):
+    """torch's bf16 int4 kernels round a row by the batch around it; where specserve's do not run, the default
+    (`auto`, no dtype) keeps seeded streams batch-independent by loading the file's values in float32, says so,
+    and an explicit choice is kept."""
+    monkeypatch.setattr(cpukernels, "ENABLED", False)
+    loaded = load_model("embedded", device="cpu")
+    assert loaded.quantization == "none" and loaded.dtype == torch.float32
+    assert "loads dense in float32" in capsys.readouterr().err
+    assert load_model("embedded", device="cpu", quantization="gguf").quantization.startswith("gguf")
+    assert load_model("embedded", device="cpu", dtype="bfloat16").quantization.startswith("gguf")

@@ -272,8 +272,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Attention:
-    """One step's attention for sequences with short new blocks, straight from the pool's arena (the keys
-    and values of their new tokens written into it first): no gathers, no padding, one call a layer."""
+    """One step's attention, straight from the pool's arena (the keys and values of the new tokens written into it
+    first): no gathers, no padding, one call a layer; each row computed as if alone, prompts' rows too."""
 
     def __init__(self, k_arena: torch.Tensor, v_arena: torch.Tensor, blocks, starts, sizes, offsets, members,
                  heads: int, scale: float):

@@ -124,11 +124,11 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
     # query i of a sequence sees its cache and its new tokens up to itself
     padded = kernel = None
     if arena is not None and not torch.compiler.is_compiling() \
-            and cpukernels.step_kernels(w.dtype, w.device, w.head_dim):  # short blocks straight from the arena
-        members = [j for j, n in enumerate(sizes) if n <= _PaddedAttention.MAX_NEW]
-        kernel = cpukernels.Attention(*arena, starts, sizes, offsets, members, w.heads, w.scale) if members else None
-        looped = sorted(set(range(len(caches))) - set(members))
-        looped_rows = torch.tensor([offsets[j] + i for j in looped for i in range(sizes[j])], dtype=torch.long)
+            and cpukernels.step_kernels(w.dtype, w.device, w.head_dim):
+        # every block straight from the arena, prompts too: each row then computes what it would alone, so a
+        # session resumed by re-prefill, or after a cached prefix, goes on with the same values
+        kernel = cpukernels.Attention(*arena, starts, sizes, offsets, range(len(caches)), w.heads, w.scale)
+        looped = []
     else:
         padded = _PaddedAttention.plan(w, arena, starts, sizes, offsets) if arena is not None else None
         looped = [j for j in range(len(caches)) if padded is None or j not in padded.members]
@@ -150,8 +150,6 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
         if kernel is not None:
             att = q.new_empty(total, q.shape[1] * q.shape[2])
             kernel(i, q, k, v, att)
-            if looped:
-                att.index_copy_(0, looped_rows, torch.cat(outs))
         elif padded is None:
             att = outs[0] if len(outs) == 1 else torch.cat(outs)
         else:

@@ -148,6 +148,9 @@ def load_model(
     gguf = gguf_file(spec)
     if method == "auto":  # float32 asked: the file's values dequantized, the same model in exact arithmetic
         kept = gguf is not None and torch_dtype in (None, torch.bfloat16)
+        if kept and torch_dtype is None and torch.device(device).type == "cpu" and not _cpu_kernels_run():
+            torch_dtype = torch.float32  # torch's bf16 int4 kernels round a row by the batch it is in
+        kept = kept and torch_dtype != torch.float32
         method = "gguf" if kept and quant.gguf_weight_type(gguf) not in quant.DENSE_TYPES else "none"
     if method == "gguf" and gguf is None:
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's own weights; {name!r} is not a .gguf file "
@@ -196,6 +199,17 @@ def _sliced_part(path, name: str, shard: Shard | None, layers: tuple[int, int] |
     with _LOADING:
         model = slices.load_rank(path, files, config, shard, dtype, device, layers)
     return LoadedModel(model, _tokenizer_at(path), name)
+
+
+def _cpu_kernels_run() -> bool:
+    """Whether specserve's CPU kernels run here; where they do not, says what a GGUF file loads as instead."""
+    from specserve.models import cpukernels
+
+    if cpukernels.available():
+        return True
+    print(f"specserve: {cpukernels.describe()}: a GGUF file loads dense in float32 (seeded streams then do not "
+          "depend on the batch; quantization: gguf keeps its quantized weights)", file=sys.stderr, flush=True)
+    return False
 
 
 def load_draft(draft: Any, dtype: Any = None, device: str | None = None, quantization: str | None = None
