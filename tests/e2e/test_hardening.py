@@ -16,6 +16,7 @@ import time
 
 import grpc
 import pytest
+import httpx2 as httpx
 import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -110,6 +111,16 @@ def test_bodies_over_the_limit_are_413_before_parsing(server):
     response = requests.post(server["http"] + "/v1/completions", data=chunks(), timeout=60,
                              headers={"Content-Type": "application/json"})
     assert_openai_error(response, 413)
+    # 40 MB: the client is still sending when the limit is known; it reads the 413, not a reset connection
+    body = b'{"prompt": "' + b"z" * (40 << 20) + b'"}'
+    response = requests.post(server["http"] + "/v1/completions", data=body, timeout=120,
+                             headers={"Content-Type": "application/json"})
+    assert_openai_error(response, 413)
+    assert "max_body_bytes" in response.json()["error"]["message"]
+    with httpx.Client(timeout=120) as client:  # the openai client's transport
+        response = client.post(server["http"] + "/v1/completions", content=body,
+                               headers={"Content-Type": "application/json"})
+    assert response.status_code == 413 and "max_body_bytes" in response.json()["error"]["message"]
     assert post(server, "/v1/completions", BASE).status_code == 200  # and the server is fine
 
 
