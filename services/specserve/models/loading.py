@@ -149,8 +149,7 @@ def load_model(
     if method == "auto":  # float32 asked: the file's values dequantized, the same model in exact arithmetic
         kept = gguf is not None and torch_dtype in (None, torch.bfloat16)
         if kept and torch_dtype is None and torch.device(device).type == "cpu" and not _cpu_kernels_run():
-            torch_dtype = torch.float32  # torch's bf16 int4 kernels round a row by the batch it is in
-        kept = kept and torch_dtype != torch.float32
+            kept, torch_dtype = False, torch.float32  # torch's bf16 int4 kernels round a row by the batch it is in
         method = "gguf" if kept and quant.gguf_weight_type(gguf) not in quant.DENSE_TYPES else "none"
     if method == "gguf" and gguf is None:
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's own weights; {name!r} is not a .gguf file "
