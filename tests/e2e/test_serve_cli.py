@@ -14,6 +14,8 @@ import grpc
 import pytest
 import requests
 import yaml
+from ray.autoscaler._private.constants import AUTOSCALER_METRIC_PORT
+from ray.dashboard.consts import DASHBOARD_METRIC_PORT
 
 from specserve.coordinator.metrics import scrape_until, total
 from specserve.serve.listen import free_port
@@ -40,6 +42,46 @@ def _listening(port: int) -> set[str]:
             words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word little-endian
             address = ipaddress.ip_address(words)
             found.add(str(getattr(address, "ipv4_mapped", None) or address))  # ::ffff:127.0.0.1 is 127.0.0.1
+    return found
+
+
+def _descendants(pid: int) -> set[int]:
+    """pid and every process under it (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        found.add(p)
+        todo.extend(children.get(p, []))
+    return found
+
+
+def _listeners(pids: set[int]) -> dict[int, set[str]]:
+    """The TCP ports `pids` listen on, with their local addresses (by the sockets their file descriptors hold)."""
+    inodes = set()
+    for pid in pids:
+        for fd in pathlib.Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found: dict[int, set[str]] = {}
+    for name in ("tcp", "tcp6"):
+        path = pathlib.Path("/proc/net") / name
+        for line in path.read_text().splitlines()[1:] if path.exists() else []:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            port = int(fields[1].split(":")[1], 16)
+            found.setdefault(port, set()).update(_listening(port))
     return found
 
 
@@ -93,6 +135,13 @@ def test_serve_command_serves_and_stops_cleanly(tmp_path):
         # HTTP and gRPC listen on the configured host only (Serve binds its gRPC proxy to [::] on its own)
         for port in (http_port, grpc_port):
             assert _listening(port) == {"127.0.0.1"}, (port, _listening(port))
+        # so do Ray's plain-HTTP metrics servers: its exporter, the autoscaler's and the dashboard's
+        assert _listening(metrics_port) == {"127.0.0.1"}, _listening(metrics_port)
+        for port in (AUTOSCALER_METRIC_PORT, DASHBOARD_METRIC_PORT):
+            assert _listening(port) <= {"127.0.0.1"}, (port, _listening(port))
+        # and nothing the server started listens beyond loopback (Ray's gRPC services, Serve's replicas, ours)
+        wide = {port: hosts for port, hosts in _listeners(_descendants(proc.pid)).items() if hosts - {"127.0.0.1"}}
+        assert not wide, wide
         # the Prometheus endpoint of the Ray it started (Ray exports every 10 s by default)
         # (the completion and the keyed gRPC call: refused requests never reached the coordinator)
         metrics = scrape_until(f"http://127.0.0.1:{metrics_port}/metrics", "ray_specserve_requests_total", 2)

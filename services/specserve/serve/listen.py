@@ -3,13 +3,16 @@
 `--host 127.0.0.1` must mean nothing answers on other interfaces. The
 HTTP proxy takes the host from `http_options`; the rest need help:
 
-- Ray itself (its services, the Prometheus metrics exporter, and the
-  addresses our workers bind, which are the node's): `ray.init` is given the
-  host as the node's address when it is a loopback one (`ray_init_options`).
+- Ray itself (its services, the Prometheus metrics exporter, the autoscaler's
+  and dashboard's metrics servers, and the addresses our workers bind, which
+  are the node's): `ray.init` is given the host as the node's address when it
+  is a loopback one, and Ray is told it runs on one machine, or it replaces a
+  loopback address by the machine's own (`ray_init_options`).
 - Serve's gRPC proxy binds `[::]:port` whatever the HTTP host is (Ray Serve
-  2.x has no host option for it): a worker-process setup hook rebinds it to
-  the host (`bind_grpc_proxy_to_host`, run in every Ray worker process of
-  the job; it changes nothing outside Serve's proxy).
+  2.x has no host option for it), and each replica its inter-deployment gRPC
+  server on `[::]:0`: a worker-process setup hook rebinds them to the host
+  (`bind_grpc_proxy_to_host`, run in every Ray worker process of the job; it
+  changes nothing outside Serve's proxy and replicas).
 """
 
 from __future__ import annotations
@@ -41,30 +44,49 @@ def ray_init_options(host: str) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if _loopback(host):
         options["_node_ip_address"] = "127.0.0.1"  # Ray's services, metrics and our workers on loopback only
+        _single_machine_ray()
     if not _wildcard(host):
         options["runtime_env"] = {"worker_process_setup_hook": _HOOK, "env_vars": {GRPC_HOST_ENV: host}}
     return options
 
 
+def _single_machine_ray() -> None:
+    """Ray resolves a loopback node address to the machine's own (`services.resolve_ip_for_localhost`), and its
+    agents then serve metrics on every interface, unless it runs as a one-machine Ray (its Windows/macOS mode):
+    set here for this process and, through the environment, for the processes Ray starts."""
+    from ray._private import ray_constants
+
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
 def bind_grpc_proxy_to_host() -> None:
-    """Worker-process setup hook: Serve's gRPC proxy listens on $SPECSERVE_GRPC_HOST instead of every interface."""
+    """Worker-process setup hook: Serve's gRPC proxy listens on $SPECSERVE_GRPC_HOST instead of every interface,
+    and on a loopback host so do its replicas' inter-deployment gRPC servers (bound to `[::]:0`)."""
     host = os.environ.get(GRPC_HOST_ENV)
     if not host or _wildcard(host):
         return
     try:
-        from ray.serve._private import default_impl
+        from ray.serve._private import default_impl, replica
     except ImportError:  # a Ray without Serve's proxy helpers: nothing to rebind
         return
-    original = default_impl.add_grpc_address
-    if getattr(original, "specserve_host", None) == host:
+    _rebind(default_impl, "add_grpc_address", host)
+    if _loopback(host):  # the proxy reaches a replica at the node's address, loopback there (`ray_init_options`)
+        _rebind(replica, "add_port_to_grpc_server", host)
+
+
+def _rebind(module, name: str, host: str) -> None:
+    """module.name(server, "HOST:PORT") listens on `host` whatever HOST it is given."""
+    original = getattr(module, name, None)
+    if original is None or getattr(original, "specserve_host", None) == host:
         return
     bracketed = f"[{host}]" if ":" in host else host
 
-    def add_grpc_address(server, address: str):
+    def bound(server, address: str):
         return original(server, f"{bracketed}:{address.rsplit(':', 1)[1]}")
 
-    add_grpc_address.specserve_host = host
-    default_impl.add_grpc_address = add_grpc_address
+    bound.specserve_host = host
+    setattr(module, name, bound)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
