@@ -342,8 +342,6 @@ inline const act_t *activations(const uint16_t *x, int64_t M, int64_t K, bool in
   return wide.data();
 }
 
-inline void store_bf16(uint16_t *out, __m256 v) { store_bf16_8(out, v); }
-
 // A tile's columns are 8 outputs each (block nb + c / H, half h0 + c % H): both halves of its blocks at once, or,
 // where MR · NT · 2 sums would not fit in the 16 registers, one half a pass. Each sum is a chain of dependent FMAs
 // (the pairs' order is fixed), so a tile keeps several going at once.
@@ -392,7 +390,7 @@ void int4_tile(const act_t *x, int64_t K, const float *xsum, int64_t groups, int
       }
     }
     for (int m = 0; m < MR; m++)
-      for (int c = 0; c < C; c++) store_bf16(out + m * N + (nb + c / H) * 16 + 8 * (h0 + c % H), acc[m][c]);
+      for (int c = 0; c < C; c++) store_bf16_8(out + m * N + (nb + c / H) * 16 + 8 * (h0 + c % H), acc[m][c]);
   }
 }
 
@@ -420,7 +418,7 @@ void int8_tile(const act_t *x, int64_t K, const int8_t *codes, const float *scal
     for (int c = 0; c < C; c++) {
       const int64_t o = (nb + c / H) * 16 + 8 * (h0 + c % H);
       const __m256 scale = _mm256_loadu_ps(scales + o);
-      for (int m = 0; m < MR; m++) store_bf16(out + m * N + o, _mm256_mul_ps(acc[m][c], scale));
+      for (int m = 0; m < MR; m++) store_bf16_8(out + m * N + o, _mm256_mul_ps(acc[m][c], scale));
     }
   }
 }
