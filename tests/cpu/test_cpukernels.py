@@ -144,7 +144,7 @@ def _step(arena, seqs, heads, kv_heads, d, seed):
     for _, _, n in seqs:
         offsets.append(offsets[-1] + n)
     attention = cpukernels.Attention(arena[0], arena[1], [b for b, _, _ in seqs], [s for _, s, _ in seqs],
-                                     [n for _, _, n in seqs], offsets, list(range(len(seqs))), heads, d**-0.5)
+                                     [n for _, _, n in seqs], offsets, heads, d**-0.5)
     out = torch.empty(total, heads * d, dtype=torch.bfloat16)
     attention(1, q, k, v, out)
     return q, k, v, offsets, out
@@ -183,7 +183,7 @@ def test_attention_rows_do_not_depend_on_the_rest_of_the_step():
     arena_k, arena_v = arena[0].clone(), arena[1].clone()
     q, k, v = together[0][4:5], together[1][4:5], together[2][4:5]
     out = torch.empty(1, heads * d, dtype=torch.bfloat16)
-    cpukernels.Attention(arena_k, arena_v, [100], [7], [1], [0, 1], [0], heads, d**-0.5)(1, q, k, v, out)
+    cpukernels.Attention(arena_k, arena_v, [100], [7], [1], [0, 1], heads, d**-0.5)(1, q, k, v, out)
     assert torch.equal(out, together[4][4:5])
     # a verify block's row i equals the decode step that feeds the same token after rows 0..i-1
     arena_k, arena_v = arena[0].clone(), arena[1].clone()
@@ -192,7 +192,7 @@ def test_attention_rows_do_not_depend_on_the_rest_of_the_step():
         step_k, step_v = arena[0].clone(), arena[1].clone()
         step_k[1, :, 40 : 40 + i], step_v[1, :, 40 : 40 + i] = arena_k[1, :, 40 : 40 + i], arena_v[1, :, 40 : 40 + i]
         row = torch.empty(1, heads * d, dtype=torch.bfloat16)
-        cpukernels.Attention(step_k, step_v, [0], [40 + i], [1], [0, 1], [0], heads, d**-0.5)(
+        cpukernels.Attention(step_k, step_v, [0], [40 + i], [1], [0, 1], heads, d**-0.5)(
             1, q[i : i + 1], k[i : i + 1], v[i : i + 1], row)
         assert torch.equal(row, block[i : i + 1]), i
 

@@ -15,8 +15,8 @@ import json
 import time
 
 import grpc
-import pytest
 import httpx2 as httpx
+import pytest
 import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -275,16 +275,15 @@ class Attention:
     """One step's attention, straight from the pool's arena (the keys and values of the new tokens written into it
     first): no gathers, no padding, one call a layer; each row computed as if alone, prompts' rows too."""
 
-    def __init__(self, k_arena: torch.Tensor, v_arena: torch.Tensor, blocks, starts, sizes, offsets, members,
+    def __init__(self, k_arena: torch.Tensor, v_arena: torch.Tensor, blocks, starts, sizes, offsets,
                  heads: int, scale: float):
         self.k, self.v = k_arena, v_arena  # [layers, kv_heads, positions, head_dim]
-        info = [(blocks[j], starts[j], sizes[j], offsets[j]) for j in members]
+        info = [(blocks[j], starts[j], sizes[j], offsets[j]) for j in range(len(sizes))]
         self.info = torch.tensor(info, dtype=torch.int64)
-        self.count, self.heads, self.scale = len(members), heads, scale
+        self.count, self.heads, self.scale = len(sizes), heads, scale
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
-        """q [T, heads, d], k, v [T, kv_heads, d] (rows strided, heads contiguous); out [T, heads·d]: the
-        members' rows written."""
+        """q [T, heads, d], k, v [T, kv_heads, d] (rows strided, heads contiguous); out [T, heads·d]."""
         ka, va = self.k[layer], self.v[layer]
         kvh, _, d = ka.shape
         library().specserve_attend(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),

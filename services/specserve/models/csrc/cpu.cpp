@@ -368,8 +368,10 @@ void int4_tile(const act_t *x, int64_t K, const float *xsum, int64_t groups, int
           // lane i: bytes 2i and 2i+1 of the half: inputs k, k+2 in byte 2i's nibbles, k+1, k+3 in byte 2i+1's
           const uint8_t *b = codes + ((nb + c / H) * (K / 4) + k / 4) * 32 + 16 * (h0 + c % H);
           const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)b));
-          const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(w, f0)), w1 = _mm256_cvtepi32_ps(_mm256_and_si256(w, f1));
-          const __m256 w2 = _mm256_cvtepi32_ps(_mm256_and_si256(w, f2)), w3 = _mm256_cvtepi32_ps(_mm256_and_si256(w, f3));
+          const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(w, f0));
+          const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(w, f1));
+          const __m256 w2 = _mm256_cvtepi32_ps(_mm256_and_si256(w, f2));
+          const __m256 w3 = _mm256_cvtepi32_ps(_mm256_and_si256(w, f3));
           for (int m = 0; m < MR; m++) {
             const float *xm = x + m * K + k;
             part[m][c] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xm + 1), part[m][c]);
