@@ -127,7 +127,7 @@ def test_half_precision_drafts_compute_in_float32_on_a_cpu():
 
 def test_models_it_does_not_cover_fall_back_to_the_hf_cache():
     model = tiny_llama(5, vocab=VOCAB, layers=1, hidden=32)
-    model.config.rope_parameters = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}
+    model.config.rope_parameters = {"rope_type": "proportional", "rope_theta": 10000.0, "factor": 8.0}
     assert "rope type" in unsupported_reason(model)
     assert isinstance(draft_sequence(model), CachedSequence)
     model.config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}

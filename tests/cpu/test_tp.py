@@ -150,7 +150,7 @@ def _lean_tensors(w) -> list[torch.Tensor]:
     """Every tensor a rank's lean weights multiply or read (dense weights: their tensors)."""
     out = [w.norm, w.head.weight if hasattr(w.head, "weight") else w.head, w.embed]
     for layer in w.layers:
-        out += [t.weight if hasattr(t, "weight") else t for t in layer if t is not None]
+        out += [t.weight if hasattr(t, "weight") else t for t in layer.weights()]
     return out
 
 

@@ -51,7 +51,7 @@ def copy_bandwidth(device: str, megabytes: int = 1024) -> float:
 
 def weight_bytes(w) -> int:
     """Bytes of the weights one step reads: every layer's matrices and norms, the final norm and the head."""
-    tensors = [t for layer in w.layers for t in layer if t is not None] + [w.norm, w.head]
+    tensors = [t for layer in w.layers for t in layer.weights()] + [w.norm, w.head]
     return sum(nbytes(t) for t in tensors)
 
 

@@ -326,10 +326,12 @@ class FusedLayers:
         """The plan for `LeanWeights` w, or None where a layer cannot be fused (made once per weights)."""
         from specserve.models.quant import QuantizedLinear
 
+        if not (w.arch.llama_layer and w.kernel_attention):  # the kernel computes Llama's layer only
+            return None
         rows_below, layers = 1 << 30, []
-        for norm_in, w_qkv, b_qkv, w_o, b_o, norm_post, w_gate_up, w_down in w.layers:
-            linears = (w_qkv, w_o, w_gate_up, w_down)
-            if b_qkv is not None or b_o is not None or any(
+        for layer in w.layers:
+            linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            if layer.b_qkv is not None or layer.b_o is not None or any(
                     not isinstance(q, QuantizedLinear) or q.kernel is None for q in linears):
                 return None
             structs = (_Linear * 4)()
@@ -339,7 +341,7 @@ class FusedLayers:
                 s.group, s.N, s.K = group or 0, q.out_features, q.in_features
                 if q.dense is not None:
                     rows_below = min(rows_below, q.dense_from)
-            layers.append((norm_in, norm_post, structs, linears))  # the linears keep the addresses valid
+            layers.append((layer.norm_in, layer.norm_mlp, structs, linears))  # the linears keep the addresses valid
         return cls(layers, rows_below) if layers else None
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention, heads: int,

@@ -64,10 +64,17 @@ class TokenSequence:
         return self.feed_subset(self.unfed(tokens, 1))
 
 
+def full_cache() -> DynamicCache:
+    """An HF cache that keeps every past token: given a sliding-window model's config, transformers keeps only the
+    last window of a sliding layer, which a rollback past it cannot undo (its crop raises); the model's masks
+    still apply the window."""
+    return DynamicCache()
+
+
 class CachedSequence(TokenSequence):
     def __init__(self, model):
         self.model = model
-        self.cache = DynamicCache(config=model.config)
+        self.cache = full_cache()
         self.tokens: list[int] = []  # tokens whose keys/values the cache holds, in order
         self.forward_calls = 0
         self.device = next(model.parameters()).device
@@ -89,5 +96,5 @@ class CachedSequence(TokenSequence):
         return out.logits[0, -keep_logits:].float().cpu()
 
     def release(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = full_cache()
         self.tokens = []

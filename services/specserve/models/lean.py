@@ -1,4 +1,5 @@
-"""A lean incremental forward for small Llama-family drafts.
+"""specserve's own incremental forward, for drafts and (over a KV pool) targets of the families `models.arch`
+describes.
 
 A 2-layer draft spends most of an HF forward outside its matmuls: mask
 building, rotary tables, cache bookkeeping and module dispatch cost more
@@ -10,9 +11,9 @@ the cache, float32 matrix-vector products are faster there than bfloat16 ones.
 
 Speculative sampling is exact for any draft distribution, so computing the
 draft differently from HF changes which tokens are proposed, never what the
-target emits. Where a model is outside what this covers (other rotary
-types, sliding windows, other architectures) `draft_sequence` falls back to
-the HF `CachedSequence`.
+target emits. The families covered, and how their layers differ, are
+`models.arch`'s; for a model outside them `draft_sequence` falls back to the
+HF `CachedSequence`.
 
 A `SubsetDraftForCausalLM` keeps its head over its token subset here:
 `feed_subset` returns logits over `token_subset` (sorted ascending, so
@@ -26,11 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from specserve.models import cpukernels
+from specserve.models.arch import Unsupported, arch_of
 from specserve.models.kv import CachedSequence, TokenSequence
 from specserve.models.quant import linear
-from specserve.models.weights import LeanWeights, lean_weights
-
-SUPPORTED = {"llama", "specserve_draft"}
+from specserve.models.weights import Layer, LeanWeights, lean_weights
 
 
 def unsupported_reason(model) -> str | None:
@@ -39,18 +39,11 @@ def unsupported_reason(model) -> str | None:
 
 
 def unsupported_config(cfg) -> str | None:
-    """Why `LeanSequence` cannot run a model of config `cfg`, or None when it can."""
-    if cfg.model_type not in SUPPORTED:
-        return f"model type {cfg.model_type!r}"
-    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        return f"rope type {rope.get('rope_type')!r}"
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"activation {cfg.hidden_act!r}"
-    if getattr(cfg, "mlp_bias", False):
-        return "MLP bias"
-    if getattr(cfg, "pretraining_tp", 1) not in (1, None):
-        return "pretraining_tp"
+    """Why `LeanSequence` cannot run a model of config `cfg`, or None when it can (`models.arch`)."""
+    try:
+        arch_of(cfg)
+    except Unsupported as e:
+        return str(e)
     return None
 
 
@@ -113,17 +106,15 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
     sizes = [len(t) for t in new_tokens]
     ids = torch.tensor([t for ts in new_tokens for t in ts], dtype=torch.long, device=w.device)
     total = ids.shape[0]
-    x = w.embed[ids].to(w.dtype) if hidden is None else hidden.to(w.device, w.dtype)  # [T, hidden]
+    x = embed(w, ids) if hidden is None else hidden.to(w.device, w.dtype)  # [T, hidden]
     positions = torch.cat([torch.arange(s, s + n, dtype=torch.float32) for s, n in zip(starts, sizes)])
-    angles = positions.to(w.device)[:, None] * w.inv_freq
-    angles = torch.cat((angles, angles), -1)
-    cos, sin = angles.cos().to(w.dtype)[:, None], angles.sin().to(w.dtype)[:, None]  # [T, 1, head_dim]
+    cs = rope_tables(w, positions.to(w.device))
     offsets = [0]
     for n in sizes:
         offsets.append(offsets[-1] + n)
     # query i of a sequence sees its cache and its new tokens up to itself
     padded = kernel = None
-    if arena is not None and not torch.compiler.is_compiling() \
+    if arena is not None and not torch.compiler.is_compiling() and w.kernel_attention \
             and cpukernels.step_kernels(w.dtype, w.device, w.head_dim):
         # every block straight from the arena, prompts too: each row then computes what it would alone, so a
         # session resumed by re-prefill, or after a cached prefix, goes on with the same values
@@ -132,21 +123,22 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
     else:
         padded = _PaddedAttention.plan(w, arena, starts, sizes, offsets) if arena is not None else None
         looped = [j for j in range(len(caches)) if padded is None or j not in padded.members]
-    masks = {j: torch.ones(sizes[j], starts[j] + sizes[j], dtype=torch.bool, device=w.device).tril(starts[j])
-             for j in looped if sizes[j] > 1}
     fused = _fused_layers(w, total) if kernel is not None and not looped and w.tp is None else None
     if fused is not None:  # every layer in one kernel call each
         x = x.contiguous() if hidden is None else x.clone()  # updated in place: never the caller's states
+        cos, sin = cs[0]
         fused.run(x, cos, sin, kernel, w.heads, w.kv_heads, w.head_dim, w.eps)
     for i, layer in enumerate(w.layers if fused is None else ()):
-        q, k, v = rotated_qkv(w, layer, x, cos, sin)
+        q, k, v = rotated_qkv(w, layer, x, cs)
         outs = []
         for j in looped:
             s, n, o = starts[j], sizes[j], offsets[j]
             k_cache, v_cache = caches[j].kv(i)
             k_cache[:, s : s + n] = k[o : o + n].transpose(0, 1)
             v_cache[:, s : s + n] = v[o : o + n].transpose(0, 1)
-            outs.append(_attend(w, q[o : o + n], k_cache[:, : s + n], v_cache[:, : s + n], masks.get(j)))
+            lo = 0 if layer.window is None else max(0, s + 1 - layer.window)  # the first key any query sees
+            mask = _block_mask(s, n, lo, layer.window, w.device) if n > 1 else None
+            outs.append(_attend(w, q[o : o + n], k_cache[:, lo : s + n], v_cache[:, lo : s + n], mask))
         if kernel is not None:
             att = q.new_empty(total, q.shape[1] * q.shape[2])
             kernel(i, q, k, v, att)
@@ -166,6 +158,28 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
     return head_logits(w, rows)
 
 
+def embed(w: LeanWeights, ids: torch.Tensor) -> torch.Tensor:
+    """The embedding rows of ids in the compute dtype (Gemma's scaled by sqrt(hidden) in the weights' dtype, as HF)."""
+    x = w.embed[ids]
+    if w.arch.embed_scale is not None:
+        x = x * torch.tensor(w.arch.embed_scale, dtype=x.dtype)
+    return x.to(w.dtype)
+
+
+def rope_tables(w: LeanWeights, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(cos, sin) [T, 1, rotary dim] of each of the model's ropes at positions [T] (float32, on its device)."""
+    return [rope.cos_sin(positions, w.dtype) for rope in w.ropes]
+
+
+def _block_mask(start: int, n: int, lo: int, window: int | None, device) -> torch.Tensor:
+    """Which keys lo .. start+n-1 each of n new tokens (positions start ..) sees: [n, start + n - lo]."""
+    pos = torch.arange(start, start + n)[:, None]
+    keys = torch.arange(lo, start + n)[None]
+    seen = keys <= pos
+    if window is not None:
+        seen &= keys > pos - window
+    return seen.to(device)
+
 def _fused_layers(w: LeanWeights, rows: int) -> cpukernels.FusedLayers | None:
     """w's layers as `cpukernels.FusedLayers` (planned once) for a step of `rows`, or None where they do not fuse."""
     if not cpukernels.FUSED:
@@ -177,37 +191,76 @@ def _fused_layers(w: LeanWeights, rows: int) -> cpukernels.FusedLayers | None:
 
 def head_logits(w: LeanWeights, x: torch.Tensor) -> torch.Tensor:
     """The head's float32 logits of x [n, hidden]: [n, head rows] (a tensor-parallel group's, on rank 0)."""
-    logits = linear(_rms(x, w.norm, w.eps), w.head).float()
+    logits = linear(norm(w, x, w.norm), w.head)
+    cap = w.arch.final_softcap
+    if cap is not None:  # Gemma 2/3, in the compute dtype as HF (elementwise: each rank its own columns)
+        logits = torch.tanh(logits / cap) * cap
+    logits = logits.float()
     return logits if w.tp is None else w.tp.gather_columns(logits, w.vocab_rows)
 
 
-def rotated_qkv(w: LeanWeights, layer: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One layer's queries [T, heads, d], keys and values [T, kv_heads, d] of x [T, hidden], rotary applied."""
-    norm_in, w_qkv, b_qkv = layer[:3]
+def rotated_qkv(w: LeanWeights, layer: Layer, x: torch.Tensor, cs: list) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                 torch.Tensor]:
+    """One layer's queries [T, heads, d], keys and values [T, kv_heads, d] of x [T, hidden], q/k norms and rotary
+    applied. cs: `rope_tables`."""
     h, kvh, d, total = w.heads, w.kv_heads, w.head_dim, x.shape[0]
-    qkv = linear(_rms(x, norm_in, w.eps), w_qkv, b_qkv)
-    qk = qkv[:, : (h + kvh) * d].view(total, h + kvh, d)  # queries and keys rotated together: half the ops
-    qk = qk * cos + _rotate_half(qk) * sin
+    qkv = linear(x if layer.norm_in is None else norm(w, x, layer.norm_in), layer.qkv, layer.b_qkv)
+    qk = qkv[:, : (h + kvh) * d]
+    kind = w.arch.qk_norm
+    if kind == "full":  # over all of a token's heads (OLMo 2)
+        qk = torch.cat((norm(w, qk[:, : h * d], layer.q_norm), norm(w, qk[:, h * d :], layer.k_norm)), 1)
+    elif kind == "head":  # over each head (Qwen3, Gemma 3)
+        qk = qk.reshape(total, h + kvh, d)
+        qk = torch.cat((norm(w, qk[:, :h], layer.q_norm), norm(w, qk[:, h:], layer.k_norm)), 1)
+    qk = qk.reshape(total, h + kvh, d)  # queries and keys rotated together: half the ops
+    cos, sin = cs[layer.rope]
+    rot = w.arch.rotary_dim
+    if rot == d:
+        qk = qk * cos + _rotate_half(qk) * sin
+    else:  # partial rotary (Phi-4-mini): the first rot channels of each head
+        part = qk[..., :rot]
+        qk = torch.cat((part * cos + _rotate_half(part) * sin, qk[..., rot:]), -1)
     return qk[:, :h], qk[:, h:], qkv[:, (h + kvh) * d :].view(total, kvh, d)
 
 
-def layer_output(w: LeanWeights, layer: tuple, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+def layer_output(w: LeanWeights, layer: Layer, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
     """x after one layer: the attention output att [T, heads·d] projected and added, then the MLP."""
-    _, _, _, w_o, b_o, norm_post, w_gate_up, w_down = layer
     if w.tp is None:
-        x = x + linear(att, w_o, b_o)
+        y = linear(att, layer.o, layer.b_o)
     else:  # each rank's heads' share of the projection, summed over the ranks
-        y = w.tp.all_reduce(linear(att, w_o))
-        x = x + (y if b_o is None else y + b_o)
-    gate_up = linear(_rms(x, norm_post, w.eps), w_gate_up)
-    if cpukernels.rms_ok(gate_up):  # the kernels' SiLU, as `cpukernels.FusedLayers` computes it
+        y = w.tp.all_reduce(linear(att, layer.o))
+        y = y if layer.b_o is None else y + layer.b_o
+    if layer.norm_attn_out is not None:
+        y = norm(w, y, layer.norm_attn_out)
+    x = x + y
+    gate_up = linear(x if layer.norm_mlp is None else norm(w, x, layer.norm_mlp), layer.gate_up)
+    if w.arch.act == "silu" and cpukernels.rms_ok(gate_up):  # the kernels' SiLU, as `cpukernels.FusedLayers`
         act = cpukernels.silu_mul(gate_up)
     else:
         gate, up = gate_up.chunk(2, -1)
-        act = F.silu(gate) * up
-    down = linear(act, w_down)
-    return x + (down if w.tp is None else w.tp.all_reduce(down))
+        act = _ACT[w.arch.act](gate) * up
+    down = linear(act, layer.down)
+    if w.tp is not None:
+        down = w.tp.all_reduce(down)
+    if layer.norm_mlp_out is not None:
+        down = norm(w, down, layer.norm_mlp_out)
+    return x + down
+
+
+_ACT = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "gelu": F.gelu}
+
+
+def sdpa(w: LeanWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+         ) -> torch.Tensor:
+    """Attention of q [B, kv_heads, m, d] against k, v [B, kv_heads, L, d] (mask [B or 1, 1 or kv_heads, m, L],
+    True: seen), with the model's scale, and its soft-capping (Gemma 2: as HF's eager attention computes it)."""
+    cap = w.arch.attn_softcap
+    if cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=w.scale)
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * w.scale / cap) * cap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype) @ v
 
 
 def _attend(w: LeanWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
@@ -220,14 +273,12 @@ def _attend(w: LeanWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     """
     n, h, d = q.shape
     kvh = w.kv_heads
-    if n > _PaddedAttention.MAX_NEW:
+    if n > _PaddedAttention.MAX_NEW and w.arch.attn_softcap is None:
         att = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
                                              scale=w.scale, enable_gqa=True)[0]  # [h, n, d]
     else:
-        att = F.scaled_dot_product_attention(
-            q.transpose(0, 1).reshape(1, kvh, h // kvh * n, d), k[None], v[None],
-            attn_mask=None if mask is None else mask.repeat(h // kvh, 1), scale=w.scale,
-        ).reshape(h, n, d)
+        att = sdpa(w, q.transpose(0, 1).reshape(1, kvh, h // kvh * n, d), k[None], v[None],
+                   None if mask is None else mask.repeat(h // kvh, 1)).reshape(h, n, d)
     return att.transpose(0, 1).reshape(n, h * d)
 
 
@@ -259,9 +310,13 @@ class _PaddedAttention:
         self.query_rows = (torch.tensor([offsets[j] for j in members])[:, None] + query).flatten().to(dev)
         # key t is seen by query i iff t <= start + i (its cache, the new tokens up to itself); pads copy a row
         keys = torch.arange(self.lmax).expand(self.batch, -1)
-        seen = keys[:, None, :] <= (start[:, None] + query)[..., None]  # [B, nmax, lmax]
+        pos = (start[:, None] + query)[..., None]
+        seen = keys[:, None, :] <= pos  # [B, nmax, lmax]
         group = w.heads // w.kv_heads
-        self.mask = seen.repeat(1, group, 1)[:, None].to(dev)  # [B, 1, group·nmax, lmax]
+        self.masks = {}  # per sliding window (None: full attention), [B, 1, group·nmax, lmax]
+        for window in {layer.window for layer in w.layers}:
+            sees = seen if window is None else seen & (keys[:, None, :] > pos - window)
+            self.masks[window] = sees.repeat(1, group, 1)[:, None].to(dev)
         self.key_rows = (base[:, None] + keys.minimum((start + new)[:, None] - 1)).flatten().to(dev)
         rows = [(b, offsets[j], i) for b, j in enumerate(members) for i in range(sizes[j])]
         self.new_rows = torch.tensor([o + i for _, o, i in rows], device=dev)  # flat rows of the members' tokens
@@ -288,16 +343,24 @@ class _PaddedAttention:
         # for these short blocks)
         queries = q.index_select(0, self.query_rows).view(b, nmax, h, d).permute(0, 2, 1, 3)
         queries = queries.reshape(b, kvh, h // kvh * nmax, d)
-        att = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=w.scale)
+        att = sdpa(w, queries, keys, values, self.masks[w.layers[layer].window])
         att = att.reshape(b, h, nmax, d).permute(0, 2, 1, 3).reshape(b * nmax, h * d)
         if len(self.new_rows) == self.total:  # every sequence is a member: rows already in order
             return att.index_select(0, self.out_rows)
         return att.new_zeros(self.total, h * d).index_copy_(0, self.new_rows, att.index_select(0, self.out_rows))
 
 
+def norm(w: LeanWeights, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """An RMS norm of x over its last dimension with `weight` as `weights.LeanWeights` keeps it: Llama's scales
+    after casting back, Gemma's and OLMo 2's before (their weights float32)."""
+    if not w.arch.norm_in_float32:
+        return _rms(x, weight, w.eps)
+    return (F.rms_norm(x.float(), (x.shape[-1],), eps=w.eps) * weight).to(x.dtype)
+
+
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # as HF: normalise in float32, scale in the compute dtype (one fused op for HF's four, one call on a CPU)
-    if cpukernels.rms_ok(x):
+    if x.dim() == 2 and cpukernels.rms_ok(x):
         return cpukernels.rms_norm(x, weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
@@ -312,7 +375,7 @@ def widen(logits: torch.Tensor, token_subset: torch.Tensor | None, vocab: int) -
 
 
 class LeanSequence(TokenSequence):
-    """One sequence's cache for a Llama-family model, with the `TokenSequence` contract of `CachedSequence`."""
+    """One sequence's cache for a model of `models.arch`'s families, with the `TokenSequence` contract of `CachedSequence`."""
 
     def __init__(self, model, dtype: torch.dtype | None = None, capacity: int = 256):
         self.w = lean_weights(model, dtype or draft_dtype(model))

@@ -150,10 +150,19 @@ def load_model(
         kept = gguf is not None and torch_dtype in (None, torch.bfloat16)
         if kept and torch_dtype is None and torch.device(device).type == "cpu" and not _cpu_kernels_run():
             kept, torch_dtype = False, torch.float32  # torch's bf16 int4 kernels round a row by the batch it is in
-        method = "gguf" if kept and quant.gguf_weight_type(gguf) not in quant.DENSE_TYPES else "none"
+        kept = kept and quant.gguf_weight_type(gguf) not in quant.DENSE_TYPES
+        if kept and quant.gguf_architecture(gguf) not in quant.STORED_ARCHITECTURES:
+            print(f"specserve: {name}: a {quant.gguf_architecture(gguf)!r} GGUF file loads dense (its quantized "
+                  "weights are kept as stored for Llama-architecture files only; int8 or int4 quantize it at load)",
+                  file=sys.stderr, flush=True)
+            kept = False
+        method = "gguf" if kept else "none"
     if method == "gguf" and gguf is None:
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's own weights; {name!r} is not a .gguf file "
                          "(use int8 or int4 to quantize it at load)")
+    if method == "gguf" and quant.gguf_architecture(gguf) not in quant.STORED_ARCHITECTURES:
+        raise ValueError(f"quantization 'gguf' keeps the weights of Llama-architecture GGUF files only; {name!r} is "
+                         f"{quant.gguf_architecture(gguf)!r} (auto loads it dense; int8 or int4 quantize it at load)")
     torch_dtype = _quantized_dtype(torch_dtype) if method != "none" else torch_dtype
     torch_dtype = torch_dtype or default_dtype(device)
     _refuse_prequantized(path, name)
@@ -182,6 +191,7 @@ def _sliced_part(path, name: str, shard: Shard | None, layers: tuple[int, int] |
     GGUF, device_map)."""
     from transformers import AutoConfig
 
+    from specserve.models.arch import arch_of
     from specserve.models.lean import unsupported_config
 
     if (shard is None and layers is None) or method != "none" or device_map is not None \
@@ -193,8 +203,10 @@ def _sliced_part(path, name: str, shard: Shard | None, layers: tuple[int, int] |
     config = AutoConfig.from_pretrained(str(path))
     reason = unsupported_config(config)
     if reason is not None:
-        raise ValueError(f"{'tensor_parallel' if shard else 'target_stages'} run in the lean forward of "
-                         f"Llama-family models; {name} has {reason}")
+        raise ValueError(f"{'tensor_parallel' if shard else 'target_stages'} run in the lean forward "
+                         f"(docs/serving.md lists its families); {name} has {reason}")
+    if shard is not None and arch_of(config).fused:  # q|k|v in one tensor: read whole, cut by `LeanWeights`
+        return None
     with _LOADING:
         model = slices.load_rank(path, files, config, shard, dtype, device, layers)
     return LoadedModel(model, _tokenizer_at(path), name)
@@ -297,7 +309,8 @@ def _require_lean(loaded: LoadedModel, what: str) -> None:
 
     reason = unsupported_reason(loaded.model)
     if reason is not None:
-        raise ValueError(f"{what} runs in the lean forward of Llama-family models; {loaded.name} has {reason}")
+        raise ValueError(f"{what} runs in the lean forward (docs/serving.md lists its families); {loaded.name} has "
+                         f"{reason}")
 
 
 def _drop_linears(model) -> None:

@@ -33,7 +33,7 @@ import threading
 import torch
 
 from specserve.models.kv import TokenSequence
-from specserve.models.lean import lean_weights, lean_forward, widen
+from specserve.models.lean import lean_forward, lean_weights, widen
 from specserve.models.prefix import CHUNK, PrefixCache, common_prefix
 from specserve.models.runner import StepRunner
 from specserve.models.tp import Collective
@@ -118,7 +118,7 @@ class BuddyAllocator:
 
 
 class KVPool:
-    """K/V arena for many sequences of one Llama-family model (see the module docstring).
+    """K/V arena for many sequences of one model of `models.arch`'s families (see the module docstring).
 
     tokens: positions the arena holds in all (rounded down to whole top blocks); max_length: the longest
     sequence (default: the model's max_position_embeddings). prefix_caching: keep released sequences'

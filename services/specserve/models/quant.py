@@ -334,6 +334,17 @@ def gguf_weight_type(path) -> str:
 
 
 DENSE_TYPES = {"F32", "F16", "BF16", "F64", "none"}
+# GGUF architectures whose quantized linears `gguf_linears` reads as stored (llama.cpp permutes their q/k rows;
+# other architectures' files load dense)
+STORED_ARCHITECTURES = ("llama",)
+
+
+def gguf_architecture(path) -> str:
+    """A GGUF file's `general.architecture` ("llama", "qwen2", ...)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get("general.architecture")
+    return bytes(field.parts[field.data[0]]).decode() if field is not None else "unknown"
 
 
 def gguf_linears(path, config) -> dict:

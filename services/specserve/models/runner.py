@@ -34,9 +34,8 @@ import os
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
-from specserve.models.lean import LeanWeights, head_logits, layer_output, rotated_qkv
+from specserve.models.lean import LeanWeights, embed, head_logits, layer_output, rope_tables, rotated_qkv, sdpa
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 MIN_CONTEXT = 64  # the shortest context bucket; others double up to the pool's longest sequence
@@ -156,14 +155,15 @@ class StepRunner:
         base = slots[:, :1] - positions[:, :1]
         key_rows = (base + b.keys).minimum(slots[:, -1:])  # [batch, context]
         seen = b.keys <= positions[..., None]  # key t seen by the token at position p iff t <= p
-        mask = seen.repeat(1, h // kvh, 1)[:, None]  # [batch, 1, queries per key/value head, context]
+        masks = {}  # per sliding window (None: full attention): [batch, 1, queries per key/value head, context]
+        for window in {layer.window for layer in w.layers}:
+            sees = seen if window is None else seen & (b.keys > positions[..., None] - window)
+            masks[window] = sees.repeat(1, h // kvh, 1)[:, None]
         new_slots = slots.reshape(rows)  # the arena row of each new token's keys and values
-        x = w.embed[ids].to(w.dtype)  # [rows, hidden]
-        angles = positions.reshape(rows).float()[:, None] * w.inv_freq
-        angles = torch.cat((angles, angles), -1)
-        cos, sin = angles.cos().to(w.dtype)[:, None], angles.sin().to(w.dtype)[:, None]
+        x = embed(w, ids)  # [rows, hidden]
+        cs = rope_tables(w, positions.reshape(rows).float())
         for i, layer in enumerate(w.layers):
-            q, k, v = rotated_qkv(w, layer, x, cos, sin)
+            q, k, v = rotated_qkv(w, layer, x, cs)
             # through the whole arena: compiled, a write to a layer's view would copy the arena every layer
             layer_rows = torch.full_like(ids, i)
             self.k[layer_rows, :, new_slots] = k
@@ -172,7 +172,7 @@ class StepRunner:
             keys = k_layer[:, key_rows].transpose(0, 1)  # [B, kvh, L, d]
             values = v_layer[:, key_rows].transpose(0, 1)
             queries = q.view(batch, width, h, d).permute(0, 2, 1, 3).reshape(batch, kvh, h // kvh * width, d)
-            att = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=w.scale)
+            att = sdpa(w, queries, keys, values, masks[layer.window])
             att = att.reshape(batch, h, width, d).permute(0, 2, 1, 3).reshape(rows, h * d)
             x = layer_output(w, layer, x, att)
         return head_logits(w, x)

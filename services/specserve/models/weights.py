@@ -5,16 +5,68 @@ compute dtype, packed (dense, or quantized: `models.quant`) and, for a tensor-pa
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from specserve.models.arch import Arch, Rope, arch_of, model_ropes
 from specserve.models.quant import QuantizedLinear, quantize
 from specserve.models.quant import dense as packed_dense
 from specserve.models.tp import Collective, Shard, linear_parts, take
 
-
 # each linear role of a decoder layer and the module holding it (in HF's names, as checkpoints store them)
 LINEAR_ROLES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
                 "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
+# Phi-3 stores q|k|v and gate|up as one weight each: a role is a slice of its rows
+FUSED_ROLES = {"q": "self_attn.qkv_proj", "k": "self_attn.qkv_proj", "v": "self_attn.qkv_proj",
+               "o": "self_attn.o_proj", "gate": "mlp.gate_up_proj", "up": "mlp.gate_up_proj", "down": "mlp.down_proj"}
+
+
+class Layer(NamedTuple):
+    """One decoder layer's weights as the lean forward multiplies them (`models.arch` says which are set)."""
+
+    norm_in: torch.Tensor | None  # before attention (None: OLMo 2)
+    qkv: object  # q|k|v fused (dense or `quant.QuantizedLinear`)
+    b_qkv: torch.Tensor | None
+    o: object
+    b_o: torch.Tensor | None  # added once, after a tensor-parallel all-reduce
+    norm_mlp: torch.Tensor | None  # before the MLP (None: OLMo 2)
+    gate_up: object
+    down: object
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    norm_attn_out: torch.Tensor | None = None  # on the attention's output (Gemma 2/3, OLMo 2)
+    norm_mlp_out: torch.Tensor | None = None  # on the MLP's output
+    window: int | None = None  # sliding window (None: full attention)
+    rope: int = 0  # index into `LeanWeights.ropes`
+
+    def weights(self) -> list:
+        """Its weights that are set (tensors and linear layers), not its window and rope."""
+        return [t for t in self[:-2] if t is not None]
+
+
+def role_weights(layer, arch: Arch, config) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """{role: (weight, bias)} of an HF decoder layer, fused weights (Phi-3) cut into their roles (views)."""
+    if not arch.fused:
+        out = {}
+        for role, path in LINEAR_ROLES.items():
+            module = layer.get_submodule(path)
+            out[role] = (module.weight, module.bias)
+        return out
+    d = arch.head_dim
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
+    inter = gate_up.weight.shape[0] // 2
+
+    def rows(module, start, stop):
+        return module.weight[start:stop], None if module.bias is None else module.bias[start:stop]
+
+    return {"q": rows(qkv, 0, q), "k": rows(qkv, q, q + kv), "v": rows(qkv, q + kv, q + 2 * kv),
+            "o": (layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias),
+            "gate": rows(gate_up, 0, inter), "up": rows(gate_up, inter, 2 * inter),
+            "down": (layer.mlp.down_proj.weight, layer.mlp.down_proj.bias)}
 
 
 class LeanWeights:
@@ -52,7 +104,10 @@ class LeanWeights:
             return stored if stored is not None else quantize(weight.detach(), spec.method, spec.group)
 
         device = model.lm_head.weight.device
+        self.dtype = dtype
         stored = spec.stored if spec is not None else None
+        self.arch = arch = arch_of(cfg)
+        self.ropes: list[Rope] = [r.to(device) for r in model_ropes(model, arch)]
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -63,6 +118,8 @@ class LeanWeights:
         if held is not None and held != shard:
             raise ValueError(f"this model holds rank {held.rank} of {held.world}'s part of its linear layers only")
         if shard is not None:
+            if arch.tp_reason() is not None:
+                raise ValueError(f"tensor_parallel: {cfg.model_type} has {arch.tp_reason()}")
             groups = shard.kv_groups(self.kv_heads)
             self.heads, self.kv_heads = len(groups) * per_group, len(groups)
             if held is None:
@@ -78,36 +135,50 @@ class LeanWeights:
             raise ValueError(f"this model holds layers [{read[0]}, {read[1]}) only, not [{start}, {end})")
         self.first, self.last = start == 0, end == count
         self.layers = []
+        norm = self._norm_weight
+
+        def optional(module, name: str):
+            found = getattr(module, name, None)
+            return None if found is None else norm(found.weight)
+
         for i in range(start, end):
             layer = model.model.layers[i]
             attn = layer.self_attn
             own = stored["layers"][i] if stored is not None else {}
-            dense = {role: layer.get_submodule(path) for role, path in LINEAR_ROLES.items()}
+            dense = role_weights(layer, arch, cfg)
 
-            def weight(role: str):
-                w = quantized(own.get(role), dense[role].weight, spec)
+            def weight(role: str, own=own, dense=dense):
+                w = quantized(own.get(role), dense[role][0], spec)
                 return take(w, rows.get(role), cols.get(role))
 
-            def bias(role: str):
-                b = dense[role].bias
+            def bias(role: str, dense=dense):
+                b = dense[role][1]
                 return b if b is None or rows.get(role) is None else b[rows[role]]
 
-            at = attn.q_proj.weight.device
+            at = attn.o_proj.weight.device
             b_qkv = [bias("q"), bias("k"), bias("v")]
-            self.layers.append((
-                cast(layer.input_layernorm.weight),
+            sandwich = arch.norms == "sandwich"
+            self.layers.append(Layer(
+                optional(layer, "input_layernorm"),
                 fuse([weight("q"), weight("k"), weight("v")], at),
                 None if b_qkv[0] is None else cast(torch.cat(b_qkv)),
                 fuse([weight("o")], at),
-                cast(attn.o_proj.bias),  # added once, after the all-reduce
-                cast(layer.post_attention_layernorm.weight),
+                cast(dense["o"][1]),
+                optional(layer, "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm")
+                if arch.norms != "post" else None,
                 fuse([weight("gate"), weight("up")], at),
                 fuse([weight("down")], at),
+                q_norm=self._qk_norm(attn, "q_norm", rows.get("q")),
+                k_norm=self._qk_norm(attn, "k_norm", rows.get("k")),
+                norm_attn_out=optional(layer, "post_attention_layernorm") if arch.norms != "pre" else None,
+                norm_mlp_out=optional(layer, "post_feedforward_layernorm") if arch.norms != "pre" else None,
+                window=arch.windows[i],
+                rope=arch.rope_of_layer[i],
             ))
             if held is not None or read is not None:  # a part read for this serves nothing else: freed now,
                 # so a load peaks one layer over
                 drop_linears(layer)
-        self.norm = cast(model.model.norm.weight) if self.last else None
+        self.norm = norm(model.model.norm.weight) if self.last else None
         head = model.lm_head.weight
         head_stored = stored["head"] if stored is not None else None
         subset = getattr(model, "token_subset", None)
@@ -132,17 +203,42 @@ class LeanWeights:
                 QuantizedLinear(head, dtype, device, head_spec.dense_from)
         # indexed per call, cast only the rows used
         self.embed = model.model.embed_tokens.weight if self.first else None
-        self.inv_freq = model.model.rotary_emb.inv_freq.detach().float()
-        self.scale = self.head_dim**-0.5
-        self.dtype = dtype
+        self.scale = arch.scale
+        # the CPU kernels' attention has no sliding window or soft-capping
+        self.kernel_attention = arch.attn_softcap is None and all(layer.window is None for layer in self.layers)
         self.device = device
         self.quantization = "none" if spec is None else spec.describe()
         self.tp: Collective | None = None  # set by a tensor-parallel pool (`KVPool`)
 
 
+    def _norm_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """A norm's weight as `lean._rms` multiplies it: in the compute dtype after normalising (Llama's), or in
+        float32 before casting (Gemma's 1 + w, OLMo 2's w)."""
+        if self.arch.gemma:
+            return (1.0 + weight.detach().float()).contiguous()
+        if self.arch.norms == "post":
+            return weight.detach().float().contiguous()
+        return weight.detach().to(self.dtype).contiguous()
+
+    def _qk_norm(self, attn, name: str, rows: slice | None) -> torch.Tensor | None:
+        """A q/k norm's weight: per head (shared by a rank's heads) or over all heads (this rank's rows)."""
+        module = getattr(attn, name, None)
+        if module is None:
+            return None
+        weight = self._norm_weight(module.weight)
+        return weight if self.arch.qk_norm == "head" or rows is None else weight[rows].contiguous()
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """The first rope's frequencies (the CPU kernels' and older callers' view of a one-rope model)."""
+        return self.ropes[0].inv_freq
+
+
 def drop_linears(layer) -> None:
     """Free an HF decoder layer's linear weights once the lean forward holds its own."""
-    for module in map(layer.get_submodule, LINEAR_ROLES.values()):
+    for module in layer.modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
         module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
 

@@ -263,7 +263,8 @@ class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerService
             self.pool = self.scheduler.pool = self.on_compute_thread(pool, model, kv_cache_tokens)
             self.new_sequence = self.pool.sequence
         elif tp is not None:
-            raise ValueError("tensor_parallel: needs batching and a Llama-family target (the pooled step)")
+            raise ValueError("tensor_parallel: needs batching and a target the pooled step runs "
+                             f"({unsupported_reason(model) if model is not None else 'no model'})")
         self.kv_cache_tokens, self.prefix_caching = kv_cache_tokens, prefix_caching
         self.colocated: ColocatedSessions | None = None
 

@@ -139,6 +139,29 @@ messages=[{{'role': 'user', 'content': 'Hi!'}}]).choices[0].message.content)"
 """
 
 
+def model_paths(config: dict) -> list[tuple[str, str, bool]]:
+    """(role, spec, batched) of each model the configured applications load (target, then a model draft)."""
+    out = []
+    for app in config.get("applications") or []:
+        args = app.get("args") or {}
+        out.append(("target", str(args.get("target", "embedded")), args.get("batching", True) is not False))
+        draft = str(args.get("draft", "default"))
+        if draft not in ("default", "ngram", "none"):
+            out.append(("draft", draft, True))
+    return out
+
+
+def spec_path(spec: str) -> str:
+    """Which forward a model takes and why (`models.arch.describe_path`), read from its config alone."""
+    from specserve.models.arch import describe_path
+    from specserve.models.loading import model_config
+
+    try:
+        return describe_path(model_config(spec))
+    except Exception as exc:  # noqa: BLE001 - a start-up note: the load itself reports what is wrong
+        return f"its config could not be read here ({type(exc).__name__}); the workers will say"
+
+
 def serve_main(args) -> int:
     import ray
     from ray import serve
@@ -151,6 +174,9 @@ def serve_main(args) -> int:
             from specserve.models import cpukernels
 
             print(f"[specserve] bfloat16 CPU steps: {cpukernels.describe()}", flush=True)
+        for role, spec, batched in model_paths(config):
+            path = spec_path(spec) if batched else "one session at a time (batching: false)"
+            print(f"[specserve] {role} {spec}: {path}", flush=True)
     except (ValueError, FileNotFoundError, ValidationError, yaml.YAMLError) as exc:
         print(f"specserve: {exc}", file=sys.stderr)
         return 2

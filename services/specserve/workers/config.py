@@ -90,8 +90,8 @@ class WorkersConfig(BaseModel):
     batching: bool = Field(
         True,
         description="The target worker runs the ready work of all sessions as ONE forward per step over a shared KV "
-        "pool (Llama-family targets: Llama, Qwen2, Mistral without a sliding window; others run one session at a "
-        "time). false: one session at a time, each with its own cache (the unbatched path, for comparisons).",
+        "pool (the families of docs/serving.md's table: Llama 2/3.x, Mistral, Qwen2/2.5/3, Phi-3, OLMo 2, Gemma 1/2/3; "
+        "others run one session at a time). false: one session at a time, each with its own cache (the unbatched path, for comparisons).",
     )
     kv_cache_tokens: int = Field(
         65536, ge=256,
