@@ -103,3 +103,40 @@ def test_a_quantized_target_serves_its_greedy_chain_and_reads_fewer_bytes(tmp_pa
     assert all(r["wrong_tokens"] == 0 and r["tokens"] == 16 for r in quantized["rounds"])  # in process and served
     ratio = quantized["steps"][0]["weight_bytes"] / dense["steps"][0]["weight_bytes"]
     assert ratio < (0.6 if quantization == "int8" else 0.45), ratio  # the floor counts the packed bytes
+
+
+@pytest.mark.parametrize("shape,family,params", [
+    ("llama3-8b", "llama", 8_030_261_248), ("llama3-1b", "llama", 1_235_814_400),
+    ("qwen2.5-7b", "qwen2", 7_615_616_512), ("qwen2.5-0.5b", "qwen2", 494_032_768)])
+def test_public_shapes_have_the_public_models_parameter_counts(shape, family, params):
+    """The bench's shapes of the pairs users compare with are those models' (counted on the meta device, no
+    memory), and the pooled forward takes them."""
+    from transformers import AutoModelForCausalLM
+
+    from specserve.bench.dataplane import shape_config
+    from specserve.models.lean import unsupported_config
+
+    config = shape_config(shape)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert config.model_type == family and sum(p.numel() for p in model.parameters()) == params
+    assert unsupported_config(config) is None
+
+
+def test_a_qwen2_shaped_synthetic_pair_decodes_its_known_successors():
+    """The synthetic construction holds for a Qwen2 (attention biases) as for a Llama: greedy t+1, t+2, ..."""
+    from specserve import SamplingParams, SpeculativeDecoder
+    from specserve.bench.dataplane import SHAPES, wrong_tokens
+
+    SHAPES["qwen-tiny"] = {**SHAPES["tiny"], "model_type": "qwen2"}
+    try:
+        target = synthetic_llama("qwen-tiny", VOCAB, None, "cpu", "float32")
+        draft = synthetic_llama("qwen-tiny", VOCAB, 0.5, "cpu", "float32")
+    finally:
+        del SHAPES["qwen-tiny"]
+    assert target.config.model_type == "qwen2"
+    prompt = [3, 9, 4]
+    result = SpeculativeDecoder(target, draft, gamma=3, draft_lookup=False).generate(
+        prompt, SamplingParams(temperature=0.0, ignore_eos=True), 20)
+    assert wrong_tokens(prompt, result.token_ids, VOCAB) == 0
+    assert 0.0 < result.stats.acceptance_rate < 1.0

@@ -251,3 +251,58 @@ def test_olmo2_refuses_tensor_parallelism_by_name():
 
     with pytest.raises(ValueError, match="tensor_parallel: olmo2 has q/k norms over all heads"):
         LeanWeights(tiny_family("olmo2"), torch.float64, Shard(0, 2))
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "gemma3"])
+def test_served_sessions_over_grpc_workers_equal_the_in_process_decoder(name):
+    """A batched target worker and a draft worker whose drafts share pooled forwards (`ScheduledDraft`), over
+    real gRPC with the coordinator: eight sessions together (greedy and seeded sampling) emit the in-process
+    decoder's tokens, and both workers' steps were shared."""
+    import asyncio
+
+    import grpc
+
+    from specserve.coordinator import Coordinator, SessionRequest, SplitDriver
+    from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
+    from specserve.scheduler.colocated import ScheduledDraft
+    from specserve.v1 import workers_pb2_grpc
+
+    target = tiny_family(name)
+    draft = perturbed_copy(target, 0.1)
+    target_servicer = TargetWorkerServicer(target, VOCAB, kv_cache_tokens=4096)
+    target_servicer.scheduler.gather = 20.0  # tiny steps: wait for the others so that they share steps
+    compute = StepScheduler()
+    draft_servicer = DraftWorkerServicer(ScheduledDraft(compute, draft, VOCAB, 4).proposer, VOCAB,
+                                         scheduler=compute, scheduled=True)
+    servers, addresses = [], []
+    for servicer, add in ((target_servicer, workers_pb2_grpc.add_TargetWorkerServicer_to_server),
+                          (draft_servicer, workers_pb2_grpc.add_DraftWorkerServicer_to_server)):
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
+        add(servicer, server)
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        server.start()
+        servers.append(server)
+    requests = [SessionRequest(PROMPT[i:] + PROMPT[:i], SamplingParams(
+        temperature=0.0 if i % 2 else 1.0, seed=10 + i, ignore_eos=True), 16) for i in range(8)]
+    try:
+        assert target_servicer.pool is not None, f"{name}: the target worker did not batch"
+        coord = Coordinator(SplitDriver(addresses[0], VOCAB, [], draft="remote", draft_address=addresses[1],
+                                        gamma=3))
+
+        async def tokens_of(request: SessionRequest) -> list[int]:
+            return [t async for chunk in coord.generate(request) for t in chunk.tokens]
+
+        async def together():
+            return await asyncio.gather(*(tokens_of(r) for r in requests))
+
+        served = asyncio.run(together())
+        assert max(target_servicer.scheduler.sessions_per_step) >= 4
+        assert max(draft_servicer.scheduler.sessions_per_draft_step, default=0) >= 2
+    finally:
+        for server in servers:
+            server.stop(0).wait()
+        target_servicer.close()
+        draft_servicer.close()
+    local = SpeculativeDecoder(target, draft, gamma=3, draft_top_k=4)
+    for request, tokens in zip(requests, served):
+        assert tokens == local.generate(request.prompt_ids, request.params, request.max_tokens).token_ids

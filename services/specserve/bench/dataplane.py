@@ -1,6 +1,7 @@
 """The data plane without Ray: worker processes serving gRPC and a coordinator, timed on synthetic Llama pairs.
 
     python -m specserve.bench.dataplane --targets 1b,7b --out dataplane-out
+    python -m specserve.bench.dataplane --targets llama3-8b --draft-shape llama3-1b --out dataplane-out
 
 This is what a GPU machine with no Ray (and too little room to carry real
 weights) can measure of the served path: the same `TargetWorkerActor` /
@@ -8,8 +9,9 @@ weights) can measure of the served path: the same `TargetWorkerActor` /
 its own serving gRPC on 127.0.0.1, and the same `Coordinator` driving
 sessions over them, against the in-process `SpeculativeDecoder`.
 
-The models are random-weight Llamas of realistic shapes (`SHAPES`; every
-matmul of a real model runs) built so that greedy decoding has a known
+The models are random-weight Llamas (and Qwen2s) of realistic shapes
+(`SHAPES`: Llama-2-7B, Llama-3.1-8B with a Llama-3.2-1B draft, Qwen2.5-7B with
+a Qwen2.5-0.5B draft, ...; every matmul of a real model runs) built so that greedy decoding has a known
 acceptance rate. Each layer's attention and MLP output projections are
 zero, so a model's next token depends on the last token alone: token t is
 embedded as a random unit vector e_t, and lm_head row u is the sum of the
@@ -60,18 +62,48 @@ from specserve.bench.plot import STEP_MODES, plot_dataplane
 from specserve.bench.steps import bench_accept, bench_hf, bench_steps
 from specserve.speculation import parse_gamma
 
-# Layer shapes of public models (random weights here). vocab is the bench's (--vocab) for every model, so any
-# draft shape pairs with any target.
-SHAPES: dict[str, dict[str, int]] = {
+# Layer shapes of public models (random weights here). vocab is the bench's (--vocab, by default the first
+# target's own where its entry names one) for every model, so any draft shape pairs with any target. An entry
+# may name its family (`model_type`, default llama), rope and tied head, as the public config does.
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2),
     "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                  num_key_value_heads=3),  # SmolLM2-135M, the embedded target and its distilled draft's family
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8),  # Llama-3.2-1B
+               num_key_value_heads=8),  # Llama-3.2-1B's layers (default rope, untied head)
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=32),  # Llama-2-7B
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+                      rope_parameters={**_LLAMA3_ROPE, "factor": 8.0}),  # Llama-3.1-8B
+    "llama3-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True,
+                      max_position_embeddings=131072, rope_parameters={**_LLAMA3_ROPE, "factor": 32.0}),  # Llama-3.2-1B, its usual draft
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                       max_position_embeddings=32768, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),  # Qwen2.5-7B
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                         max_position_embeddings=32768, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),  # Qwen2.5-0.5B
 }
+
+
+def shape_config(shape: str, vocab: int | None = None):
+    """The HF config of a `SHAPES` entry (vocab: in place of its own, or of SmolLM2's 49152 where it has none)."""
+    from transformers import AutoConfig
+
+    entry = dict(SHAPES[shape])
+    model_type = entry.pop("model_type", "llama")
+    entry["vocab_size"] = vocab or entry.get("vocab_size", DEFAULT_VOCAB)
+    entry.setdefault("tie_word_embeddings", False)
+    entry.setdefault("max_position_embeddings", 4096)
+    return AutoConfig.for_model(model_type, bos_token_id=None, eos_token_id=None, pad_token_id=None, **entry)
+
+
+DEFAULT_VOCAB = 49152  # SmolLM2's
 
 
 def synthetic_llama(shape: str, vocab: int, alpha: float | None, device: str, dtype: str | None = None,
@@ -79,18 +111,17 @@ def synthetic_llama(shape: str, vocab: int, alpha: float | None, device: str, dt
     """A random-weight Llama of `shape` whose greedy next token after t is t+1 (alpha None: the target), or a
     draft's: t+1 on a random `alpha` share of the vocabulary, t+2 elsewhere (see the module docstring).
     quantization: "int8" / "int4[-gN]" packs its linear layers (`models.quant`)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from specserve.models.loading import default_dtype, resolve_dtype
 
     torch_dtype = resolve_dtype(dtype) or default_dtype(device)
-    config = LlamaConfig(vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None, **SHAPES[shape])
+    config = shape_config(shape, vocab)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config)
+            model = AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(previous)
     gen = torch.Generator().manual_seed(seed + 1000 * (alpha is not None))
@@ -102,6 +133,9 @@ def synthetic_llama(shape: str, vocab: int, alpha: float | None, device: str, dt
         agree = torch.rand(vocab, generator=torch.Generator().manual_seed(seed + 1)) < alpha
         successor = torch.where(agree, successor, (ids + 2) % vocab)
     head = torch.zeros(vocab, config.hidden_size).index_add_(0, successor, unit)
+    if config.tie_word_embeddings:  # one matrix for both: untie it (the construction needs two)
+        model.lm_head.weight = torch.nn.Parameter(torch.empty_like(model.lm_head.weight))
+        model.config.tie_word_embeddings = False
     with torch.no_grad():
         model.model.embed_tokens.weight.copy_(unit)
         model.lm_head.weight.copy_(head)
@@ -396,7 +430,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--targets", type=_csv(str), default=["1b", "7b"], help=f"target shapes, of {sorted(SHAPES)}")
     p.add_argument("--draft-shape", default="135m", choices=sorted(SHAPES))
-    p.add_argument("--vocab", type=int, default=49152, help="vocabulary of every model (SmolLM2's by default)")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="vocabulary of every model (default: the first target shape's own, else SmolLM2's 49152)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--draft-devices", type=_csv(str), default=None,
                    help="devices of the split draft worker (default: the target's, and cpu beside a GPU)")
@@ -433,6 +468,8 @@ def parse_args(argv=None):
     unknown = [s for s in args.targets if s not in SHAPES]
     if unknown:
         p.error(f"--targets: unknown shape(s) {unknown}; choose from {sorted(SHAPES)}")
+    if args.vocab is None:
+        args.vocab = SHAPES[args.targets[0]].get("vocab_size", DEFAULT_VOCAB) if args.targets else DEFAULT_VOCAB
     if args.draft_devices is None:
         args.draft_devices = [args.device] + (["cpu"] if args.device != "cpu" else [])
     return args
