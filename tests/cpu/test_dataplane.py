@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-
 from specserve.bench import dataplane
 from specserve.bench.dataplane import synthetic_llama
 
@@ -111,10 +110,9 @@ def test_a_quantized_target_serves_its_greedy_chain_and_reads_fewer_bytes(tmp_pa
 def test_public_shapes_have_the_public_models_parameter_counts(shape, family, params):
     """The bench's shapes of the pairs users compare with are those models' (counted on the meta device, no
     memory), and the pooled forward takes them."""
-    from transformers import AutoModelForCausalLM
-
     from specserve.bench.dataplane import shape_config
     from specserve.models.lean import unsupported_config
+    from transformers import AutoModelForCausalLM
 
     config = shape_config(shape)
     with torch.device("meta"):

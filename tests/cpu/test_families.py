@@ -261,7 +261,6 @@ def test_served_sessions_over_grpc_workers_equal_the_in_process_decoder(name):
     import asyncio
 
     import grpc
-
     from specserve.coordinator import Coordinator, SessionRequest, SplitDriver
     from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
     from specserve.scheduler.colocated import ScheduledDraft
