@@ -120,20 +120,22 @@ def test_the_build_is_chosen_from_the_cpu_and_the_switch(monkeypatch):
     assert "SPECSERVE_CPU_KERNELS=0" in cpukernels.describe()
 
 
-def _reference_attention(q, arena_k, arena_v, new_k, new_v, base, start, group, scale):
-    """float64 attention of one sequence's new rows: its cached keys, then its new ones up to each row."""
+def _reference_attention(q, arena_k, arena_v, new_k, new_v, base, start, group, scale, window=None):
+    """float64 attention of one sequence's new rows: its cached keys, then its new ones up to each row (with a
+    sliding window, the last `window` of those)."""
     keys = torch.cat([arena_k[:, base : base + start].double(), new_k.transpose(0, 1).double()], 1)
     values = torch.cat([arena_v[:, base : base + start].double(), new_v.transpose(0, 1).double()], 1)
     n, heads, d = q.shape
     out = torch.empty(n, heads, d, dtype=torch.float64)
     for i in range(n):
         for h in range(heads):
-            s = keys[h // group, : start + i + 1] @ q[i, h].double() * scale
-            out[i, h] = torch.softmax(s, 0) @ values[h // group, : start + i + 1]
+            lo = 0 if window is None else max(0, start + i + 1 - window)
+            s = keys[h // group, lo : start + i + 1] @ q[i, h].double() * scale
+            out[i, h] = torch.softmax(s, 0) @ values[h // group, lo : start + i + 1]
     return out.reshape(n, heads * d)
 
 
-def _step(arena, seqs, heads, kv_heads, d, seed):
+def _step(arena, seqs, heads, kv_heads, d, seed, window=None):
     """q, k, v of a step's new rows laid out as the lean forward makes them (one [T, heads + 2·kv_heads, d]
     projection, viewed), and the kernel's output."""
     torch.manual_seed(seed)
@@ -146,25 +148,26 @@ def _step(arena, seqs, heads, kv_heads, d, seed):
     attention = cpukernels.Attention(arena[0], arena[1], [b for b, _, _ in seqs], [s for _, s, _ in seqs],
                                      [n for _, _, n in seqs], offsets, heads, d**-0.5)
     out = torch.empty(total, heads * d, dtype=torch.bfloat16)
-    attention(1, q, k, v, out)
+    attention(1, q, k, v, out, window)
     return q, k, v, offsets, out
 
 
-def test_attention_reads_and_writes_the_arena_as_the_reference():
+@pytest.mark.parametrize("window", [None, 7, 64], ids=["full", "window-7", "window-64"])
+def test_attention_reads_and_writes_the_arena_as_the_reference(window):
     heads, kv_heads, d = 6, 2, 64
     torch.manual_seed(0)
     k_arena = torch.randn(3, kv_heads, 512, d).bfloat16()
     v_arena = torch.randn(3, kv_heads, 512, d).bfloat16()
     before_k, before_v = k_arena.clone(), v_arena.clone()
     seqs = [(0, 10, 1), (64, 30, 5), (128, 0, 3), (256, 200, 16), (480, 17, 2)]  # (block, cached, new)
-    q, k, v, offsets, out = _step((k_arena, v_arena), seqs, heads, kv_heads, d, 1)
+    q, k, v, offsets, out = _step((k_arena, v_arena), seqs, heads, kv_heads, d, 1, window)
     for j, (base, start, n) in enumerate(seqs):
         rows = slice(offsets[j], offsets[j + 1])
         # the new keys and values land right after the cached ones, on the layer asked (1) only
         assert torch.equal(k_arena[1, :, base + start : base + start + n], k[rows].transpose(0, 1))
         assert torch.equal(v_arena[1, :, base + start : base + start + n], v[rows].transpose(0, 1))
         ref = _reference_attention(q[rows], before_k[1], before_v[1], k[rows], v[rows], base, start,
-                                   heads // kv_heads, d**-0.5)
+                                   heads // kv_heads, d**-0.5, window)
         assert (out[rows].double() - ref).abs().max() <= 2**-7 * max(1.0, ref.abs().max().item())
     untouched = torch.ones(512, dtype=torch.bool)
     for base, start, n in seqs:

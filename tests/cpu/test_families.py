@@ -207,7 +207,8 @@ def test_the_docs_table_is_the_codes():
     assert table() in docs, "docs/serving.md's table differs from the code's: paste `python -m specserve.models.arch`"
 
 
-KERNEL_FAMILIES = ["llama3", "qwen3", "olmo2", "gemma"]  # fused layers; attention only for the other three
+# fused layers (with a sliding window: mistral); attention only for the others (qwen2 and gemma3 with windows)
+KERNEL_FAMILIES = ["llama3", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma3"]
 
 
 @pytest.mark.skipif(not cpukernels.available(), reason="specserve's CPU kernels do not run here")
@@ -220,7 +221,7 @@ def test_bfloat16_kernel_steps_give_each_row_what_it_gets_alone(name):
     loaded = load_model(model, dtype="bfloat16", quantization="int8")
     pool = KVPool(loaded.model, tokens=1024, min_block=8)
     assert pool.w.kernel_attention and cpukernels.step_kernels(pool.w.dtype, pool.w.device, pool.w.head_dim)
-    assert (cpukernels.FusedLayers.plan(pool.w) is not None) == (name == "llama3")
+    assert (cpukernels.FusedLayers.plan(pool.w) is not None) == (name in ("llama3", "mistral"))
     rng = random.Random(0)
     histories = [[rng.randrange(VOCAB) for _ in range(n)] for n in (13, 7, 2)]
     together = pool.forward([pool.sequence() for _ in histories], histories, [1, 1, 1])

@@ -234,8 +234,8 @@ def model_ropes(model, a: Arch) -> list[Rope]:
 
 def kernel_path(a: Arch) -> str:
     """What specserve's CPU kernels run of a bfloat16 step of this arch (where they run at all: `cpukernels`)."""
-    if a.attn_softcap is not None or any(w is not None for w in a.windows):
-        return "op by op (sliding window or soft-capping: torch's attention)"
+    if a.attn_softcap is not None:
+        return "op by op (attention soft-capping: torch's attention)"
     if not a.llama_layer or a.qkv_bias:
         return "attention; the rest op by op (" + _not_llama(a) + ")"
     return "fused layers"

@@ -129,11 +129,11 @@ def _load(isa: str) -> ctypes.CDLL | None:
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.specserve_int4_mm.argtypes = [p, i, i, p, p, i, p, i, p]
     lib.specserve_int8_mm.argtypes = [p, i, i, p, p, p, i]
-    lib.specserve_attend.argtypes = [p, i, p, i, p, i, p, p, i, p, i, i, i, i, ctypes.c_float, p]
+    lib.specserve_attend.argtypes = [p, i, p, i, p, i, p, p, i, p, i, i, i, i, ctypes.c_float, i, p]
     lib.specserve_rms_norm.argtypes = [p, i, p, i, i, ctypes.c_float, p]
     lib.specserve_silu_mul.argtypes = [p, i, i, p]
     lib.specserve_layer.argtypes = [p, i, i, p, p, ctypes.c_float, p, p, p, p, p, i, p, i, i, i, i,
-                                    ctypes.c_float, p, p]
+                                    ctypes.c_float, i, p, p]
     for f in (lib.specserve_int4_mm, lib.specserve_int8_mm, lib.specserve_attend, lib.specserve_rms_norm,
               lib.specserve_silu_mul, lib.specserve_layer):
         f.restype = None
@@ -282,13 +282,15 @@ class Attention:
         self.info = torch.tensor(info, dtype=torch.int64)
         self.count, self.heads, self.scale = len(sizes), heads, scale
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
-        """q [T, heads, d], k, v [T, kv_heads, d] (rows strided, heads contiguous); out [T, heads·d]."""
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 window: int | None = None) -> None:
+        """q [T, heads, d], k, v [T, kv_heads, d] (rows strided, heads contiguous); out [T, heads·d]; window: the
+        layer's sliding window (None: every key)."""
         ka, va = self.k[layer], self.v[layer]
         kvh, _, d = ka.shape
         library().specserve_attend(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                                    ka.data_ptr(), va.data_ptr(), ka.stride(0), self.info.data_ptr(), self.count,
-                                   self.heads, kvh, d, self.scale, out.data_ptr())
+                                   self.heads, kvh, d, self.scale, window or 0, out.data_ptr())
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -313,13 +315,14 @@ class FusedLayers:
     same order as the per-op path, so its values are the per-op path's (tests/cpu/test_cpukernels.py)."""
 
     def __init__(self, layers: list, rows_below: int):
-        self.layers = layers  # (norm_in, norm_post, ctypes array of 4 _Linear, the linears they point into)
+        # (norm_in, norm_post, ctypes array of 4 _Linear, the linears they point into, sliding window or 0)
+        self.layers = layers
         self.rows_below = rows_below  # steps of fewer rows than this (no layer's dense copy taking over)
         h = layers[0][0].shape[0]
         lin = layers[0][2]
         self.hidden, self.inter = h, lin[2].N // 2
         self.qkv = lin[0].N
-        self.max_groups = max(l.K // l.group if l.kind == 4 else 1 for _, _, ls, _ in layers for l in ls)
+        self.max_groups = max(l.K // l.group if l.kind == 4 else 1 for _, _, ls, _, _ in layers for l in ls)
 
     @classmethod
     def plan(cls, w) -> FusedLayers | None:
@@ -341,7 +344,8 @@ class FusedLayers:
                 s.group, s.N, s.K = group or 0, q.out_features, q.in_features
                 if q.dense is not None:
                     rows_below = min(rows_below, q.dense_from)
-            layers.append((layer.norm_in, layer.norm_mlp, structs, linears))  # the linears keep the addresses valid
+            # the linears keep the addresses valid
+            layers.append((layer.norm_in, layer.norm_mlp, structs, linears, layer.window or 0))
         return cls(layers, rows_below) if layers else None
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention, heads: int,
@@ -361,6 +365,6 @@ class FusedLayers:
         info, count, scale = attention.info.data_ptr(), attention.count, attention.scale
         k0, v0, head_stride = k.data_ptr(), v.data_ptr(), k.stride(1)
         s0, x0 = scratch.data_ptr(), xsum.data_ptr()
-        for i, (norm_in, norm_post, structs, _) in enumerate(self.layers):
+        for i, (norm_in, norm_post, structs, _, window) in enumerate(self.layers):
             call(*args, norm_in.data_ptr(), norm_post.data_ptr(), eps, structs, *tail, k0 + i * layer_bytes,
-                 v0 + i * layer_bytes, head_stride, info, count, heads, kv_heads, head_dim, scale, s0, x0)
+                 v0 + i * layer_bytes, head_stride, info, count, heads, kv_heads, head_dim, scale, window, s0, x0)

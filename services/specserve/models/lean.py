@@ -141,7 +141,7 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
             outs.append(_attend(w, q[o : o + n], k_cache[:, lo : s + n], v_cache[:, lo : s + n], mask))
         if kernel is not None:
             att = q.new_empty(total, q.shape[1] * q.shape[2])
-            kernel(i, q, k, v, att)
+            kernel(i, q, k, v, att, layer.window)
         elif padded is None:
             att = outs[0] if len(outs) == 1 else torch.cat(outs)
         else:

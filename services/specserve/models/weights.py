@@ -204,8 +204,7 @@ class LeanWeights:
         # indexed per call, cast only the rows used
         self.embed = model.model.embed_tokens.weight if self.first else None
         self.scale = arch.scale
-        # the CPU kernels' attention has no sliding window or soft-capping
-        self.kernel_attention = arch.attn_softcap is None and all(layer.window is None for layer in self.layers)
+        self.kernel_attention = arch.attn_softcap is None  # the CPU kernels' attention does not soft-cap
         self.device = device
         self.quantization = "none" if spec is None else spec.describe()
         self.tp: Collective | None = None  # set by a tensor-parallel pool (`KVPool`)

@@ -578,11 +578,12 @@ void specserve_int8_mm(const uint16_t *x, int64_t M, int64_t K, const int8_t *co
 // Attention of short new blocks against one layer of the pool's arena (k, v: [kv_heads, positions, D], head
 // `head_stride` elements apart), after writing the blocks' keys and values into it. Sequence j (info[4j..]:
 // arena offset of its block, cached length, new tokens, first row in q) has query i see its cache and its new
-// tokens up to itself. q: [T, heads, D] rows `q_stride` apart; k_new, v_new: [T, kv_heads, D]; out: [T, heads·D].
+// tokens up to itself, and with a sliding `window` > 0 only the last `window` of those. q: [T, heads, D] rows
+// `q_stride` apart; k_new, v_new: [T, kv_heads, D]; out: [T, heads·D].
 void specserve_attend(const uint16_t *q, int64_t q_stride, const uint16_t *k_new, int64_t k_stride,
                       const uint16_t *v_new, int64_t v_stride, uint16_t *k, uint16_t *v, int64_t head_stride,
                       const int64_t *info, int64_t nseq, int64_t heads, int64_t kv_heads, int64_t D, float scale,
-                      uint16_t *out) {
+                      int64_t window, uint16_t *out) {
   int64_t rows = 0;
   for (int64_t j = 0; j < nseq; j++) {
     const int64_t base = info[4 * j], start = info[4 * j + 1], n = info[4 * j + 2], row = info[4 * j + 3];
@@ -605,9 +606,10 @@ void specserve_attend(const uint16_t *q, int64_t q_stride, const uint16_t *k_new
     for (int64_t x = 0; x < tasks; x++) {
       const int64_t j = task[2 * (x / heads)], i = task[2 * (x / heads) + 1], h = x % heads;
       const int64_t base = info[4 * j], start = info[4 * j + 1], row = info[4 * j + 3] + i;
-      const int64_t g = h / group;
-      attend_row(q + row * q_stride + h * D, k + g * head_stride + base * D, v + g * head_stride + base * D, D,
-                 start + i + 1, D, scale, out + row * heads * D + h * D, scores);
+      const int64_t g = h / group, seen = start + i + 1;
+      const int64_t lo = window > 0 && seen > window ? seen - window : 0;  // key t seen iff t > position - window
+      attend_row(q + row * q_stride + h * D, k + g * head_stride + (base + lo) * D,
+                 v + g * head_stride + (base + lo) * D, D, seen - lo, D, scale, out + row * heads * D + h * D, scores);
     }
   }
 }
@@ -689,7 +691,7 @@ extern "C" {
 void specserve_layer(uint16_t *x, int64_t T, int64_t H, const uint16_t *norm_in, const uint16_t *norm_post, float eps,
                      const Linear *lin, const uint16_t *cos, const uint16_t *sin, uint16_t *k, uint16_t *v,
                      int64_t head_stride, const int64_t *info, int64_t nseq, int64_t heads, int64_t kv_heads,
-                     int64_t D, float scale, uint16_t *scratch, float *xsum) {
+                     int64_t D, float scale, int64_t window, uint16_t *scratch, float *xsum) {
   const int64_t QK = (heads + kv_heads) * D, QKV = QK + kv_heads * D, I = lin[2].N / 2;
   uint16_t *h = scratch, *qkv = h + T * H, *qk = qkv + T * QKV, *att = qk + T * QKV, *o = att + T * heads * D;
   uint16_t *gate_up = o + T * H, *act = gate_up + T * 2 * I;
@@ -697,7 +699,7 @@ void specserve_layer(uint16_t *x, int64_t T, int64_t H, const uint16_t *norm_in,
   linear(lin[0], h, T, qkv, xsum);
   rope(qkv, QKV, T, heads + kv_heads, D, cos, sin, qk);
   specserve_attend(qk, QK, qk + heads * D, QK, qkv + QK, QKV, k, v, head_stride, info, nseq, heads, kv_heads, D,
-                   scale, att);
+                   scale, window, att);
   linear(lin[1], att, T, o, xsum);
   residual_add(x, o, T * H);
   specserve_rms_norm(x, H, norm_post, T, H, eps, h);
