@@ -306,3 +306,38 @@ def test_served_sessions_over_grpc_workers_equal_the_in_process_decoder(name):
     local = SpeculativeDecoder(target, draft, gamma=3, draft_top_k=4)
     for request, tokens in zip(requests, served):
         assert tokens == local.generate(request.prompt_ids, request.params, request.max_tokens).token_ids
+
+
+@pytest.mark.parametrize("name", ["mistral", "phi3", "gemma2"])
+def test_a_cached_prefix_gives_the_logits_of_a_whole_prefill(name):
+    """The prefix cache with a sliding window, longrope and partial rotary, soft-capping: a second request that
+    shares a released one's prompt copies its rows and goes on with HF's logits."""
+    from specserve.models.prefix import CHUNK
+
+    model = tiny_family(name)
+    rng = random.Random(3)
+    system = [rng.randrange(VOCAB) for _ in range(CHUNK + 5)]
+    pool = KVPool(model, tokens=2048, max_length=256, min_block=16, prefix_caching=True)
+    first = pool.sequence()
+    first.logits_after(system + [1, 2, 3])
+    first.release()
+    other = system + [7, 8, 9, 10]
+    second = pool.sequence()
+    assert second.unfed(other, 1) == other[len(system):]
+    got = second.feed(other[len(system):], 4)
+    torch.testing.assert_close(got, hf_logits(model, other)[len(system):], atol=2e-5, rtol=0)
+    assert second.hit_tokens == len(system)
+
+
+def test_the_start_up_line_names_each_models_path():
+    from transformers import GPT2Config
+
+    from specserve.models.arch import describe_path
+    from specserve.serve.run import model_paths
+
+    assert describe_path(GPT2Config()).startswith("one session at a time through the Hugging Face forward")
+    assert "'gpt2'" in describe_path(GPT2Config())
+    path = describe_path(tiny_family("gemma3").config)
+    assert path.startswith("gemma3_text: the batched KV pool, sliding window 6 on 2 of 3 layers")
+    config = {"applications": [{"args": {"target": "/m/qwen", "draft": "/m/qwen-small", "batching": False}}]}
+    assert model_paths(config) == [("target", "/m/qwen", False), ("draft", "/m/qwen-small", True)]

@@ -77,7 +77,7 @@ class SpeculativeDecoder:
       dense; "int8" (per row) or "int4" (groups of 32; int4-g64, int4-g128) quantized at load. Quantized
       targets compute in bfloat16, and are different models from their dense versions: the output is
       exactly the quantized target's distribution. draft_quantization: the same for a model draft.
-    kv_cache_tokens: a Llama-family target runs on the serving workers' lean forward and KV pool (a batch of
+    kv_cache_tokens: a target of `models.arch`'s families runs on the serving workers' lean forward and KV pool (a batch of
       one here); the pool holds this many positions (default: two sequences of the model's full context).
       Other targets run the HF forward with a per-generation cache.
     prefix_caching: that pool keeps finished generations' keys and values, and a generation whose prompt

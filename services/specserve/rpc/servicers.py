@@ -13,7 +13,7 @@ launches the work: forwards issued from a rotating pool of gRPC threads each
 built their own pool and oversubscribed the cores. That thread is the
 target's step scheduler (`scheduler.steps`): Prefill and Verify calls of all
 sessions are queued and run as one batched forward per step over the KV
-pool (`models.pool`) where the model is Llama-family, one session at a time
+pool (`models.pool`) where `models.arch` describes the model, one session at a time
 otherwise. A full KV pool is RESOURCE_EXHAUSTED.
 """
 
@@ -236,7 +236,7 @@ class DraftWorkerServicer(_SessionService, workers_pb2_grpc.DraftWorkerServicer)
 
 
 class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerServicer):
-    """batching: run Llama-family targets through the KV pool, one forward per step over all sessions
+    """batching: run targets of `models.arch`'s families through the KV pool, one forward per step over all sessions
     (kv_cache_tokens positions in all; max_step_tokens and prefill_chunk bound a step, see `StepScheduler`;
     prefix_caching: finished sessions' KV kept for new ones with the same prefix, `models.prefix`;
     kv_wait_s: how long a new session waits for room in a full pool).

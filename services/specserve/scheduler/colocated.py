@@ -26,8 +26,8 @@ from specserve.speculation import PositionRNG, SamplingParams
 
 class ScheduledDraft:
     """A draft model whose forwards run as a scheduler's batched draft steps, over a KV pool of its own (a
-    Llama-family draft; others keep their HF cache, fed one session at a time on the same thread). Its
-    proposers are called from the sessions' own threads; only their forwards cross to the compute thread."""
+    draft of `models.arch`'s families; others keep their HF cache, fed one session at a time on the same
+    thread). Its proposers are called from the sessions' own threads; only their forwards cross to the compute thread."""
 
     def __init__(self, scheduler: StepScheduler, model, vocab: int, top_k_q: int = 0, name: str = "draft",
                  kv_cache_tokens: int = 65536, fused: bool | None = None, prefix_caching: bool = True):

@@ -143,7 +143,7 @@ class WorkersConfig(BaseModel):
         default_factory=list,
         description="Run the target as a pipeline of stage actors, one per entry (layers split evenly, in order), "
         "each with a KV arena over its layers; the target worker then keeps the sessions and batches their steps, "
-        "which pass stage to stage. Llama-family targets. Empty = one target actor holding the whole model.",
+        "which pass stage to stage. Targets of docs/serving.md's supported architectures. Empty = one target actor holding the whole model.",
     )
 
     def draft_device_of_its_own(self) -> bool:

@@ -55,7 +55,7 @@ class TargetStageActor:
             loaded = load_model(target, dtype, quantization=quantization, layers=layers)
         problem = unsupported_reason(loaded.model)
         if problem is not None:
-            raise ValueError(f"target_stages: the staged forward runs Llama-family models, not this one ({problem})")
+            raise ValueError(f"target_stages: the staged forward runs the families of docs/serving.md's table, not this one ({problem})")
         self.pool = KVPool(loaded.model, kv_cache_tokens, tp=tp, layers=layers)  # the rest of the model is freed
 
     def _rank_lost(self, error: BaseException) -> None:
