@@ -179,8 +179,9 @@ def test_a_stage_reads_only_its_part_of_a_checkpoint(tmp_path, tied):
         assert (body.norm.weight.numel() > 0) == (end == 5)  # (the head: in the lean weights, below)
         w = lean_weights(part, torch.float32, None, (start, end))
         for mine, theirs in zip(w.layers, whole.layers[start:end]):
-            for a, b in zip(mine, theirs):
-                assert (a is None and b is None) or torch.equal(a, b)
+            assert (mine.window, mine.rope) == (theirs.window, theirs.rope)
+            for a, b in zip(mine.weights(), theirs.weights(), strict=True):
+                assert torch.equal(a, b)
         assert (w.head is None) == (end < 5) and (end < 5 or torch.equal(w.head, whole.head))
         with pytest.raises(ValueError, match="holds layers"):
             KVPool(part, 64, layers=(0, 5))
