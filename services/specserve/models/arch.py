@@ -22,6 +22,7 @@ class Unsupported(ValueError):
 _FAMILY = {
     "llama": {},
     "specserve_draft": {},
+    "specserve_head": {},
     "mistral": {},
     "qwen2": {},
     "qwen3": {"qk_norm": "head"},

@@ -90,10 +90,10 @@ class SubsetDraftForCausalLM(LlamaPreTrainedModel, GenerationMixin):
 
     def attach_shared_embedding(self) -> None:
         """Fill the input embedding from the target named by `config.shared_from`, checking its digest."""
-        if not self.config.shared_from:
+        if not getattr(self.config, "shared_from", None):
             raise ValueError("this draft has no embedding of its own and no `shared_from` target in its config")
         weight = read_tensor(self.config.shared_from, EMBEDDING)
-        expected = self.config.shared_embedding_digest
+        expected = getattr(self.config, "shared_embedding_digest", None)
         if expected and embedding_digest(weight) != expected:
             raise ValueError(
                 f"the embedding of {self.config.shared_from!r} is not the one this draft was distilled with "

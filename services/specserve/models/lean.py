@@ -74,21 +74,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], keeps: list[int],
                  arena: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None,
-                 hidden: torch.Tensor | None = None) -> torch.Tensor:
+                 hidden: torch.Tensor | None = None, features: torch.Tensor | None = None, head: bool = True
+                 ) -> torch.Tensor:
     """`_lean_forward`, on a GPU without cuDNN's attention: it builds an execution plan for each new shape,
     and a served batch's shapes change every step (its lengths grow), so every step paid for a new plan
     (docs/benchmarks.md, one H100)."""
     if w.device.type != "cuda":
-        return _lean_forward(w, caches, new_tokens, keeps, arena, hidden)
+        return _lean_forward(w, caches, new_tokens, keeps, arena, hidden, features, head)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        return _lean_forward(w, caches, new_tokens, keeps, arena, hidden)
+        return _lean_forward(w, caches, new_tokens, keeps, arena, hidden, features, head)
 
 
 def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], keeps: list[int],
                   arena: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None,
-                  hidden: torch.Tensor | None = None) -> torch.Tensor:
+                  hidden: torch.Tensor | None = None, features: torch.Tensor | None = None, head: bool = True
+                  ) -> torch.Tensor:
     """ONE forward over the new tokens of several sequences, each against its own cache.
 
     caches[j] has `tokens` (the tokens its cache holds; the new ones go right after) and `kv(layer)` -> (k, v),
@@ -101,6 +103,11 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
 
     A pipeline stage's weights (`LeanWeights.layers`) take the hidden states the stage before made for every
     new token ([T, hidden]) in place of embedding them, and a stage before the last returns its own.
+
+    features: the pool's feature arena ([positions, hidden], with `arena`): every new token's normed final
+    hidden state (what the head multiplies) is written at its arena row, for a draft head that reads the
+    target's features (`models.head`). head=False: every new row's final hidden state, before the final norm
+    (the feature head's own steps).
     """
     starts = [len(c.tokens) for c in caches]
     sizes = [len(t) for t in new_tokens]
@@ -149,13 +156,17 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
             if looped:
                 att = att.index_copy(0, padded.looped_rows, torch.cat(outs))
         x = layer_output(w, layer, x, att)
-    if w.head is None:
+    if w.head is None or not head:
         return x
+    if features is not None:  # every new row's, normed once for the arena and the head both
+        x = norm(w, x, w.norm)
+        slots = torch.cat([torch.arange(b + s, b + s + n) for b, s, n in zip(arena[2], starts, sizes)])
+        features.index_copy_(0, slots.to(w.device), x.to(features.dtype))
     if len(caches) == 1:
         rows = x[total - keeps[0] :]
     else:
         rows = x[torch.cat([torch.arange(offsets[j + 1] - keep, offsets[j + 1]) for j, keep in enumerate(keeps)])]
-    return head_logits(w, rows)
+    return head_logits(w, rows, normed=features is not None)
 
 
 def embed(w: LeanWeights, ids: torch.Tensor) -> torch.Tensor:
@@ -189,9 +200,10 @@ def _fused_layers(w: LeanWeights, rows: int) -> cpukernels.FusedLayers | None:
     return w._fused if w._fused is not None and rows < w._fused.rows_below else None
 
 
-def head_logits(w: LeanWeights, x: torch.Tensor) -> torch.Tensor:
-    """The head's float32 logits of x [n, hidden]: [n, head rows] (a tensor-parallel group's, on rank 0)."""
-    logits = linear(norm(w, x, w.norm), w.head)
+def head_logits(w: LeanWeights, x: torch.Tensor, normed: bool = False) -> torch.Tensor:
+    """The head's float32 logits of x [n, hidden] (normed: the final norm applied already): [n, head rows] (a
+    tensor-parallel group's, on rank 0)."""
+    logits = linear(x if normed else norm(w, x, w.norm), w.head)
     cap = w.arch.final_softcap
     if cap is not None:  # Gemma 2/3, in the compute dtype as HF (elementwise: each rank its own columns)
         logits = torch.tanh(logits / cap) * cap

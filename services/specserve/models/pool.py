@@ -133,7 +133,7 @@ class KVPool:
     def __init__(self, model, tokens: int, dtype: torch.dtype | None = None, max_length: int | None = None,
                  min_block: int = 32, runner: bool | None = None, max_width: int = 9, tp: Collective | None = None,
                  prefix_caching: bool = False, share_running: bool = False, compile_steps: bool | str | None = None,
-                 layers: tuple[int, int] | None = None):
+                 layers: tuple[int, int] | None = None, features: bool = False):
         param = next(model.parameters())
         self.tp = tp
         self.w = lean_weights(model, dtype or param.dtype, None if tp is None else tp.shard, layers)
@@ -143,10 +143,13 @@ class KVPool:
         shape = (len(self.w.layers), self.w.kv_heads, self.allocator.capacity + 1, self.w.head_dim)
         self.k = torch.empty(shape, dtype=self.w.dtype, device=self.w.device)
         self.v = torch.empty_like(self.k)
+        # each position's normed final hidden state, for a draft head on the target's features (`models.head`)
+        self.features = torch.empty(self.k.shape[2], model.config.hidden_size, dtype=self.w.dtype,
+                                    device=self.w.device) if features and self.w.head is not None else None
         runner = False if layers is not None else wants_runner(self.w.device, tp) if runner is None else runner
         # max_width: the widest step it takes (a verify of gamma_max + 1 tokens)
         self.runner = StepRunner(self.w, (self.k, self.v), self.max_length, max_width=max_width,
-                                 compile=compile_steps) if runner else None
+                                 compile=compile_steps, features=self.features) if runner else None
 
     def _keep_sequences(self, config, tokens: int, max_length: int | None, min_block: int, prefix_caching: bool,
                         share_running: bool) -> None:
@@ -313,6 +316,8 @@ class KVPool:
     def _move(self, old: int, new: int, held: int) -> None:
         self.k[:, :, new : new + held] = self.k[:, :, old : old + held]
         self.v[:, :, new : new + held] = self.v[:, :, old : old + held]
+        if getattr(self, "features", None) is not None:
+            self.features[new : new + held] = self.features[old : old + held]
 
     def _static_step(self, seqs: list[PooledSequence], new_tokens: list[list[int]], keeps: list[int]
                      ) -> torch.Tensor | None:
@@ -383,7 +388,8 @@ class KVPool:
                               new_tokens, keeps)
         logits = self._static_step(seqs, new_tokens, keeps)
         if logits is None:
-            logits = lean_forward(self.w, seqs, new_tokens, keeps, (self.k, self.v, [seq.block[0] for seq in seqs]))
+            logits = lean_forward(self.w, seqs, new_tokens, keeps, (self.k, self.v, [seq.block[0] for seq in seqs]),
+                                  features=self.features)
         return logits
 
     @torch.inference_mode()

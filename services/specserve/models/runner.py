@@ -35,7 +35,16 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.models.lean import LeanWeights, embed, head_logits, layer_output, rope_tables, rotated_qkv, sdpa
+from specserve.models.lean import (
+    LeanWeights,
+    embed,
+    head_logits,
+    layer_output,
+    norm,
+    rope_tables,
+    rotated_qkv,
+    sdpa,
+)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 MIN_CONTEXT = 64  # the shortest context bucket; others double up to the pool's longest sequence
@@ -66,9 +75,10 @@ class StepRunner:
 
     def __init__(self, w: LeanWeights, arena: tuple[torch.Tensor, torch.Tensor], max_length: int, *,
                  max_width: int = 9, batch_buckets: Sequence[int] = BATCH_BUCKETS, capture: bool | None = None,
-                 compile: bool | str | None = None):
+                 compile: bool | str | None = None, features: torch.Tensor | None = None):
         self.w = w
         self.k, self.v = arena
+        self.features = features  # the pool's feature arena (`lean._lean_forward`), or None
         self.scratch = self.k.shape[2] - 1
         self.max_width = max_width
         self.batch_buckets = tuple(sorted(batch_buckets))
@@ -175,7 +185,11 @@ class StepRunner:
             att = sdpa(w, queries, keys, values, masks[layer.window])
             att = att.reshape(batch, h, width, d).permute(0, 2, 1, 3).reshape(rows, h * d)
             x = layer_output(w, layer, x, att)
-        return head_logits(w, x)
+        if self.features is None:
+            return head_logits(w, x)
+        x = norm(w, x, w.norm)
+        self.features[new_slots] = x.to(self.features.dtype)  # padding rows: the scratch row
+        return head_logits(w, x, normed=True)
 
     def _step_into(self, b: _Bucket) -> torch.Tensor:
         """The step, its logits in the bucket's static output (set outside the compiled step: a compiled `if`

@@ -179,6 +179,13 @@ class WorkersConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _check_head(self) -> WorkersConfig:
+        if self.draft.startswith("head:"):
+            raise ValueError("draft: a feature head (head:PATH) drafts in process so far (SpeculativeDecoder, "
+                             "specserve generate/bench); the serving workers do not host one yet")
+        return self
+
+    @model_validator(mode="after")
     def _check_tensor_parallel(self) -> WorkersConfig:
         if self.draft_resources.tensor_parallel > 1:
             raise ValueError("draft_resources.tensor_parallel: only the target splits over ranks")

@@ -1,0 +1,167 @@
+"""A draft head on the target's own features (EAGLE's design: Li et al. 2024).
+
+A separate small LM drafts from the tokens alone and, on a GPU, costs dozens of kernel launches a token. The
+head reads what the target computed already: at each position j, the target's feature f_j (its normed final
+hidden state, the input of its LM head, which the pool keeps per position: `KVPool(features=True)`) and the
+embedding of the token after it, x_{j+1}. One Llama decoder layer at the target's hidden size runs over
+fc([f_j, e(x_{j+1})]) with its own KV cache; its normed output predicts f_{j+1}, and its head, over a token
+subset, the token after that. Drafting goes on on its own predictions: (f̂_{j+1}, x_{j+2}) -> f̂_{j+2}, ...
+
+The head's q goes through the same rejection sampler as any draft, so the target's distribution is kept
+whatever the head predicts. The embedding is the target's, frozen and not stored (`SubsetDraftForCausalLM`'s
+`shared_from`), and a head is saved and loaded like that draft.
+
+`HeadSequence` is one session's head cache with the `TokenSequence` methods `engine.proposers.ModelProposer`
+drafts through: each block it first feeds the target features of the positions committed since the last one
+(replacing what it had predicted there), then drafts on its own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from specserve.models.draft import SubsetDraftConfig, SubsetDraftForCausalLM, embedding_digest
+from specserve.models.lean import LeanSequence, head_logits, lean_forward, norm, widen
+from specserve.models.quant import linear
+
+
+class FeatureHeadConfig(SubsetDraftConfig):
+    model_type = "specserve_head"
+
+
+class FeatureHeadForCausalLM(SubsetDraftForCausalLM):
+    """One Llama decoder layer over fc([target feature, next token's embedding]); a head over a token subset."""
+
+    config_class = FeatureHeadConfig
+
+    def __init__(self, config: FeatureHeadConfig):
+        super().__init__(config)
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.post_init()
+
+    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, **kwargs):
+        """features [B, T, hidden] (the target's f_j) and input_ids [B, T] (x_{j+1}) -> (predicted features
+        f̂_{j+1} [B, T, hidden], logits over the subset [B, T, subset]): the whole sequence at once (training)."""
+        inputs = self.fc(torch.cat([features, self.model.embed_tokens(input_ids)], -1))
+        hidden = self.model(inputs_embeds=inputs, **kwargs).last_hidden_state
+        return hidden, self.lm_head(hidden)
+
+    @classmethod
+    def for_target(cls, target, token_subset: torch.Tensor | None = None, seed: int = 0,
+                   shared_from: str | None = None) -> FeatureHeadForCausalLM:
+        """A randomly initialised head for `target` (a loaded HF model): its hidden size, heads and rope, its
+        embedding (frozen), its head rows over `token_subset` (default: the whole vocabulary) to start from."""
+        tc = target.config
+        vocab = tc.vocab_size
+        subset = torch.arange(vocab) if token_subset is None else torch.as_tensor(token_subset)
+        heads = tc.num_attention_heads
+        config = FeatureHeadConfig(
+            token_subset_size=len(subset), shared_from=shared_from,
+            shared_embedding_digest=embedding_digest(target.get_input_embeddings().weight), vocab_size=vocab, hidden_size=tc.hidden_size,
+            intermediate_size=tc.intermediate_size, num_hidden_layers=1, num_attention_heads=heads,
+            num_key_value_heads=tc.num_key_value_heads,
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+            max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+            rope_parameters=getattr(tc, "rope_parameters", None), bos_token_id=None, eos_token_id=None,
+            pad_token_id=None)
+        torch.manual_seed(seed)
+        param = next(target.parameters())
+        head = cls(config).to(dtype=param.dtype, device=param.device).eval()
+        with torch.no_grad():
+            head.model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+            head.lm_head.weight.copy_(target.get_output_embeddings().weight[subset.to(param.device)])
+            head.token_subset.copy_(subset)
+        return head
+
+
+class HeadSequence(LeanSequence):
+    """One session's head cache over a target sequence of a pool that keeps features (`TokenSequence` methods
+    as `ModelProposer` calls them: `subset_logits_after`, `feed_subset`, `logits_after`, `release`).
+
+    Position j of the head's cache holds (f_j, x_{j+1}); `tokens` are those x_{j+1}. The first `true` positions
+    were fed the target's features; later ones the head's own predictions, replaced at the next block."""
+
+    def __init__(self, head: FeatureHeadForCausalLM, target_sequence, dtype: torch.dtype | None = None):
+        super().__init__(head, dtype or next(head.parameters()).dtype)
+        self.target = target_sequence
+        self.fc = head.fc.weight.detach().to(self.w.device, self.w.dtype).contiguous()
+        self.embedding = head.model.embed_tokens.weight
+        self.true = 0
+        self.last: torch.Tensor | None = None  # the head's latest predicted feature [1, hidden]
+
+    def _target_features(self, start: int, stop: int) -> torch.Tensor:
+        pool, block = self.target.pool, self.target.block
+        return pool.features[block[0] + start : block[0] + stop]
+
+    @torch.inference_mode()
+    def _feed(self, features: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+        """Feed (features[i], tokens[i]) at the next positions; the logits over the subset after the last."""
+        x = torch.cat([features.to(self.w.dtype), self.embedding[tokens].to(self.w.device, self.w.dtype)], -1)
+        self._reserve(len(self.tokens) + len(tokens))
+        hidden = lean_forward(self.w, [self], [tokens], [len(tokens)], hidden=linear(x, self.fc), head=False)
+        self.tokens.extend(tokens)
+        self.forward_calls += 1
+        self.last = norm(self.w, hidden[-1:], self.w.norm)
+        return head_logits(self.w, self.last, normed=True).cpu()
+
+    def subset_logits_after(self, tokens: list[int]) -> torch.Tensor:
+        """Logits over the subset for the token after `tokens` (the committed context): the target's features of
+        every position it holds of them fed first."""
+        m = len(tokens) - 1  # positions with a known feature: the target holds tokens[:m]
+        if m < 1 or self.target.block is None or len(self.target.tokens) < m:  # nothing to read yet
+            self.rollback(0)
+            self.last = torch.zeros(1, self.fc.shape[0], dtype=self.w.dtype, device=self.w.device)
+            return torch.zeros(1, len(self.token_subset) if self.token_subset is not None else self.vocab)
+        keep = min(self.true, self.common_prefix(tokens[1 : m + 1]), m - 1)
+        self.rollback(keep)
+        self.true = m
+        return self._feed(self._target_features(keep, m), tokens[keep + 1 : m + 1])
+
+    def feed_subset(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
+        """Draft on: the head's own last predicted feature with the token drafted from it."""
+        if len(new_tokens) != 1 or keep_logits != 1:
+            raise ValueError("a feature head drafts one token at a time")
+        return self._feed(self.last, new_tokens)
+
+    def logits_after(self, tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
+        return widen(self.subset_logits_after(tokens), self.token_subset, self.vocab)
+
+    def rollback(self, length: int) -> None:
+        super().rollback(length)
+        self.true = min(self.true, length)
+
+    def release(self) -> None:
+        super().release()
+        self.true, self.last = 0, None
+
+
+AutoConfig.register(FeatureHeadConfig.model_type, FeatureHeadConfig)
+AutoModelForCausalLM.register(FeatureHeadConfig, FeatureHeadForCausalLM)
+
+
+HEAD_PREFIX = "head:"
+
+
+def is_head(spec) -> bool:
+    """Whether a draft spec names a feature head: a loaded one, or "head:PATH"."""
+    return isinstance(spec, FeatureHeadForCausalLM) or (isinstance(spec, str) and spec.startswith(HEAD_PREFIX))
+
+
+def load_head(spec, target) -> FeatureHeadForCausalLM:
+    """The head a spec names, on the target's (a `LoadedModel`) device and in its dtype, checked against it."""
+    if isinstance(spec, FeatureHeadForCausalLM):
+        head = spec
+    else:
+        path = spec[len(HEAD_PREFIX):]
+        try:
+            head = FeatureHeadForCausalLM.from_pretrained(path)
+        except OSError as exc:
+            raise ValueError(f"draft {spec!r}: no feature head at {path!r} ({exc})") from exc
+    tc, hc = target.model.config, head.config
+    if (hc.hidden_size, hc.vocab_size) != (tc.hidden_size, tc.vocab_size):
+        raise ValueError(f"draft {spec if isinstance(spec, str) else 'head'}: a head of hidden size "
+                         f"{hc.hidden_size} and vocabulary {hc.vocab_size} does not fit a target of "
+                         f"{tc.hidden_size} and {tc.vocab_size}")
+    return head.to(device=target.device, dtype=target.dtype).eval()
