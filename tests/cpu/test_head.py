@@ -14,7 +14,7 @@ from specserve.models.pool import KVPool
 from specserve.speculation import rejection
 
 from tests.conftest import tiny_llama
-from tests.cpu.test_exactness import PROMPT, N, chi_square_pvalue, sampled_joint, target_joint
+from tests.cpu.test_exactness import chi_square_pvalue, sampled_joint, target_joint
 
 VOCAB = 40
 
