@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     dst.add_argument("--subset", type=int, default=None,
                      help="LM-head rows: the tokens with the most target probability mass (default 8192; 0: full "
                           "vocabulary)")
+    dst.add_argument("--head", action="store_true",
+                     help="train a feature head instead of a draft LM: one decoder layer on the target's own hidden "
+                          "states (EAGLE's design; docs/design.md 'Feature heads'), used as --draft head:OUT")
     dst.add_argument("--init", default=None,
                      help="go on training this draft of the target ('embedded-draft' or a directory distill wrote) "
                           "instead of a new one: adapts it to new data (e.g. --text) in minutes; keeps its shape")
@@ -236,6 +239,10 @@ def _distill(args) -> int:
         print(f"specserve distill: {', '.join(shape)} cannot be changed with --init (the draft keeps its shape)",
               file=sys.stderr)
         return 2
+    if args.head and (args.init or args.hidden is not None or args.layers is not None):
+        print("specserve distill: --head trains one layer at the target's hidden size from scratch (--layers, "
+              "--hidden and --init do not apply)", file=sys.stderr)
+        return 2
     layers = DistillConfig.layers if args.layers is None else args.layers
     subset = DistillConfig.subset if args.subset is None else args.subset
     sizes = {"--layers": layers, "--gen-tokens": args.gen_tokens,
@@ -257,7 +264,7 @@ def _distill(args) -> int:
         gen_batch=args.gen_batch, top_k=args.top_k, texts=args.text, steps=args.steps, batch=args.batch,
         seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, kd_temperature=args.kd_temperature,
         checkpoint_every=args.checkpoint_every, eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens,
-        seed=args.seed,
+        seed=args.seed, head=args.head,
     )
     try:
         metrics = distill(cfg)

@@ -252,3 +252,35 @@ class MaskedDraft(torch.nn.Module):
         logits = self.model(x).logits.clone()
         logits[..., self.blocked] = float("-inf")
         return SimpleNamespace(logits=logits)
+
+
+def test_distill_head_trains_a_feature_head_the_decoder_drafts_with(tmp_path, capsys):
+    """`distill --head`: one layer on the target's features, KD + feature regression; it saves without the
+    target's embedding, reports held-out α and c, and drafts through the decoder (greedy equals target-only)."""
+    root = save_tokenized_pair(tmp_path / "models")
+    target = str(root / "target")
+    out = tmp_path / "head"
+    args = ["distill", "--head", "--target", target, "--out", str(out), "--subset", "300", "--prompts", "4",
+            "--self-prompts", "0", "--gen-tokens", "12", "--gen-batch", "4", "--batch", "2", "--seq-len", "48",
+            "--steps", "12", "--checkpoint-every", "6", "--warmup", "2", "--eval-prompts", "2", "--eval-tokens", "8"]
+    assert main(args) == 0
+    report = json.loads((out / "distill.json").read_text())
+    metrics = report["metrics"]
+    assert report["config"]["head"] and metrics["head_tokens"] == 300 and metrics["c"] > 0
+    assert 0 <= metrics["alpha_t0"] <= 1 and 0 < metrics["alpha_t1"] <= 1
+    assert metrics["final_kl"] < metrics["first_kl"]  # the loss (KD + feature regression) went down
+
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        stored = set(f.keys())
+    assert "fc.weight" in stored and "model.embed_tokens.weight" not in stored
+    assert {k.split(".")[2] for k in stored if k.startswith("model.layers.")} == {"0"}  # one layer
+
+    spec = SpeculativeDecoder(target, f"head:{out}", gamma=3, dtype="float32", draft_lookup=False)
+    plain = SpeculativeDecoder(target, None, dtype="float32")
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    got = spec.generate("Hello there", greedy, 20)
+    assert got.token_ids == plain.generate("Hello there", greedy, 20).token_ids and got.stats.drafted > 0
+    assert main(["distill", "--head", "--init", "embedded-draft", "--out", str(tmp_path / "x")]) == 2
+    assert "--head trains one layer" in capsys.readouterr().err

@@ -51,6 +51,7 @@ from specserve.distill.corpus import (
 )
 from specserve.models import LoadedModel, load_model
 from specserve.models.draft import EMBEDDING, SubsetDraftConfig, SubsetDraftForCausalLM, embedding_digest
+from specserve.models.head import FeatureHeadForCausalLM
 
 
 @dataclass
@@ -78,6 +79,8 @@ class DistillConfig:
     eval_prompts: int = 16
     eval_tokens: int = 96
     seed: int = 0
+    head: bool = False  # train a feature head (`models.head`) instead of a draft LM: one layer on the target's features
+    feature_weight: float = 1.0  # the head's loss: KD + this × smooth L1 of its predicted next feature
 
     def corpus_settings(self, count: str = "prompts") -> dict:
         """What a stored part of the corpus depends on; a rerun with other values needs a new --out."""
@@ -148,6 +151,8 @@ def make_draft(target_model, cfg: DistillConfig, subset: torch.Tensor | None = N
     """
     tcfg = target_model.config
     hidden = cfg.hidden or tcfg.hidden_size
+    if cfg.head:
+        return make_head(target_model, cfg, subset)
     if start_from is not None:
         draft, frozen = start_from, {EMBEDDING}
     elif hidden != tcfg.hidden_size:
@@ -189,6 +194,42 @@ def make_draft(target_model, cfg: DistillConfig, subset: torch.Tensor | None = N
     for name, param in draft.named_parameters():
         param.requires_grad_(name not in frozen)
     return draft, frozen
+
+
+def make_head(target_model, cfg: DistillConfig, subset: torch.Tensor | None):
+    """(a feature head for the target, frozen names): its decoder layer starts from the target's last one (the
+    features it reads come out of that layer), fc from [0, I] (the next token's embedding), its head from the
+    target's rows over `subset`."""
+    target = cfg.target if cfg.target == "embedded" else str(pathlib.Path(cfg.target).expanduser().resolve())
+    head = FeatureHeadForCausalLM.for_target(target_model, subset, cfg.seed, shared_from=target).float()
+    source = target_model.model.layers[-1].state_dict()
+    missing, unexpected = head.model.layers[0].load_state_dict({k: v.float() for k, v in source.items()},
+                                                                strict=False)
+    if unexpected or missing:
+        raise ValueError(f"a feature head starts from a Llama-shaped last layer; the target's has {unexpected} and "
+                         f"lacks {missing}")
+    with torch.no_grad():
+        head.model.norm.weight.copy_(target_model.model.norm.weight.float())
+        size = target_model.config.hidden_size
+        head.fc.weight.zero_()
+        head.fc.weight[:, size:].copy_(torch.eye(size))
+    frozen = {EMBEDDING}
+    for name, param in head.named_parameters():
+        param.requires_grad_(name not in frozen)
+    return head, frozen
+
+
+def head_losses(target_model, head, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the head's logits over its tokens where the target's at (rows, cols) predict a token, the smooth L1 of its
+    predicted feature there). Head position j reads (f_j, x_{j+1}) and predicts the token after x_{j+1}: the
+    target's position j + 1; its feature prediction is f_{j+1}."""
+    with torch.no_grad():
+        features = target_model.model(input_ids=x).last_hidden_state.float()
+    predicted, logits = head(features[:, :-1], x[:, 1:])
+    at = cols - 1  # cols >= 1: every answer follows at least one prompt token
+    regression = torch.nn.functional.smooth_l1_loss(predicted[rows, at], features[rows, cols])
+    return logits[rows, at], regression
 
 
 def initial_draft(spec: str, target: LoadedModel) -> SubsetDraftForCausalLM:
@@ -302,7 +343,7 @@ def acceptance(target_model, draft_model, sequences: list[tuple[list[int], int]]
         x = torch.tensor([ids], device=next(target_model.parameters()).device)
         answer = slice(prompt_len - 1, len(ids) - 1)  # logits at i predict token i+1
         p = target_model(x).logits[0, answer].float()
-        q = draft_model(x).logits[0, answer].float()
+        q = full_draft_logits(target_model, draft_model, x)[answer].float()
         top, probs, proposable = p.argmax(-1, keepdim=True), p.softmax(-1), ~q.isinf()
         agree += int((top.squeeze(-1) == q.argmax(-1)).sum())
         reachable += int(proposable.gather(-1, top).sum())  # target argmaxes the draft can propose at all
@@ -312,6 +353,18 @@ def acceptance(target_model, draft_model, sequences: list[tuple[list[int], int]]
     n = max(total, 1)
     return {"alpha_t0": agree / n, "alpha_t1": overlap / n, "covered": covered / n, "argmax_covered": reachable / n,
             "positions": total}
+
+
+def full_draft_logits(target_model, draft_model, x: torch.Tensor) -> torch.Tensor:
+    """A draft's full-vocabulary logits at every position of x [1, T] (-inf where it cannot propose); a feature
+    head's from the target's true features (position i: head position i - 1; position 0 has none: -inf)."""
+    if not isinstance(draft_model, FeatureHeadForCausalLM):
+        return draft_model(x).logits[0]
+    features = target_model.model(input_ids=x).last_hidden_state
+    _, logits = draft_model(features[:, :-1].to(next(draft_model.parameters()).dtype), x[:, 1:])
+    out = logits.new_full((x.shape[1], draft_model.vocab_size), float("-inf"))
+    out[1:] = draft_model.expand(logits[0])
+    return out
 
 
 def step_time(model, vocab: int) -> float:
@@ -377,7 +430,11 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, cfg)
         x, rows, cols, index, logprobs = corpus.batch(rng.sample(range(len(corpus)), min(cfg.batch, len(corpus))))
-        loss = kd_loss(draft_logits(draft, x, rows, cols), index, logprobs, cfg.kd_temperature)
+        if cfg.head:
+            logits, regression = head_losses(target.model, draft, x, rows, cols)
+            loss = kd_loss(logits, index, logprobs, cfg.kd_temperature) + cfg.feature_weight * regression
+        else:
+            loss = kd_loss(draft_logits(draft, x, rows, cols), index, logprobs, cfg.kd_temperature)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -401,9 +458,15 @@ def distill(cfg: DistillConfig, log=print) -> dict:
     target.tokenizer.save_pretrained(str(out))
     # c on the speed path: a drafted token as the decoder drafts it against a target step (default dtype)
     fast_target = load_model(cfg.target)
-    fast_draft = load_model(str(out), str(fast_target.dtype).removeprefix("torch."))
-    metrics["c"] = draft_token_time(fast_draft.model, fast_draft.vocab_size) / step_time(fast_target.model,
-                                                                                         fast_target.vocab_size)
+    if cfg.head:  # drafting as the decoder does it: on a pooled target's features
+        from specserve.engine.decoder import SpeculativeDecoder
+
+        verify, per_token = SpeculativeDecoder(fast_target, f"head:{out}").cost_profile()
+        metrics["c"] = per_token / verify[1]
+    else:
+        fast_draft = load_model(str(out), str(fast_target.dtype).removeprefix("torch."))
+        metrics["c"] = draft_token_time(fast_draft.model, fast_draft.vocab_size) / step_time(fast_target.model,
+                                                                                             fast_target.vocab_size)
     metrics.update(steps=cfg.steps, resumed_from=start, final_kl=(sum(losses[-20:]) / len(losses[-20:]))
                    if losses else None, first_kl=losses[0] if losses else None, frozen=sorted(frozen),
                    corpus_sequences=len(records), corpus_tokens=sum(len(r.top_ids) for r in records),
