@@ -138,3 +138,30 @@ def test_a_qwen2_shaped_synthetic_pair_decodes_its_known_successors():
         prompt, SamplingParams(temperature=0.0, ignore_eos=True), 20)
     assert wrong_tokens(prompt, result.token_ids, VOCAB) == 0
     assert 0.0 < result.stats.acceptance_rate < 1.0
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+def test_a_synthetic_head_drafts_with_the_set_acceptance(alpha):
+    """The synthetic feature head reads the synthetic target's features: greedy output stays t+1, t+2, ...
+    and its drafted tokens are accepted at about alpha."""
+    from specserve import SamplingParams, SpeculativeDecoder
+    from specserve.bench.dataplane import synthetic_head, wrong_tokens
+
+    target = synthetic_llama("tiny", VOCAB, None, "cpu", "float32")
+    head = synthetic_head("tiny", VOCAB, alpha, "cpu", "float32")
+    prompt = [3, 9, 4]
+    result = SpeculativeDecoder(target, head, gamma=1, draft_lookup=False).generate(
+        prompt, SamplingParams(temperature=0.0, ignore_eos=True), 120)
+    assert wrong_tokens(prompt, result.token_ids, VOCAB) == 0
+    assert abs(result.stats.acceptance_rate - alpha) < 0.15
+
+
+def test_the_head_draft_kind_runs_in_process_parts_only(tmp_path):
+    with pytest.raises(SystemExit):
+        dataplane.parse_args(["--targets", "tiny", "--draft-kind", "head", "--parts", "gammas,rounds"])
+    args = ["--targets", "tiny", "--draft-kind", "head", "--parts", "gammas", "--sweep-gammas", "0,3",
+            "--load-alpha", "0.9", "--max-tokens", "48", "--prompt-len", "8", "--vocab", str(VOCAB),
+            "--device", "cpu", "--dtype", "float32", "--out", str(tmp_path)]
+    assert dataplane.main(args) == 0
+    rows = json.loads((tmp_path / "dataplane.json").read_text())["gammas"]
+    assert [r["draft"] for r in rows] == ["head", "head"] and rows[1]["tokens_per_round"] > 2.0

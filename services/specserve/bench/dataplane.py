@@ -31,7 +31,8 @@ Parts (`--parts`; `steps`, `accept` and `hf` are in `bench.steps`):
   accept  one step's verify blocks accepted all at once against one by one.
   hf      the pair through Hugging Face `generate`, target-only and assisted.
   gammas  one stream in process at each γ of --sweep-gammas, alpha =
-          --load-alpha (where speculation starts to pay).
+          --load-alpha (where speculation starts to pay); --draft-kind head
+          drafts with a synthetic feature head instead of a draft LM.
   rounds  one stream per configuration, fixed γ, alpha ∈ --alphas: in-process,
           colocated (one worker holds both models), split sequential and split
           pipelined (a draft worker of its own on each --draft-devices), plus
@@ -147,6 +148,46 @@ def synthetic_llama(shape: str, vocab: int, alpha: float | None, device: str, dt
     from specserve.models.loading import load_model
 
     return load_model(model, quantization=quantization).model
+
+
+def synthetic_head(shape: str, vocab: int, alpha: float, device: str, dtype: str | None = None, seed: int = 0):
+    """A feature head (`models.head`) for `synthetic_llama(shape, vocab, None, ...)` that drafts as the synthetic
+    draft does: t+1 after t on an `alpha` share of the vocabulary, t+2 elsewhere. The target's feature at t is
+    its embedding e_t scaled (its layers add nothing); the head's fc passes the next token's embedding on, its
+    layer adds nothing, so its predicted feature is the target's own and each drafted token is accepted with
+    probability alpha, independently, as with the synthetic draft (one layer at the target's width)."""
+    from specserve.models.head import FeatureHeadConfig, FeatureHeadForCausalLM
+    from specserve.models.loading import default_dtype, resolve_dtype
+
+    torch_dtype = resolve_dtype(dtype) or default_dtype(device)
+    tc = shape_config(shape, vocab)
+    config = FeatureHeadConfig(
+        token_subset_size=vocab, vocab_size=vocab, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+        num_hidden_layers=1, num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
+        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+        max_position_embeddings=tc.max_position_embeddings, rope_parameters=getattr(tc, "rope_parameters", None),
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype)
+    try:
+        with torch.device(device):
+            head = FeatureHeadForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    unit = torch.randn(vocab, tc.hidden_size, generator=torch.Generator().manual_seed(seed))  # the target's
+    unit /= unit.norm(dim=1, keepdim=True)
+    ids = torch.arange(vocab)
+    agree = torch.rand(vocab, generator=torch.Generator().manual_seed(seed + 1)) < alpha
+    successor = torch.where(agree, (ids + 1) % vocab, (ids + 2) % vocab)
+    with torch.no_grad():
+        head.model.embed_tokens.weight.copy_(unit)
+        head.lm_head.weight.copy_(torch.zeros(vocab, tc.hidden_size).index_add_(0, successor, unit))
+        head.fc.weight.zero_()
+        head.fc.weight[:, tc.hidden_size :].copy_(torch.eye(tc.hidden_size))
+        layer = head.model.layers[0]
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    return head.eval()
 
 
 # -- worker processes -----------------------------------------------------------------------------------------
@@ -315,14 +356,17 @@ def bench_gammas(args, shape: str, log) -> list[dict[str, Any]]:
 
     prompt_ids = prompts(1, args.prompt_len, args.vocab)[0]
     target = synthetic_llama(shape, args.vocab, None, args.device, args.dtype, quantization=args.quantization)
-    draft = synthetic_llama(args.draft_shape, args.vocab, args.load_alpha, args.device, args.dtype)
+    if args.draft_kind == "head":
+        draft, label = synthetic_head(shape, args.vocab, args.load_alpha, args.device, args.dtype), "head"
+    else:
+        draft = synthetic_llama(args.draft_shape, args.vocab, args.load_alpha, args.device, args.dtype)
+        label = args.draft_shape
     decoder = SpeculativeDecoder(target, draft, gamma=1, gamma_max=args.gamma_max, draft_lookup=False,
                                  kv_cache_tokens=4 * (args.prompt_len + args.max_tokens + 64), prefix_caching=False)
     rows = []
     for gamma in args.sweep_gammas:
         figures = run_in_process(decoder, prompt_ids, gamma, args.max_tokens, args.vocab)
-        rows.append({"target": shape, "draft": args.draft_shape, "alpha": args.load_alpha, "gamma": gamma,
-                     **figures})
+        rows.append({"target": shape, "draft": label, "alpha": args.load_alpha, "gamma": gamma, **figures})
         log(f"  γ={gamma!s:<4} {figures['tok_s']:8.1f} tok/s  {figures['tokens_per_round']:.2f} tok/round  "
             f"draft {figures['draft_ms_per_round']:.2f} ms  verify {figures['verify_ms_per_round']:.2f} ms"
             + (f"  WRONG {figures['wrong_tokens']}" if figures["wrong_tokens"] else ""))
@@ -430,6 +474,9 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--targets", type=_csv(str), default=["1b", "7b"], help=f"target shapes, of {sorted(SHAPES)}")
     p.add_argument("--draft-shape", default="135m", choices=sorted(SHAPES))
+    p.add_argument("--draft-kind", default="model", choices=["model", "head"],
+                   help="gammas part: a synthetic draft LM of --draft-shape, or a synthetic feature head (one layer at "
+                        "the target's width, the same acceptance alpha)")
     p.add_argument("--vocab", type=int, default=None,
                    help="vocabulary of every model (default: the first target shape's own, else SmolLM2's 49152)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -470,6 +517,8 @@ def parse_args(argv=None):
         p.error(f"--targets: unknown shape(s) {unknown}; choose from {sorted(SHAPES)}")
     if args.vocab is None:
         args.vocab = SHAPES[args.targets[0]].get("vocab_size", DEFAULT_VOCAB) if args.targets else DEFAULT_VOCAB
+    if args.draft_kind == "head" and set(args.parts) - {"gammas", "steps", "accept"}:
+        p.error("--draft-kind head: the gammas part (in process) so far; the served parts do not host a head yet")
     if args.draft_devices is None:
         args.draft_devices = [args.device] + (["cpu"] if args.device != "cpu" else [])
     return args
