@@ -219,13 +219,29 @@ def make_head(target_model, cfg: DistillConfig, subset: torch.Tensor | None):
     return head, frozen
 
 
-def head_losses(target_model, head, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor
+@torch.inference_mode()
+def corpus_features(target_model, corpus: PackedCorpus, batch: int, log=print) -> torch.Tensor:
+    """The target's features (normed final hidden states) at every position of every packed record, once:
+    [records, seq_len, hidden] in bfloat16 on the corpus's device. A target forward per training step cost ~10x
+    the head's own step on a CPU."""
+    out = None
+    for start in tqdm(range(0, len(corpus), batch), desc="target features", unit="batch"):
+        ids = corpus.ids[start : start + batch]
+        hidden = target_model.model(input_ids=ids).last_hidden_state.to(torch.bfloat16)
+        if out is None:
+            out = torch.empty(len(corpus), ids.shape[1], hidden.shape[-1], dtype=torch.bfloat16, device=ids.device)
+        out[start : start + batch] = hidden
+    log(f"target features: {tuple(out.shape)}, {out.numel() * 2 / 2**20:.0f} MiB")
+    return out
+
+
+def head_losses(head, features: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the head's logits over its tokens where the target's at (rows, cols) predict a token, the smooth L1 of its
-    predicted feature there). Head position j reads (f_j, x_{j+1}) and predicts the token after x_{j+1}: the
-    target's position j + 1; its feature prediction is f_{j+1}."""
-    with torch.no_grad():
-        features = target_model.model(input_ids=x).last_hidden_state.float()
+    predicted feature there). features: the target's at every position of x ([B, T, hidden]). Head position j
+    reads (f_j, x_{j+1}) and predicts the token after x_{j+1}: the target's position j + 1; its feature
+    prediction is f_{j+1}."""
+    features = features.float()
     predicted, logits = head(features[:, :-1], x[:, 1:])
     at = cols - 1  # cols >= 1: every answer follows at least one prompt token
     regression = torch.nn.functional.smooth_l1_loss(predicted[rows, at], features[rows, cols])
@@ -419,6 +435,7 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         start = state["step"]
         log(f"resuming from step {start}")
     corpus = PackedCorpus(records, cfg.seq_len, pad_id(target.tokenizer, target.eos_ids), lookup, target.device)
+    features = corpus_features(target.model, corpus, cfg.gen_batch, log) if cfg.head else None
     rng = random.Random(cfg.seed + start)
     losses: list[float] = []
     pending: list[torch.Tensor] = []  # losses still on the device: read every few steps, not synced every step
@@ -429,9 +446,11 @@ def distill(cfg: DistillConfig, log=print) -> dict:
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, cfg)
-        x, rows, cols, index, logprobs = corpus.batch(rng.sample(range(len(corpus)), min(cfg.batch, len(corpus))))
+        chosen = rng.sample(range(len(corpus)), min(cfg.batch, len(corpus)))
+        x, rows, cols, index, logprobs = corpus.batch(chosen)
         if cfg.head:
-            logits, regression = head_losses(target.model, draft, x, rows, cols)
+            f = features[torch.tensor(chosen, device=features.device), : x.shape[1]]
+            logits, regression = head_losses(draft, f, x, rows, cols)
             loss = kd_loss(logits, index, logprobs, cfg.kd_temperature) + cfg.feature_weight * regression
         else:
             loss = kd_loss(draft_logits(draft, x, rows, cols), index, logprobs, cfg.kd_temperature)
