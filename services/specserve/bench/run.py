@@ -150,7 +150,7 @@ def _methods(decoder: SpeculativeDecoder, gammas: list[int], hf_k: list[int], la
         methods.append((f"{prefix}specserve γ={g}", "specserve", g, ours(g)))
     methods.append((f"{prefix}specserve heuristic", "specserve", "heuristic", ours("heuristic")))
     methods.append((f"{prefix}specserve auto", "specserve", "auto", ours("auto")))
-    if decoder.draft_kind == "model" and decoder.draft_lookup:  # the draft alone, as HF assisted runs it
+    if decoder.draft_kind in ("model", "head") and decoder.draft_lookup:  # the draft alone (as HF assisted runs it)
         methods.append((f"{prefix}specserve auto, no lookup", "specserve", "auto", ours("auto", lookup=False)))
     return methods
 
