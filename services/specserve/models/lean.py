@@ -130,6 +130,7 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
     else:
         padded = _PaddedAttention.plan(w, arena, starts, sizes, offsets) if arena is not None else None
         looped = [j for j in range(len(caches)) if padded is None or j not in padded.members]
+    masks: dict = {}  # (sequence, window) -> its block's mask, made once per forward
     fused = _fused_layers(w, total) if kernel is not None and not looped and w.tp is None else None
     if fused is not None:  # every layer in one kernel call each
         x = x.contiguous() if hidden is None else x.clone()  # updated in place: never the caller's states
@@ -144,8 +145,10 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
             k_cache[:, s : s + n] = k[o : o + n].transpose(0, 1)
             v_cache[:, s : s + n] = v[o : o + n].transpose(0, 1)
             lo = 0 if layer.window is None else max(0, s + 1 - layer.window)  # the first key any query sees
-            mask = _block_mask(s, n, lo, layer.window, w.device) if n > 1 else None
-            outs.append(_attend(w, q[o : o + n], k_cache[:, lo : s + n], v_cache[:, lo : s + n], mask))
+            if n > 1 and (j, layer.window) not in masks:
+                masks[j, layer.window] = _block_mask(s, n, lo, layer.window, w.device)
+            outs.append(_attend(w, q[o : o + n], k_cache[:, lo : s + n], v_cache[:, lo : s + n],
+                                masks.get((j, layer.window))))
         if kernel is not None:
             att = q.new_empty(total, q.shape[1] * q.shape[2])
             kernel(i, q, k, v, att, layer.window)
@@ -190,6 +193,7 @@ def _block_mask(start: int, n: int, lo: int, window: int | None, device) -> torc
     if window is not None:
         seen &= keys > pos - window
     return seen.to(device)
+
 
 def _fused_layers(w: LeanWeights, rows: int) -> cpukernels.FusedLayers | None:
     """w's layers as `cpukernels.FusedLayers` (planned once) for a step of `rows`, or None where they do not fuse."""
