@@ -156,17 +156,12 @@ def synthetic_head(shape: str, vocab: int, alpha: float, device: str, dtype: str
     its embedding e_t scaled (its layers add nothing); the head's fc passes the next token's embedding on, its
     layer adds nothing, so its predicted feature is the target's own and each drafted token is accepted with
     probability alpha, independently, as with the synthetic draft (one layer at the target's width)."""
-    from specserve.models.head import FeatureHeadConfig, FeatureHeadForCausalLM
+    from specserve.models.head import FeatureHeadForCausalLM, head_config
     from specserve.models.loading import default_dtype, resolve_dtype
 
     torch_dtype = resolve_dtype(dtype) or default_dtype(device)
     tc = shape_config(shape, vocab)
-    config = FeatureHeadConfig(
-        token_subset_size=vocab, vocab_size=vocab, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
-        num_hidden_layers=1, num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
-        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
-        max_position_embeddings=tc.max_position_embeddings, rope_parameters=getattr(tc, "rope_parameters", None),
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = head_config(tc, vocab)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype)
     try:

@@ -128,10 +128,6 @@ class Arch:
         return (self.act == "silu" and not self.gemma and self.norms == "pre" and self.qk_norm is None
                 and self.rotary_dim == self.head_dim)
 
-    def active_windows(self, max_length: int) -> list[int | None]:
-        """Each layer's window where it is shorter than the longest sequence (a longer one never masks)."""
-        return [w if w is not None and w < max_length else None for w in self.windows]
-
     def tp_reason(self) -> str | None:
         """Why tensor parallelism does not split this family, or None."""
         if self.qk_norm == "full":

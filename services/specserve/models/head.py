@@ -53,19 +53,10 @@ class FeatureHeadForCausalLM(SubsetDraftForCausalLM):
                    shared_from: str | None = None) -> FeatureHeadForCausalLM:
         """A randomly initialised head for `target` (a loaded HF model): its hidden size, heads and rope, its
         embedding (frozen), its head rows over `token_subset` (default: the whole vocabulary) to start from."""
-        tc = target.config
-        vocab = tc.vocab_size
+        vocab = target.config.vocab_size
         subset = torch.arange(vocab) if token_subset is None else torch.as_tensor(token_subset)
-        heads = tc.num_attention_heads
-        config = FeatureHeadConfig(
-            token_subset_size=len(subset), shared_from=shared_from,
-            shared_embedding_digest=embedding_digest(target.get_input_embeddings().weight), vocab_size=vocab, hidden_size=tc.hidden_size,
-            intermediate_size=tc.intermediate_size, num_hidden_layers=1, num_attention_heads=heads,
-            num_key_value_heads=tc.num_key_value_heads,
-            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
-            max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
-            rope_parameters=getattr(tc, "rope_parameters", None), bos_token_id=None, eos_token_id=None,
-            pad_token_id=None)
+        config = head_config(target.config, len(subset), shared_from=shared_from,
+                             shared_embedding_digest=embedding_digest(target.get_input_embeddings().weight))
         torch.manual_seed(seed)
         param = next(target.parameters())
         head = cls(config).to(dtype=param.dtype, device=param.device).eval()
@@ -74,6 +65,18 @@ class FeatureHeadForCausalLM(SubsetDraftForCausalLM):
             head.lm_head.weight.copy_(target.get_output_embeddings().weight[subset.to(param.device)])
             head.token_subset.copy_(subset)
         return head
+
+
+def head_config(tc, subset_size: int, **extra) -> FeatureHeadConfig:
+    """A head's config for a target of config `tc`: one layer at its hidden size, its heads, rope and norm eps."""
+    heads = tc.num_attention_heads
+    return FeatureHeadConfig(
+        token_subset_size=subset_size, vocab_size=tc.vocab_size, hidden_size=tc.hidden_size,
+        intermediate_size=tc.intermediate_size, num_hidden_layers=1, num_attention_heads=heads,
+        num_key_value_heads=tc.num_key_value_heads, head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+        max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+        rope_parameters=getattr(tc, "rope_parameters", None), bos_token_id=None, eos_token_id=None,
+        pad_token_id=None, **extra)
 
 
 class HeadSequence(LeanSequence):

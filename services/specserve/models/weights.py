@@ -227,11 +227,6 @@ class LeanWeights:
         weight = self._norm_weight(module.weight)
         return weight if self.arch.qk_norm == "head" or rows is None else weight[rows].contiguous()
 
-    @property
-    def inv_freq(self) -> torch.Tensor:
-        """The first rope's frequencies (the CPU kernels' and older callers' view of a one-rope model)."""
-        return self.ropes[0].inv_freq
-
 
 def drop_linears(layer) -> None:
     """Free an HF decoder layer's linear weights once the lean forward holds its own."""
