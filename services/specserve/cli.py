@@ -43,8 +43,8 @@ def _quantization(value: str) -> str:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="embedded", help="HF id/dir, .gguf file, or 'embedded' (default)")
     p.add_argument("--draft", default="default",
-                   help="HF id/dir, .gguf file, 'embedded-draft', 'ngram', 'none', 'head:PATH' (a feature head; in "
-                   "process), or 'default': the shipped distilled draft for the embedded target, else ngram (bench: a "
+                   help="HF id/dir, .gguf file, 'embedded-draft', 'ngram', 'none', 'head:PATH' (a feature head; served: in the "
+                   "target worker), or 'default': the shipped distilled draft for the embedded target, else ngram (bench: a "
                    "comma-separated list runs each)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float64"],
                    help="default: bf16 where fast, else fp32; float64 (slow) for checking exactness to rounding")

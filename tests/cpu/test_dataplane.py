@@ -156,12 +156,18 @@ def test_a_synthetic_head_drafts_with_the_set_acceptance(alpha):
     assert abs(result.stats.acceptance_rate - alpha) < 0.15
 
 
-def test_the_head_draft_kind_runs_in_process_parts_only(tmp_path):
+def test_the_head_draft_kind_runs_in_process_and_in_a_target_worker(tmp_path):
     with pytest.raises(SystemExit):
         dataplane.parse_args(["--targets", "tiny", "--draft-kind", "head", "--parts", "gammas,rounds"])
-    args = ["--targets", "tiny", "--draft-kind", "head", "--parts", "gammas", "--sweep-gammas", "0,3",
+    args = ["--targets", "tiny", "--draft-kind", "head", "--parts", "gammas,load", "--sweep-gammas", "0,3",
             "--load-alpha", "0.9", "--max-tokens", "48", "--prompt-len", "8", "--vocab", str(VOCAB),
-            "--device", "cpu", "--dtype", "float32", "--out", str(tmp_path)]
-    assert dataplane.main(args) == 0
-    rows = json.loads((tmp_path / "dataplane.json").read_text())["gammas"]
+            "--concurrency", "1,3", "--load-gammas", "0,3", "--device", "cpu", "--dtype", "float32",
+            "--out", str(tmp_path)]
+    assert dataplane.main(args) == 0  # every token the target's greedy one
+    report = json.loads((tmp_path / "dataplane.json").read_text())
+    rows = report["gammas"]
     assert [r["draft"] for r in rows] == ["head", "head"] and rows[1]["tokens_per_round"] > 2.0
+    served = {(r["gamma"], r["streams"]): r for r in report["load"]}
+    assert all(r["draft"] == "head" and r["wrong_tokens"] == 0 and r["tokens"] == 48 * r["streams"]
+               for r in served.values())
+    assert served[(3, 3)]["acceptance"] > 0.6  # the worker's head drafted, and was accepted as set

@@ -133,6 +133,9 @@ def test_heads_save_load_by_spec_and_refuse_a_target_they_do_not_fit(tmp_path, t
     head.save_pretrained(str(tmp_path / "head"))
     spec = f"head:{tmp_path / 'head'}"
     assert is_head(spec) and not is_head("ngram")
+    from specserve.serve.run import spec_path
+
+    assert spec_path(spec).startswith(f"a feature head of 1 layer(s) over {VOCAB} tokens, in the target worker")
     loaded = load_head(spec, load_model(target))
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), head.state_dict().values()))
     other = tiny_llama(1, vocab=VOCAB, layers=1, hidden=16)
@@ -140,3 +143,143 @@ def test_heads_save_load_by_spec_and_refuse_a_target_they_do_not_fit(tmp_path, t
         load_head(spec, load_model(other))
     with pytest.raises(ValueError, match="no feature head"):
         load_head(f"head:{tmp_path / 'missing'}", load_model(target))
+
+
+# -- the head served: in the target worker, its steps batched over sessions (`HeadPool`) -----------------------
+
+
+def test_the_pooled_heads_steps_equal_a_head_cache_of_its_own(target):
+    """Three sessions' head steps in one forward (`HeadPool`) give each the logits its own `HeadSequence` gives,
+    through true-feature blocks, drafted steps and the next block replacing the drafted positions."""
+    from specserve.models.head import HeadPool
+
+    head = FeatureHeadForCausalLM.for_target(target, token_subset=torch.tensor([9, 3, 30, 1, 17, 22, 5, 38]), seed=2)
+    pool = KVPool(target, tokens=1024, features=True)
+    heads = HeadPool(head, pool, tokens=1024)
+    rng = random.Random(1)
+    contexts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (9, 4, 13)]
+    tseqs = [pool.sequence() for _ in contexts]
+    pool.forward(tseqs, [c[:-1] for c in contexts], [1] * 3)  # the target holds all but the last token
+    pooled = [heads.sequence(t) for t in tseqs]
+    alone = [HeadSequence(head, t) for t in tseqs]
+    for _ in range(2):  # two blocks
+        tails = [seq.unfed(c, 1) for seq, c in zip(pooled, contexts)]
+        got = heads.forward(pooled, tails, [1] * 3)
+        for j, (seq, c) in enumerate(zip(alone, contexts)):
+            torch.testing.assert_close(got[j], seq.subset_logits_after(c)[0], atol=1e-10, rtol=0)
+        for _ in range(2):  # drafted on the head's own predictions
+            drafted = [rng.randrange(VOCAB) for _ in contexts]
+            got = heads.forward(pooled, [[t] for t in drafted], [1] * 3)
+            for j, (seq, t) in enumerate(zip(alone, drafted)):
+                torch.testing.assert_close(got[j], seq.feed_subset([t])[0], atol=1e-10, rtol=0)
+        for c, t in zip(contexts, tseqs):  # the target verified two more positions of each
+            c += [rng.randrange(VOCAB), rng.randrange(VOCAB)]
+            t.logits_after(c[:-1])
+    assert [s.true for s in pooled] == [len(c) - 3 for c in contexts]  # (the last two verified: not read yet)
+    with pytest.raises(ValueError, match="keeps features"):
+        HeadPool(head, KVPool(target, tokens=64), tokens=64)
+    for seq in pooled:
+        seq.release()
+    assert heads.used_tokens == 0
+
+
+@pytest.fixture(scope="module")
+def served_head(target, tmp_path_factory):
+    """A target worker holding a feature head (colocated), served over real gRPC."""
+    from tests.cpu.test_colocated import serve
+    from specserve.rpc.servicers import TargetWorkerServicer
+
+    head = FeatureHeadForCausalLM.for_target(target, seed=1)
+    servicer = TargetWorkerServicer(target, VOCAB, kv_cache_tokens=4096, features=True)
+    servicer.attach_draft(head, set(), gamma_max=4, name="head")
+    servicer.scheduler.gather = 20.0  # tiny steps: wait for the others (see test_batching)
+    server, address = serve(servicer)
+    yield {"head": head, "servicer": servicer, "address": address}
+    server.stop(0).wait()
+    servicer.close()
+
+
+def served_requests():
+    """16 sessions: greedy, T=1, top-p and top-k, seeded, prompts of 1 to 11 tokens (one with no feature yet)."""
+    from specserve.coordinator import SessionRequest
+
+    out = []
+    for i in range(16):
+        prompt = [(7 * i + j * j) % VOCAB for j in range(1 + i % 11)]
+        mode = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.9, top_p=0.8),
+                dict(temperature=1.1, top_k=6)][i % 4]
+        out.append(SessionRequest(prompt, SamplingParams(**mode, seed=200 + i, ignore_eos=True), 20 + i % 5))
+    return out
+
+
+def test_served_head_sessions_together_equal_each_alone_and_in_process(target, served_head):
+    """16 seeded sessions through the coordinator and a target worker that drafts with a head: each emits the
+    tokens it emits alone and the in-process decoder's, the head's steps and the target's batched."""
+    import asyncio
+
+    from specserve.coordinator import ColocatedRelay, Coordinator
+
+    servicer = served_head["servicer"]
+    coord = Coordinator(ColocatedRelay(served_head["address"], gamma=3))
+
+    async def tokens_of(request) -> list[int]:
+        return [t async for chunk in coord.generate(request) for t in chunk.tokens]
+
+    async def together():
+        return await asyncio.gather(*(tokens_of(r) for r in served_requests()))
+
+    shared = asyncio.run(together())
+    assert max(servicer.scheduler.sessions_per_draft_step) >= 8  # head steps were batched
+    assert max(servicer.scheduler.sessions_per_step) >= 8  # and target steps
+    local = SpeculativeDecoder(target, served_head["head"], gamma=3)  # prompt lookup first, as served
+    for request, tokens in zip(served_requests(), shared):
+        expected = local.generate(request.prompt_ids, request.params, request.max_tokens)
+        assert tokens == expected.token_ids == asyncio.run(tokens_of(request))
+    greedy = SpeculativeDecoder(target, None, gamma=0)
+    for request, tokens in zip(served_requests()[::4], shared[::4]):  # the greedy ones: target-only's tokens
+        assert tokens == greedy.generate(request.prompt_ids, request.params, request.max_tokens).token_ids
+    assert len(servicer.sessions) == 0 and servicer.pool.used_tokens == 0
+    assert servicer.colocated.draft.pool.used_tokens == 0
+
+
+def test_first_two_tokens_follow_the_target_through_served_head_sessions(monkeypatch):
+    """The chi-square of the first two tokens with 16 head sessions at a time sharing head and target steps; a
+    missing residual step is caught."""
+    from specserve.rpc.servicers import TargetWorkerServicer
+    from tests.cpu.test_colocated import colocated_first_two
+
+    target = tiny_llama(0)  # vocabulary 8, as test_exactness
+    servicer = TargetWorkerServicer(target, target.config.vocab_size, kv_cache_tokens=16 * 64, features=True)
+    servicer.attach_draft(FeatureHeadForCausalLM.for_target(target, seed=4), set(), gamma_max=2)
+    servicer.scheduler.expected = lambda: 16
+    try:
+        mode = dict(temperature=1.0)
+        expected = target_joint(target, mode)
+        assert chi_square_pvalue(colocated_first_two(servicer, mode), expected) > 1e-3
+        assert max(servicer.scheduler.sessions_per_draft_step) >= 8
+        monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: p)
+        assert chi_square_pvalue(colocated_first_two(servicer, mode), expected) < 1e-3
+    finally:
+        servicer.scheduler.close()
+
+
+def test_a_head_needs_a_target_pool_with_features_and_a_colocated_place():
+    from specserve.rpc.servicers import TargetWorkerServicer
+    from specserve.workers.config import WorkersConfig
+
+    target = tiny_llama(0)
+    plain = TargetWorkerServicer(target, target.config.vocab_size)
+    try:
+        with pytest.raises(ValueError, match="keeps features"):
+            plain.attach_draft(FeatureHeadForCausalLM.for_target(target, seed=4), set())
+    finally:
+        plain.close()
+    with pytest.raises(ValueError, match="draft: a feature head needs batching"):
+        TargetWorkerServicer(target, target.config.vocab_size, batching=False, features=True)
+    config = WorkersConfig(target="embedded", draft="head:/some/head")
+    assert config.colocated() and not config.has_draft_worker()
+    for bad, field in ((dict(draft_placement="split"), "draft_placement"), (dict(batching=False), "batching"),
+                       (dict(target_stages=[{}, {}]), "target_stages"),
+                       (dict(target_resources={"tensor_parallel": 2}), "target_resources.tensor_parallel")):
+        with pytest.raises(ValueError, match=field):
+            WorkersConfig(target="embedded", draft="head:/some/head", **bad)

@@ -71,3 +71,41 @@ def test_ray_workers_serve_the_same_tokens_as_in_process(local_ray, model_dirs, 
     finally:
         for actor in (target_actor, draft_actor):
             ray.kill(actor)
+
+
+def test_a_feature_head_served_from_its_directory_in_the_target_actor(local_ray, model_dirs):
+    """`draft: head:PATH` through `start_workers`: the target actor loads the head beside its model (no draft
+    actor), keeps features in its pool, and its sessions over the coordinator emit the in-process decoder's
+    tokens (greedy: target-only's)."""
+    import asyncio
+
+    from specserve.coordinator import ColocatedRelay, Coordinator, SessionRequest
+    from specserve.models.head import FeatureHeadForCausalLM
+    from specserve.models.loading import load_model
+
+    target = load_model(str(model_dirs / "target"), "float32").model
+    FeatureHeadForCausalLM.for_target(target, seed=3, shared_from=str(model_dirs / "target")).save_pretrained(
+        str(model_dirs / "head"))
+    config = WorkersConfig(target=str(model_dirs / "target"), draft=f"head:{model_dirs / 'head'}", dtype="float32",
+                           target_resources=RoleResources(torch_threads=1))
+    target_actor, draft_actor = start_workers(config)
+    try:
+        assert draft_actor is None
+        info = ray.get(target_actor.info.remote())
+        assert info["colocated_draft"] == str(model_dirs / "head") and info["batching"]
+        coord = Coordinator(ColocatedRelay(ray.get(target_actor.address.remote()), gamma=3))
+        local = SpeculativeDecoder(config.target, config.draft, gamma=3, dtype="float32")
+        plain = SpeculativeDecoder(config.target, None, gamma=0, dtype="float32")
+        for mode in (dict(temperature=0.0), dict(temperature=1.0, seed=21), dict(temperature=0.7, top_p=0.9, seed=22)):
+            params = SamplingParams(**mode, ignore_eos=True)
+
+            async def tokens_of(request):
+                return [t async for chunk in coord.generate(request) for t in chunk.tokens]
+
+            tokens = asyncio.run(tokens_of(SessionRequest(PROMPT, params, 30)))
+            assert tokens == local.generate(PROMPT, params, 30).token_ids
+            if mode["temperature"] == 0.0:
+                assert tokens == plain.generate(PROMPT, params, 30).token_ids
+        assert ray.get(target_actor.active_sessions.remote()) == 0
+    finally:
+        ray.kill(target_actor)

@@ -32,7 +32,8 @@ Parts (`--parts`; `steps`, `accept` and `hf` are in `bench.steps`):
   hf      the pair through Hugging Face `generate`, target-only and assisted.
   gammas  one stream in process at each γ of --sweep-gammas, alpha =
           --load-alpha (where speculation starts to pay); --draft-kind head
-          drafts with a synthetic feature head instead of a draft LM.
+          drafts with a synthetic feature head instead of a draft LM
+          (also in load, where the target worker holds it).
   rounds  one stream per configuration, fixed γ, alpha ∈ --alphas: in-process,
           colocated (one worker holds both models), split sequential and split
           pipelined (a draft worker of its own on each --draft-devices), plus
@@ -195,8 +196,11 @@ def _worker(role: str, spec: dict, conn) -> None:
         if role == "target":
             target = synthetic_llama(spec["shape"], vocab, None, spec["device"], spec["dtype"],
                                      quantization=spec.get("quantization"))
-            draft = (synthetic_llama(spec["draft_shape"], vocab, spec["alpha"], spec["device"], spec["dtype"])
-                     if spec.get("draft_shape") else None)
+            draft = None
+            if spec.get("draft_kind") == "head":  # a feature head beside the target, reading its pool's features
+                draft = synthetic_head(spec["shape"], vocab, spec["alpha"], spec["device"], spec["dtype"])
+            elif spec.get("draft_shape"):
+                draft = synthetic_llama(spec["draft_shape"], vocab, spec["alpha"], spec["device"], spec["dtype"])
             actor = TargetWorkerActor(target, threads=spec["threads"], draft=draft, gamma_max=spec["gamma_max"],
                                       scheduling={"kv_cache_tokens": spec["kv_cache_tokens"],
                                                   "max_step_tokens": spec["max_step_tokens"],
@@ -438,7 +442,7 @@ def bench_load(args, shape: str, log) -> list[dict[str, Any]]:
     spec = {"vocab": args.vocab, "dtype": args.dtype, "gamma_max": args.gamma_max, "threads": None,
             "kv_cache_tokens": 2 * (top + 2) * per_session, "max_step_tokens": args.max_step_tokens,
             "shape": shape, "device": args.device, "draft_shape": args.draft_shape, "alpha": args.load_alpha,
-            "quantization": args.quantization}
+            "quantization": args.quantization, "draft_kind": args.draft_kind}
     target = Worker("target", spec)
     try:
         coords = {gamma: coordinator_for(target, None, colocated=True, gamma=gamma, gamma_max=args.gamma_max,
@@ -449,7 +453,8 @@ def bench_load(args, shape: str, log) -> list[dict[str, Any]]:
                 coord = coords[gamma]
                 figures = run_served(coord, prompts(n, args.prompt_len, args.vocab, seed=n), gamma, args.max_tokens,
                                      args.vocab)
-                rows.append({"target": shape, "draft": args.draft_shape, "config": "colocated", "alpha": args.load_alpha,
+                rows.append({"target": shape, "draft": "head" if args.draft_kind == "head" else args.draft_shape,
+                             "config": "colocated", "alpha": args.load_alpha,
                              "gamma": gamma, **figures})
                 log(f"  γ={gamma!s:<4} {n:>3} streams  {figures['tok_s']:8.1f} tok/s aggregate  "
                     f"{figures['per_stream_tok_s']:7.1f} per stream  TTFT p50 {figures['ttft_p50_s']:.3f} s "
@@ -470,7 +475,7 @@ def parse_args(argv=None):
     p.add_argument("--targets", type=_csv(str), default=["1b", "7b"], help=f"target shapes, of {sorted(SHAPES)}")
     p.add_argument("--draft-shape", default="135m", choices=sorted(SHAPES))
     p.add_argument("--draft-kind", default="model", choices=["model", "head"],
-                   help="gammas part: a synthetic draft LM of --draft-shape, or a synthetic feature head (one layer at "
+                   help="gammas and load parts: a synthetic draft LM of --draft-shape, or a synthetic feature head (one layer at "
                         "the target's width, the same acceptance alpha)")
     p.add_argument("--vocab", type=int, default=None,
                    help="vocabulary of every model (default: the first target shape's own, else SmolLM2's 49152)")
@@ -512,8 +517,9 @@ def parse_args(argv=None):
         p.error(f"--targets: unknown shape(s) {unknown}; choose from {sorted(SHAPES)}")
     if args.vocab is None:
         args.vocab = SHAPES[args.targets[0]].get("vocab_size", DEFAULT_VOCAB) if args.targets else DEFAULT_VOCAB
-    if args.draft_kind == "head" and set(args.parts) - {"gammas", "steps", "accept"}:
-        p.error("--draft-kind head: the gammas part (in process) so far; the served parts do not host a head yet")
+    if args.draft_kind == "head" and set(args.parts) - {"gammas", "steps", "accept", "load"}:
+        p.error("--draft-kind head: the gammas (in process) and load (a target worker holding the head) parts; "
+                "the rounds part compares draft placements a head does not have")
     if args.draft_devices is None:
         args.draft_devices = [args.device] + (["cpu"] if args.device != "cpu" else [])
     return args

@@ -13,7 +13,9 @@ whatever the head predicts. The embedding is the target's, frozen and not stored
 
 `HeadSequence` is one session's head cache with the `TokenSequence` methods `engine.proposers.ModelProposer`
 drafts through: each block it first feeds the target features of the positions committed since the last one
-(replacing what it had predicted there), then drafts on its own.
+(replacing what it had predicted there), then drafts on its own. `HeadPool` keeps many sessions' head caches
+in one arena beside the target's pool (a served target worker's), so one forward runs every session's next
+head step, as `KVPool` does for a draft LM.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from specserve.models.draft import SubsetDraftConfig, SubsetDraftForCausalLM, embedding_digest
 from specserve.models.lean import LeanSequence, head_logits, lean_forward, norm, widen
+from specserve.models.pool import KVPool, PooledSequence
 from specserve.models.quant import linear
 
 
@@ -130,6 +133,93 @@ class HeadSequence(LeanSequence):
 
     def logits_after(self, tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
         return widen(self.subset_logits_after(tokens), self.token_subset, self.vocab)
+
+    def rollback(self, length: int) -> None:
+        super().rollback(length)
+        self.true = min(self.true, length)
+
+    def release(self) -> None:
+        super().release()
+        self.true, self.last = 0, None
+
+
+class HeadPool(KVPool):
+    """Feature heads' caches for the sequences of one target pool (`KVPool(features=True)`): one forward over
+    every session's new head positions, each fed fc([feature, embedding]) in place of its token's embedding.
+    A position below a sequence's `true` count takes the target's feature there, read at the step from the
+    target's arena (where its block is then); a drafted one the head's own prediction (`last`)."""
+
+    def __init__(self, head: FeatureHeadForCausalLM, target: KVPool, tokens: int, dtype: torch.dtype | None = None):
+        if target.features is None:
+            raise ValueError("a feature head's pool reads a target pool that keeps features (KVPool(features=True))")
+        super().__init__(head, tokens, dtype or target.w.dtype, max_length=target.max_length, runner=False)
+        self.target = target
+        self.fc = head.fc.weight.detach().to(self.w.device, self.w.dtype).contiguous()
+        self.embedding = head.model.embed_tokens.weight
+
+    def sequence(self, target_sequence: PooledSequence | None = None) -> PooledHeadSequence:
+        if target_sequence is None:
+            raise ValueError("a head's sequence reads a target sequence of the pool it was made for")
+        return PooledHeadSequence(self, target_sequence)
+
+    def _compute(self, seqs: list, new_tokens: list[list[int]], keeps: list[int]) -> torch.Tensor:
+        rows, offsets, total = [], [], 0
+        for seq, tokens in zip(seqs, new_tokens):
+            start = len(seq.tokens)
+            true = max(0, min(seq.true - start, len(tokens)))  # the first `true` new positions have target features
+            if true:
+                first = seq.target.block[0] + start
+                rows.append(self.target.features[first : first + true])
+            if true < len(tokens):
+                if len(tokens) - true != 1 or seq.last is None:
+                    raise ValueError("a feature head drafts one token at a time, after the target's features")
+                rows.append(seq.last)
+            total += len(tokens)
+            offsets.append(total)
+        ids = torch.tensor([t for tokens in new_tokens for t in tokens], device=self.embedding.device)
+        x = torch.cat([torch.cat(rows).to(self.w.dtype), self.embedding[ids].to(self.w.device, self.w.dtype)], -1)
+        hidden = lean_forward(self.w, seqs, new_tokens, [len(t) for t in new_tokens],
+                              (self.k, self.v, [seq.block[0] for seq in seqs]), hidden=linear(x, self.fc), head=False)
+        last = norm(self.w, hidden[torch.tensor(offsets, device=hidden.device) - 1], self.w.norm)
+        for j, seq in enumerate(seqs):
+            seq.last = last[j : j + 1]
+            if keeps[j] > 1:
+                raise ValueError("a feature head keeps the logits after its last position only")
+        kept = [j for j, keep in enumerate(keeps) if keep]
+        return head_logits(self.w, last[kept], normed=True) if kept else last.new_zeros(0, 0)
+
+
+class PooledHeadSequence(PooledSequence):
+    """One session's head cache in a `HeadPool` (what `HeadSequence` is on a cache of its own): position j holds
+    (f_j, x_{j+1}); `target` is the session's sequence in the target pool, whose features it reads."""
+
+    def __init__(self, pool: HeadPool, target: PooledSequence):
+        super().__init__(pool)
+        self.target = target
+        self.true = 0  # positions fed (or to be fed, at the next step) the target's features
+        self.last: torch.Tensor | None = None  # the latest predicted feature [1, hidden]
+
+    def unfed(self, tokens: list[int], keep_logits: int) -> list[int]:
+        """The head positions to feed for the committed context `tokens`: (f_j, tokens[j+1]) for every j the
+        target holds since the last true one; [] where the target holds none yet (`nothing_yet`)."""
+        if keep_logits != 1:
+            raise ValueError("a feature head keeps the logits after its last position only")
+        m = len(tokens) - 1  # positions with a known feature: the target holds tokens[:m]
+        if m < 1 or self.target.block is None or len(self.target.tokens) < m:
+            self.rollback(0)
+            return []
+        keep = min(self.true, self.common_prefix(tokens[1 : m + 1]), m - 1)
+        self.rollback(keep)
+        self.true = m
+        return tokens[keep + 1 : m + 1]
+
+    def nothing_yet(self) -> torch.Tensor:
+        """Logits (all equal) where there is no target feature to read: the head drafts on a zero feature."""
+        self.last = torch.zeros(1, self.pool.fc.shape[0], dtype=self.pool.w.dtype, device=self.pool.w.device)
+        return torch.zeros(1, len(self.token_subset) if self.token_subset is not None else self.pool.vocab)
+
+    def feed_subset(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
+        return self.pool.forward([self], [new_tokens], [keep_logits]) if new_tokens else self.nothing_yet()
 
     def rollback(self, length: int) -> None:
         super().rollback(length)

@@ -242,12 +242,14 @@ class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerService
     kv_wait_s: how long a new session waits for room in a full pool).
     Other models (`new_sequence`) and batching=False run one session at a time.
     tp: this worker is rank 0 of a tensor-parallel group (`models.tp`): its pool's steps run on every rank.
-    pool: the pool to batch on, made by the caller (a staged target's, `workers.stages.StagedPool`)."""
+    pool: the pool to batch on, made by the caller (a staged target's, `workers.stages.StagedPool`).
+    features: the pool keeps each position's final hidden state, for a feature head drafting here (`models.head`)."""
 
     def __init__(self, model, vocab: int, threads: int | None = None, new_sequence: Callable | None = None, *,
                  batching: bool = True, kv_cache_tokens: int = 65536, max_step_tokens: int = 512,
                  prefill_chunk: int = 256, scheduler: StepScheduler | None = None, tp: Collective | None = None,
-                 prefix_caching: bool = True, kv_wait_s: float = 60.0, pool: KVPool | None = None):
+                 prefix_caching: bool = True, kv_wait_s: float = 60.0, pool: KVPool | None = None,
+                 features: bool = False):
         self.model = model
         self.new_sequence = new_sequence
         self.sessions = SessionTable(vocab)
@@ -259,17 +261,21 @@ class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerService
             self.new_sequence = pool.sequence
         elif batching and new_sequence is None and model is not None and unsupported_reason(model) is None:
             # every attach and forward of this pool runs on the compute thread: new sessions may copy from running ones
-            pool = functools.partial(KVPool, tp=tp, prefix_caching=prefix_caching, share_running=True)
+            pool = functools.partial(KVPool, tp=tp, prefix_caching=prefix_caching, share_running=True,
+                                     features=features)
             self.pool = self.scheduler.pool = self.on_compute_thread(pool, model, kv_cache_tokens)
             self.new_sequence = self.pool.sequence
         elif tp is not None:
             raise ValueError("tensor_parallel: needs batching and a target the pooled step runs "
                              f"({unsupported_reason(model) if model is not None else 'no model'})")
+        elif features:
+            raise ValueError("draft: a feature head needs batching and a target the pooled step runs "
+                             f"({unsupported_reason(model) if model is not None else 'no model'})")
         self.kv_cache_tokens, self.prefix_caching = kv_cache_tokens, prefix_caching
         self.colocated: ColocatedSessions | None = None
 
     def attach_draft(self, draft, eos_ids, gamma_max: int = 8, name: str = "draft", top_k_q: int = 0) -> None:
-        """Hold a draft model too (colocated): `Generate` then runs whole sessions here."""
+        """Hold a draft model (or a feature head) too (colocated): `Generate` then runs whole sessions here."""
         self.colocated = ColocatedSessions(self.scheduler, self.model, draft, self.sessions.vocab, eos_ids,
                                            gamma_max=gamma_max, kv_cache_tokens=self.kv_cache_tokens, name=name,
                                            top_k_q=top_k_q, prefix_caching=self.prefix_caching)

@@ -5,7 +5,9 @@ step scheduler's batched draft steps (`ScheduledSequence`: every session's next 
 forward) and a verifier whose blocks join the batched target steps (`ScheduledVerifier`). A round is one
 message to the coordinator instead of a Propose and a Verify call, and no second process competes with the
 target for the same cores. The γ controller runs here too, so `auto` decides token by token as in process.
-`ScheduledDraft` is the draft half; a split DraftWorker batches its sessions' draft steps with it too.
+`ScheduledDraft` is the draft half; a split DraftWorker batches its sessions' draft steps with it too. A
+feature head (`models.head`) is a draft of this kind whose pool reads the target pool's features: its
+sessions' head steps are batched the same way.
 The draft samples from its top-k q where `draft_top_k` says so, as a split draft worker does, so a
 session's tokens are the same in either placement.
 """
@@ -14,10 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import torch
+
 from specserve.engine.loop import Round
 from specserve.engine.profile import draft_step_time, verify_profile
 from specserve.engine.proposers import LookupOrModelProposer, ModelProposer, Proposer, TargetVerifier
 from specserve.engine.session import SessionFactory
+from specserve.models.head import HeadPool, is_head
 from specserve.models.lean import draft_dtype, model_sequence, unsupported_reason
 from specserve.models.pool import KVPool
 from specserve.scheduler.steps import ScheduledSequence, ScheduledVerifier, StepScheduler
@@ -30,10 +35,18 @@ class ScheduledDraft:
     thread). Its proposers are called from the sessions' own threads; only their forwards cross to the compute thread."""
 
     def __init__(self, scheduler: StepScheduler, model, vocab: int, top_k_q: int = 0, name: str = "draft",
-                 kv_cache_tokens: int = 65536, fused: bool | None = None, prefix_caching: bool = True):
+                 kv_cache_tokens: int = 65536, fused: bool | None = None, prefix_caching: bool = True,
+                 target_pool: KVPool | None = None):
+        """target_pool: the pool whose features a feature head reads (the scheduler's)."""
         self.scheduler, self.model, self.vocab, self.top_k_q, self.name = scheduler, model, vocab, top_k_q, name
         self.pool: KVPool | None = None
-        if unsupported_reason(model) is None:
+        self.head = is_head(model)
+        if self.head:
+            if target_pool is None or target_pool.features is None:
+                raise ValueError("a feature head drafts beside a batched target whose pool keeps features")
+            self.pool = scheduler.call(HeadPool, model, target_pool, kv_cache_tokens).result()
+            fused = False  # one head step at a time, batched over sessions (a block as one graph: not yet)
+        elif unsupported_reason(model) is None:
             self.pool = scheduler.call(lambda: KVPool(model, kv_cache_tokens, draft_dtype(model),
                                                       prefix_caching=prefix_caching)).result()
         # whole blocks on the device (`scheduler.drafting`) where steps replay CUDA graphs; token by token
@@ -41,10 +54,24 @@ class ScheduledDraft:
         runner = self.pool.runner if self.pool is not None else None
         self.fused = bool(runner is not None and runner.capture) if fused is None else fused
 
-    def proposer(self) -> ModelProposer:
-        seq = self.pool.sequence() if self.pool is not None else model_sequence(self.model)
-        return ModelProposer(self.model, self.vocab, self.top_k_q, name=self.name,
-                             sequence=ScheduledSequence(self.scheduler, seq, self.pool, self.fused))
+    def proposer(self, target_sequence=None) -> ModelProposer:
+        """A session's draft; a head's reads `target_sequence`, the session's sequence in the target pool."""
+        if self.head:
+            sequence = ScheduledHeadSequence(self.scheduler, self.pool.sequence(target_sequence), self.pool)
+        else:
+            seq = self.pool.sequence() if self.pool is not None else model_sequence(self.model)
+            sequence = ScheduledSequence(self.scheduler, seq, self.pool, self.fused)
+        return ModelProposer(self.model, self.vocab, self.top_k_q, name=self.name, sequence=sequence)
+
+
+class ScheduledHeadSequence(ScheduledSequence):
+    """A head's `PooledHeadSequence` on the scheduler: before the target holds a feature of the context there is
+    nothing to feed, and the head drafts from a zero feature (as `HeadSequence`)."""
+
+    def feed_subset(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
+        if not new_tokens:
+            return self.scheduler.call(self.inner.nothing_yet).result()
+        return super().feed_subset(new_tokens, keep_logits)
 
 
 class ColocatedSessions:
@@ -55,11 +82,11 @@ class ColocatedSessions:
                  prefix_caching: bool = True):
         self.scheduler, self.target, self.vocab, self.gamma_max = scheduler, target, vocab, gamma_max
         self.draft = ScheduledDraft(scheduler, draft, vocab, top_k_q, name, kv_cache_tokens,
-                                    prefix_caching=prefix_caching)
+                                    prefix_caching=prefix_caching, target_pool=scheduler.pool)
         self.sessions = SessionFactory(vocab, eos_ids, gamma_max=gamma_max, cost_profile=self._measure_costs)
 
-    def proposer(self, lookup: bool = True) -> Proposer:
-        model = self.draft.proposer()
+    def proposer(self, lookup: bool = True, target_sequence=None) -> Proposer:
+        model = self.draft.proposer(target_sequence)
         return LookupOrModelProposer(model) if lookup else model
 
     def cost_profile(self) -> tuple[dict[int, float], float]:
@@ -71,12 +98,20 @@ class ColocatedSessions:
         sequence = pool.sequence() if pool is not None else model_sequence(self.target)
         verify = self.scheduler.call(verify_profile, self.target, self.vocab, self.gamma_max + 1, 64, 3,
                                      sequence).result()
-        return verify, draft_step_time(self.proposer(lookup=False), self.vocab)
+        target = None
+        if self.draft.head:  # the head reads the features of a target sequence that has seen the context
+            target = pool.sequence()
+            context = torch.randint(0, self.vocab, (63,), generator=torch.Generator().manual_seed(1)).tolist()
+            self.scheduler.call(target.feed, context).result()
+        seconds = draft_step_time(self.proposer(lookup=False, target_sequence=target), self.vocab)
+        if target is not None:
+            self.scheduler.call(target.release).result()
+        return verify, seconds
 
     def rounds(self, engine: TargetVerifier, prompt: list[int], params: SamplingParams, rng: PositionRNG,
                max_tokens: int, gamma: int | str, lookup: bool, open_sessions: int = 1) -> Iterator[Round]:
         """The session's rounds over the scheduler. open_sessions: sessions open on the worker, this one
         included (auto's first guess at the load)."""
         controller = self.sessions.controller(gamma, open_sessions)
-        return self.sessions.rounds(prompt, self.proposer(lookup), ScheduledVerifier(self.scheduler, engine),
+        return self.sessions.rounds(prompt, self.proposer(lookup, engine.seq), ScheduledVerifier(self.scheduler, engine),
                                     controller, params, rng, max_tokens)

@@ -157,6 +157,10 @@ def spec_path(spec: str) -> str:
     from specserve.models.loading import model_config
 
     try:
+        if spec.startswith("head:"):
+            config = model_config(spec.removeprefix("head:"))
+            return (f"a feature head of {config.num_hidden_layers} layer(s) over {config.token_subset_size} tokens, "
+                    "in the target worker, its steps batched (a pool beside the target's)")
         return describe_path(model_config(spec))
     except Exception as exc:  # noqa: BLE001 - a start-up note: the load itself reports what is wrong
         return f"its config could not be read here ({type(exc).__name__}); the workers will say"

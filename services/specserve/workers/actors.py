@@ -21,6 +21,7 @@ import grpc
 from specserve.engine.profile import draft_step_time, verify_profile
 from specserve.engine.proposers import NgramProposer
 from specserve.models import load_model
+from specserve.models.head import is_head, load_head
 from specserve.models.loading import load_draft, model_config, resolve_model_path
 from specserve.rpc.auth import server_interceptors
 from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
@@ -189,20 +190,25 @@ class TargetWorkerActor(_GrpcActor):
             new_sequence, model = None, loaded.model
         self.model = model
         self.vocab = self._info["vocab"]
+        head = draft is not None and is_head(draft)
         self._start(
             TargetWorkerServicer(model, self.vocab, threads, new_sequence, scheduler=compute, tp=tp, pool=staged,
-                                 **(scheduling or {})),
+                                 features=head, **(scheduling or {})),
             workers_pb2_grpc.add_TargetWorkerServicer_to_server, session_idle_s, token,
         )
         if draft is not None:
             if stages:
                 raise ValueError("a colocated draft needs the whole target in one worker (not target_stages)")
-            drafted = compute.call(load_draft, draft, dtype, str(loaded.device), draft_quantization).result()
-            if drafted.vocab_size != self.vocab:
-                raise ValueError(f"draft vocab size {drafted.vocab_size} != target vocab size {self.vocab}")
-            self.servicer.attach_draft(drafted.model, loaded.eos_ids, gamma_max, drafted.name, draft_top_k)
+            if head:  # a feature head: one layer beside the target, reading its pool's features
+                model, name = compute.call(load_head, draft, loaded).result(), str(draft).removeprefix("head:")
+            else:
+                drafted = compute.call(load_draft, draft, dtype, str(loaded.device), draft_quantization).result()
+                if drafted.vocab_size != self.vocab:
+                    raise ValueError(f"draft vocab size {drafted.vocab_size} != target vocab size {self.vocab}")
+                model, name = drafted.model, drafted.name
+            self.servicer.attach_draft(model, loaded.eos_ids, gamma_max, name, draft_top_k)
             self.servicer.colocated.cost_profile()  # calibrate `auto` now, not during the first request
-            self._info["colocated_draft"] = drafted.name
+            self._info["colocated_draft"] = name
         self._export_pools(served_name or self._info.get("name", "target"),
                            {"target": self.servicer.pool, "draft": self._draft_pool()})
 

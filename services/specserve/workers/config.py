@@ -60,6 +60,13 @@ class RoleResources(BaseModel):
         return options
 
 
+def is_head(draft: Any) -> bool:
+    """Whether a draft spec names a feature head (`models.head`), without importing the models."""
+    if isinstance(draft, str):
+        return draft.startswith("head:")
+    return getattr(getattr(draft, "config", None), "model_type", None) == "specserve_head"
+
+
 class WorkersConfig(BaseModel):
     """Which models the workers serve and where Ray puts them."""
 
@@ -68,8 +75,9 @@ class WorkersConfig(BaseModel):
     target: str = Field("embedded", description="HF id/dir, .gguf file, or 'embedded'.")
     draft: str = Field(
         "default",
-        description="HF id/dir, .gguf file, 'embedded-draft', 'ngram', 'none', or 'default' (the shipped distilled "
-        "draft for the embedded target when the draft worker has a GPU, else 'ngram').",
+        description="HF id/dir, .gguf file, 'embedded-draft', 'ngram', 'none', 'head:PATH' (a feature head "
+        "`specserve distill --head` wrote: drafts inside the target worker from its features), or 'default' (the "
+        "shipped distilled draft for the embedded target when the draft worker has a GPU, else 'ngram').",
     )
     dtype: str | None = Field(None, description="'float32', 'bfloat16', 'float64' (slow; for exactness checks) or None "
                                              "(bf16 where fast).")
@@ -155,6 +163,8 @@ class WorkersConfig(BaseModel):
         draft = self.draft if draft is None else draft
         if isinstance(draft, str) and draft in ("none", "ngram"):
             return False
+        if is_head(draft):  # a feature head reads the target's features: always beside it
+            return True
         if self.draft_placement == "auto":
             return not self.draft_device_of_its_own() and not self.target_stages
         return self.draft_placement == "colocated"
@@ -180,9 +190,17 @@ class WorkersConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_head(self) -> WorkersConfig:
-        if self.draft.startswith("head:"):
-            raise ValueError("draft: a feature head (head:PATH) drafts in process so far (SpeculativeDecoder, "
-                             "specserve generate/bench); the serving workers do not host one yet")
+        """A feature head drafts inside the target worker, from its batched pool's features."""
+        if not is_head(self.draft):
+            return self
+        if self.draft_placement == "split":
+            raise ValueError("draft_placement: a feature head (draft: head:PATH) reads the target's features "
+                             "and runs inside the target worker; use 'auto' or 'colocated'")
+        for field, bad in (("target_stages", bool(self.target_stages)), ("batching", not self.batching),
+                           ("target_resources.tensor_parallel", self.target_resources.tensor_parallel > 1)):
+            if bad:
+                raise ValueError(f"{field}: a feature head (draft: head:PATH) drafts beside one batched target "
+                                 "worker that holds the whole model (no stages, one rank, batching on)")
         return self
 
     @model_validator(mode="after")
