@@ -50,6 +50,9 @@ def test_the_bench_runs_worker_processes_and_reports_exact_output(tmp_path, caps
     # side by side per level, the order alternating
     assert [(r["gamma"], r["streams"]) for r in report["load"]] == [(0, 1), ("auto", 1), ("auto", 3), (0, 3)]
     assert all(r["tokens"] == 16 * r["streams"] and r["ttft_p50_s"] > 0 for r in report["load"])
+    # the load part's worker start-up: seconds to serving (no step runner on a CPU: nothing to warm up)
+    assert [(r["target"], r["warm_up"]) for r in report["startup"]] == [("tiny", None)]
+    assert report["startup"][0]["start_s"] > 0
     assert "wrote" in capsys.readouterr().out
     assert (tmp_path / "dataplane.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

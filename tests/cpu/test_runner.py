@@ -192,3 +192,89 @@ def test_compiled_steps_equal_the_eager_steps(model, monkeypatch, device, weight
             assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
         else:  # bfloat16: fused kernels round differently
             assert (a - b).abs().max() <= 0.05 * a.abs().max() + 0.05
+
+
+def test_warm_up_runs_every_step_shape_before_serving_and_changes_no_result(model, capsys):
+    """`warm_up` (what a serving worker runs before it reports ready): a step of every (batch bucket, width), at
+    arena row 0 of an empty pool; the steps served after it equal an eager pool's. Refused once the pool holds
+    sequences. The worker's wrapper prints its progress."""
+    import types
+
+    from specserve.scheduler.steps import StepScheduler
+    from specserve.workers.actors import TargetWorkerActor
+
+    eager, static = twin_pools(model)
+    done = static.warm_up(widths=range(1, 4))
+    assert done["steps"] == len(static.runner.batch_buckets) * 3 and not done["compiled"] and done["cache"] is None
+    assert {(b, w) for b, w, _ in static.runner.buckets} == {(b, w) for b in static.runner.batch_buckets
+                                                            for w in (1, 2, 3)}
+    logits = []
+    for pool in (eager, static):
+        seqs = [pool.sequence() for _ in range(3)]
+        pool.forward(seqs, [[1, 2, 3], [4, 5], [6]], [1, 1, 1])
+        logits.append([pool.forward(seqs, [[(s + j) % VOCAB] * 2 for j in range(3)], [2] * 3) for s in range(4)])
+    for got, want in zip(*logits):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+    with pytest.raises(RuntimeError, match="before it holds sequences"):
+        static.warm_up()
+    assert eager.warm_up() is None  # no runner: nothing to warm
+    scheduler = StepScheduler()
+    try:
+        fresh = KVPool(model, tokens=1024, max_length=256, min_block=4, runner=True)
+        worker = types.SimpleNamespace(compute=scheduler)
+        assert TargetWorkerActor._warm_up(worker, "target", fresh, (1, 2))["steps"] == 2 * len(BUCKETS)
+    finally:
+        scheduler.close()
+    assert f"[specserve] target steps: {2 * len(BUCKETS)} shapes ready in" in capsys.readouterr().out
+
+
+BUCKETS = __import__("specserve.models.runner", fromlist=["BATCH_BUCKETS"]).BATCH_BUCKETS
+
+_START = """
+import json, os, sys, torch
+from specserve.models.pool import KVPool
+from specserve.models.runner import StepRunner
+from tests.conftest import tiny_llama
+model = tiny_llama(5, vocab=40, layers=1, hidden=16)
+eager = KVPool(model, tokens=256, runner=False)
+pool = KVPool(model, tokens=256, runner=False)
+pool.runner = StepRunner(pool.w, (pool.k, pool.v), 128, max_width=1, batch_buckets=(1, 2), capture=False,
+                         compile="dynamic")
+done = pool.warm_up()
+outs = []
+for p in (eager, pool):
+    seqs = [p.sequence() for _ in range(2)]
+    p.forward(seqs, [[1, 2, 3], [4]], [1, 1])
+    outs.append(p.forward(seqs, [[5], [6]], [1, 1]))
+done["diff"] = (outs[0] - outs[1]).abs().max().item()
+done["inductor"] = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+print(json.dumps(done))
+"""
+
+
+def test_compiled_steps_persist_under_the_cache_and_a_second_start_loads_them(tmp_path):
+    """A start that compiles saves its compilers' caches under `$SPECSERVE_CACHE/compile`; a second process
+    starting the same model loads them (`cache_loaded`) and its compiled steps still equal the eager ones. Needs
+    a C++ compiler (Inductor's CPU code)."""
+    import json
+    import os
+    import pathlib
+    import shutil
+    import subprocess
+    import sys
+    import sysconfig
+
+    if shutil.which("g++") is None or not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        pytest.skip("no C++ compiler or Python headers for Inductor's CPU code")
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    env.update(SPECSERVE_CACHE=str(tmp_path), PYTHONPATH=os.pathsep.join([str(root / "services"), str(root)]))
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", _START], env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert cold["compiled"] and cold["slow_steps"] > 0 and not cold["cache_loaded"] and cold["diff"] < 1e-5
+    assert pathlib.Path(cold["cache"]).is_file() and cold["inductor"] == str(tmp_path / "compile" / "inductor")
+    assert warm["cache_loaded"] and warm["diff"] < 1e-5 and warm["cache"] == cold["cache"]

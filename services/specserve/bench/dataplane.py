@@ -228,6 +228,7 @@ class Worker:
         self.conn, child = mp.get_context("spawn").Pipe()
         self.process = mp.get_context("spawn").Process(target=_worker, args=(role, spec, child), daemon=True)
         self.process.start()
+        started = time.perf_counter()
         if not self.conn.poll(900):
             self.stop()
             raise TimeoutError(f"the {role} worker did not start within 900 s")
@@ -235,6 +236,7 @@ class Worker:
         if "error" in self.reply:
             self.stop()
             raise RuntimeError(f"the {role} worker failed: {self.reply['error']}")
+        self.start_s = time.perf_counter() - started  # process start to serving: load, warm-up, calibration
 
     def stop(self) -> None:
         try:
@@ -434,7 +436,8 @@ def bench_rounds(args, shape: str, log) -> list[dict[str, Any]]:
     return rows
 
 
-def bench_load(args, shape: str, log) -> list[dict[str, Any]]:
+def bench_load(args, shape: str, log, startup: list) -> list[dict[str, Any]]:
+    """The load part's rows; the target worker's start-up (seconds to serving, its step warm-up) to `startup`."""
     rows = []
     top = max(args.concurrency)
     # a session's buddy block, twice over: a block that outgrows itself may move to a bigger one
@@ -444,6 +447,10 @@ def bench_load(args, shape: str, log) -> list[dict[str, Any]]:
             "shape": shape, "device": args.device, "draft_shape": args.draft_shape, "alpha": args.load_alpha,
             "quantization": args.quantization, "draft_kind": args.draft_kind}
     target = Worker("target", spec)
+    warm = target.reply["info"].get("warm_up") or {}
+    log(f"  target worker serving {target.start_s:.1f} s after its start (step warm-up {warm.get('seconds', 0):.1f} s"
+        f" over {warm.get('steps', 0)} shapes{', compile cache loaded' if warm.get('cache_loaded') else ''})")
+    startup.append({"target": shape, "start_s": target.start_s, "warm_up": warm or None})
     try:
         coords = {gamma: coordinator_for(target, None, colocated=True, gamma=gamma, gamma_max=args.gamma_max,
                                          pipelined=False, vocab=args.vocab) for gamma in args.load_gammas}
@@ -536,7 +543,7 @@ def main(argv=None) -> int:
 
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu x{os.cpu_count()}"
     report = {"device": device_name, "torch": torch.__version__, "args": vars(args), "steps": [], "accept": [],
-              "hf": [], "gammas": [], "rounds": [], "load": []}
+              "hf": [], "gammas": [], "rounds": [], "load": [], "startup": []}
     if "steps" in args.parts:
         for shape in dict.fromkeys(args.targets + [args.draft_shape]):
             log(f"{shape}: one pooled step, eager and through the step runner, against the bandwidth floor")
@@ -558,7 +565,7 @@ def main(argv=None) -> int:
             report["rounds"] += bench_rounds(args, shape, log)
         if "load" in args.parts:
             log(f"{shape} target: colocated under load, alpha={args.load_alpha}")
-            report["load"] += bench_load(args, shape, log)
+            report["load"] += bench_load(args, shape, log, report["startup"])
         (out / "dataplane.json").write_text(json.dumps(report, indent=1))
     plot_dataplane(report, out / "dataplane.png")
     log(f"wrote {out / 'dataplane.json'} and {out / 'dataplane.png'}")

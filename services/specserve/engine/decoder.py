@@ -12,6 +12,7 @@ session and are cropped, never rebuilt. Randomness is keyed by position
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -147,6 +148,10 @@ class SpeculativeDecoder:
             if wants_runner(device, None):
                 self.draft_pool = KVPool(self.draft.model, kv_cache_tokens or 2 * (self.draft.max_positions or 4096),
                                          draft_dtype(self.draft.model), max_width=gamma_max + 1)
+        for role, pool in (("target", self.kv_pool), ("draft", self.draft_pool)):
+            if pool is not None and pool.runner is not None and pool.runner.compile_mode:  # compiled steps (CUDA)
+                pool.warm_up(range(1, gamma_max + 2) if role == "target" else None,
+                             lambda line, role=role: print(f"[specserve] {role} steps: {line}", file=sys.stderr))
         self.sessions = SessionFactory(self.target.vocab_size, eos_ids, gamma=gamma, gamma_max=gamma_max,
                                        has_draft=self.draft_kind != "none", cost_profile=self._measure_costs)
 

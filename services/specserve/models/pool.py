@@ -412,6 +412,15 @@ class KVPool:
             seq.forward_calls += 1
         return logits
 
+    def warm_up(self, widths=None, progress=None) -> dict | None:
+        """Compile and capture every step shape of the runner before any sequence is served (`StepRunner.warm_up`);
+        None where there is no runner."""
+        if self.runner is None:
+            return None
+        if self.used_tokens:
+            raise RuntimeError("warm a pool up before it holds sequences (its steps write arena row 0)")
+        return self.runner.warm_up(widths, progress)
+
     def block_kv(self, block: tuple[int, int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s keys and values over the arena block (offset, size): views, no copy."""
         offset, size = block

@@ -18,20 +18,25 @@ eager forward there is bound by kernel launches, not by the GPU. On a CPU the sa
 results are those of `lean.lean_forward` (tested). Prefill chunks, mixed widths and shapes outside the
 buckets run eagerly through `lean.lean_forward`, as before.
 
-`SPECSERVE_COMPILE_STEPS=1` compiles each bucket's step with `torch.compile` before it is captured, fusing the
-norms, rotary and elementwise ops that a replayed graph still runs as ~20 small kernels per layer (measured on
-an H200: docs/benchmarks.md). One graph per (batch, width), the context length a symbol in it;
-`SPECSERVE_COMPILE_STEPS=dynamic` makes the batch a symbol too: one graph per width for every batch bucket
-above 1 (a batch of 1 keeps its own): 18 graphs where there were 81, for batched steps up to 21% slower on a
-CPU (docs/benchmarks.md). Off by default: faster on an H100, but a graph compiles for tens of seconds there
-(docs/design.md).
+Compiled steps: `torch.compile` of each bucket's step before it is captured fuses the norms, rotary and
+elementwise ops that a replayed graph still runs as ~20 small kernels per layer (measured on an H200:
+docs/benchmarks.md). `SPECSERVE_COMPILE_STEPS=1`: one graph per (batch, width), the context length a symbol
+in it; `dynamic`: the batch a symbol too, one graph per width for every batch bucket above 1 (a batch of 1
+keeps its own), 18 graphs where there were 81; `auto` (the default): `dynamic` where steps are captured as
+CUDA graphs, else none; `0`: none. A graph compiles for tens of seconds on a GPU, so a serving worker
+compiles every shape it can meet before it reports ready (`StepRunner.warm_up`), and the compilers' caches
+persist under `$SPECSERVE_CACHE/compile` (`compile_caches`): a second start of the same model on the same
+machine reads them instead of compiling.
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import os
-from collections.abc import Sequence
+import pathlib
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -48,11 +53,29 @@ from specserve.models.lean import (
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 MIN_CONTEXT = 64  # the shortest context bucket; others double up to the pool's longest sequence
-COMPILE_MODES = {"0": False, "1": True, "dynamic": "dynamic"}  # SPECSERVE_COMPILE_STEPS → StepRunner(compile=)
-_COMPILE_ENV = os.environ.get("SPECSERVE_COMPILE_STEPS", "0")
+# SPECSERVE_COMPILE_STEPS → StepRunner(compile=); "auto": "dynamic" where the runner captures CUDA graphs
+COMPILE_MODES = {"0": False, "1": True, "dynamic": "dynamic", "auto": "auto"}
+_COMPILE_ENV = os.environ.get("SPECSERVE_COMPILE_STEPS", "auto")
 if _COMPILE_ENV not in COMPILE_MODES:
     raise ValueError(f"SPECSERVE_COMPILE_STEPS must be one of {sorted(COMPILE_MODES)}, got {_COMPILE_ENV!r}")
 COMPILE_STEPS: bool | str = COMPILE_MODES[_COMPILE_ENV]
+
+
+def compile_caches() -> pathlib.Path:
+    """Where compiled steps persist: `$SPECSERVE_CACHE/compile` (inductor's graph and autotuning caches, Triton's
+    kernels, and the mega-cache artifacts `StepRunner.warm_up` saves), set for this process's compilers unless
+    their own variables say otherwise."""
+    from specserve.models.embedded import cache_root
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    root = cache_root() / "compile"
+    # (inductor writes its default into the environment at its first use: that is not a user's choice)
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
+    os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
 
 
 class _Bucket:
@@ -91,9 +114,14 @@ class StepRunner:
         self.capture = w.device.type == "cuda" if capture is None else capture
         self._step = self._run
         compile = COMPILE_STEPS if compile is None else compile
+        if compile == "auto":
+            compile = "dynamic" if self.capture else False
+        self.compile_mode = compile
         self._dynamic_batch = compile == "dynamic"
         if compile:
             import torch._dynamo
+
+            compile_caches()
 
             # one compiled graph per (batch, width), static but for the context length: allow one per bucket pair
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
@@ -134,6 +162,57 @@ class StepRunner:
             bucket.graph.replay()
             self.replays += 1
         return bucket.logits[: len(blocks) * bucket.width]
+
+    def warm_up(self, widths: Sequence[int] | None = None, progress: Callable[[str], None] | None = None
+                ) -> dict:
+        """Run one step of every (batch bucket, width) at the shortest context, so that every graph a served step
+        can need is compiled (and captured) before the first request: a later context bucket captures without
+        compiling (its length is a symbol). The compilers' caches are loaded first from and saved after to
+        `compile_caches()`. The steps write only at arena row 0, which no sequence holds yet: call it before
+        any. widths: the step widths to cover (default 1 .. max_width). Returns what it did."""
+        widths = [w for w in (range(1, self.max_width + 1) if widths is None else widths) if w <= self.max_width]
+        keys = [(batch, width, self.contexts[0]) for width in widths for batch in self.batch_buckets]
+        artifacts = self._artifacts_path(widths) if self.compile_mode else None
+        loaded = False
+        if artifacts is not None and artifacts.is_file():
+            try:
+                loaded = torch.compiler.load_cache_artifacts(artifacts.read_bytes()) is not None
+            except Exception as exc:  # noqa: BLE001 - a stale or foreign cache only costs the compile it saved
+                if progress:
+                    progress(f"compile cache {artifacts.name} not loaded ({type(exc).__name__}: {exc})")
+        started = time.perf_counter()
+        slow = 0
+        for i, key in enumerate(keys):
+            t0 = time.perf_counter()
+            batch, width, _ = key
+            self.forward(key, [0] * batch, [0] * batch, [[0] * width] * batch)
+            seconds = time.perf_counter() - t0
+            if seconds > 1.0:  # a compile (or the first capture): worth a line
+                slow += 1
+                if progress:
+                    progress(f"step {i + 1}/{len(keys)} (batch {batch}, width {width}): {seconds:.1f} s")
+        if self.w.device.type == "cuda":
+            torch.cuda.synchronize(self.w.device)
+        total = time.perf_counter() - started
+        if artifacts is not None and slow:  # something was compiled: keep it for the next start
+            saved = torch.compiler.save_cache_artifacts()
+            if saved is not None:
+                tmp = artifacts.with_suffix(".tmp")
+                tmp.write_bytes(saved[0])
+                tmp.replace(artifacts)
+        return {"steps": len(keys), "seconds": total, "compiled": bool(self.compile_mode), "slow_steps": slow,
+                "cache_loaded": loaded, "cache": str(artifacts) if artifacts is not None else None}
+
+    def _artifacts_path(self, widths: list[int]) -> pathlib.Path:
+        """The mega-cache file of this runner's compiled steps: keyed by torch, the device, the model's shapes and
+        dtype, the compile mode and the buckets."""
+        w = self.w
+        device = torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else w.device.type
+        shapes = [(type(t).__name__, tuple(getattr(t, "shape", ()))) for t in w.layers[0].weights()]
+        key = repr((torch.__version__, device, str(w.dtype), repr(w.arch), w.heads, w.kv_heads, w.head_dim,
+                    len(w.layers), shapes, (type(w.head).__name__, tuple(getattr(w.head, "shape", ()))), self.compile_mode,
+                    self.batch_buckets, widths, self.features is not None))
+        return compile_caches() / f"steps-{hashlib.sha256(key.encode()).hexdigest()[:16]}.bin"
 
     def _fill(self, b: _Bucket, blocks: list[int], starts: list[int], new_tokens: list[list[int]] | torch.Tensor
               ) -> None:

@@ -87,6 +87,23 @@ class _GrpcActor:
 
         threading.Thread(target=publish, name="specserve-pool-metrics", daemon=True).start()
 
+    def _warm_up(self, role: str, pool, widths) -> dict | None:
+        """Compile (where steps are compiled) and capture every step shape of `pool` on the compute thread before
+        this worker reports ready, so that no request waits for a compile; progress on stdout (the driver's)."""
+        if pool is None or pool.runner is None:
+            return None
+
+        def say(line: str) -> None:
+            print(f"[specserve] {role} steps: {line}", flush=True)
+
+        if pool.runner.compile_mode:
+            say(f"compiling every step shape before serving ({pool.runner.compile_mode}; caches in "
+                f"{os.environ.get('TORCHINDUCTOR_CACHE_DIR', '?')})")
+        done = self.compute.call(pool.warm_up, widths, say).result()
+        say(f"{done['steps']} shapes ready in {done['seconds']:.1f} s"
+            + (" (compile cache loaded)" if done["cache_loaded"] else ""))
+        return done
+
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
@@ -120,6 +137,7 @@ class DraftWorkerActor(_GrpcActor):
                 raise ValueError(f"draft vocab size {loaded.vocab_size} != target vocab size {vocab}")
             scheduled = ScheduledDraft(compute, loaded.model, vocab, top_k_q, loaded.name, kv_cache_tokens,
                                        prefix_caching=prefix_caching)
+            self._warm_up("draft", scheduled.pool, None)
             new_proposer = scheduled.proposer
             self.free = False
         self.vocab = vocab
@@ -196,6 +214,7 @@ class TargetWorkerActor(_GrpcActor):
                                  features=head, **(scheduling or {})),
             workers_pb2_grpc.add_TargetWorkerServicer_to_server, session_idle_s, token,
         )
+        self._info["warm_up"] = self._warm_up("target", self.servicer.pool, range(1, gamma_max + 2))
         if draft is not None:
             if stages:
                 raise ValueError("a colocated draft needs the whole target in one worker (not target_stages)")
@@ -207,6 +226,7 @@ class TargetWorkerActor(_GrpcActor):
                     raise ValueError(f"draft vocab size {drafted.vocab_size} != target vocab size {self.vocab}")
                 model, name = drafted.model, drafted.name
             self.servicer.attach_draft(model, loaded.eos_ids, gamma_max, name, draft_top_k)
+            self._info["draft_warm_up"] = self._warm_up("draft", self._draft_pool(), None)
             self.servicer.colocated.cost_profile()  # calibrate `auto` now, not during the first request
             self._info["colocated_draft"] = name
         self._export_pools(served_name or self._info.get("name", "target"),
