@@ -212,14 +212,18 @@ def served_requests():
     return out
 
 
-def test_served_head_sessions_together_equal_each_alone_and_in_process(target, served_head):
+@pytest.mark.parametrize("fused", [False, True], ids=["head steps", "head blocks on the device"])
+def test_served_head_sessions_together_equal_each_alone_and_in_process(target, served_head, fused, monkeypatch):
     """16 seeded sessions through the coordinator and a target worker that drafts with a head: each emits the
-    tokens it emits alone and the in-process decoder's, the head's steps and the target's batched."""
+    tokens it emits alone and the in-process decoder's, the head's steps and the target's batched; the same with
+    each block drafted whole on the device (`scheduler.drafting`, what a GPU worker does)."""
     import asyncio
 
     from specserve.coordinator import ColocatedRelay, Coordinator
 
     servicer = served_head["servicer"]
+    monkeypatch.setattr(servicer.colocated.draft, "fused", fused)
+    blocks = servicer.scheduler.fused_blocks
     coord = Coordinator(ColocatedRelay(served_head["address"], gamma=3))
 
     async def tokens_of(request) -> list[int]:
@@ -240,9 +244,11 @@ def test_served_head_sessions_together_equal_each_alone_and_in_process(target, s
         assert tokens == greedy.generate(request.prompt_ids, request.params, request.max_tokens).token_ids
     assert len(servicer.sessions) == 0 and servicer.pool.used_tokens == 0
     assert servicer.colocated.draft.pool.used_tokens == 0
+    assert (servicer.scheduler.fused_blocks > blocks) == fused
 
 
-def test_first_two_tokens_follow_the_target_through_served_head_sessions(monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["head steps", "head blocks on the device"])
+def test_first_two_tokens_follow_the_target_through_served_head_sessions(monkeypatch, fused):
     """The chi-square of the first two tokens with 16 head sessions at a time sharing head and target steps; a
     missing residual step is caught."""
     from specserve.rpc.servicers import TargetWorkerServicer
@@ -251,12 +257,14 @@ def test_first_two_tokens_follow_the_target_through_served_head_sessions(monkeyp
     target = tiny_llama(0)  # vocabulary 8, as test_exactness
     servicer = TargetWorkerServicer(target, target.config.vocab_size, kv_cache_tokens=16 * 64, features=True)
     servicer.attach_draft(FeatureHeadForCausalLM.for_target(target, seed=4), set(), gamma_max=2)
+    servicer.colocated.draft.fused = fused
     servicer.scheduler.expected = lambda: 16
     try:
         mode = dict(temperature=1.0)
         expected = target_joint(target, mode)
         assert chi_square_pvalue(colocated_first_two(servicer, mode), expected) > 1e-3
         assert max(servicer.scheduler.sessions_per_draft_step) >= 8
+        assert (servicer.scheduler.fused_blocks > 0) == fused
         monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: p)
         assert chi_square_pvalue(colocated_first_two(servicer, mode), expected) < 1e-3
     finally:

@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from specserve.models.draft import SubsetDraftConfig, SubsetDraftForCausalLM, embedding_digest
 from specserve.models.lean import LeanSequence, head_logits, lean_forward, norm, widen
-from specserve.models.pool import KVPool, PooledSequence
+from specserve.models.pool import UNKNOWN, KVPool, PooledSequence
 from specserve.models.quant import linear
 
 
@@ -187,6 +187,23 @@ class HeadPool(KVPool):
                 raise ValueError("a feature head keeps the logits after its last position only")
         kept = [j for j, keep in enumerate(keeps) if keep]
         return head_logits(self.w, last[kept], normed=True) if kept else last.new_zeros(0, 0)
+
+    @torch.inference_mode()
+    def feed_ids(self, seqs: list, ids: torch.Tensor) -> torch.Tensor:
+        """A drafted step whose tokens are still on the device (`KVPool.feed_ids`; `scheduler.drafting`): each
+        sequence's own last prediction with its token; the logits over the subset [len(seqs), n] on the device."""
+        for seq in seqs:
+            self.reserve(seq, len(seq.tokens) + 1)
+        x = torch.cat([torch.cat([seq.last for seq in seqs]).to(self.w.dtype),
+                       self.embedding[ids.to(self.embedding.device)].to(self.w.device, self.w.dtype)], -1)
+        hidden = lean_forward(self.w, seqs, [[UNKNOWN]] * len(seqs), [1] * len(seqs),
+                              (self.k, self.v, [seq.block[0] for seq in seqs]), hidden=linear(x, self.fc), head=False)
+        last = norm(self.w, hidden, self.w.norm)
+        for j, seq in enumerate(seqs):
+            seq.last = last[j : j + 1]
+            seq.tokens.append(UNKNOWN)
+            seq.forward_calls += 1
+        return head_logits(self.w, last, normed=True)
 
 
 class PooledHeadSequence(PooledSequence):

@@ -45,8 +45,10 @@ class ScheduledDraft:
             if target_pool is None or target_pool.features is None:
                 raise ValueError("a feature head drafts beside a batched target whose pool keeps features")
             self.pool = scheduler.call(HeadPool, model, target_pool, kv_cache_tokens).result()
-            fused = False  # one head step at a time, batched over sessions (a block as one graph: not yet)
-        elif unsupported_reason(model) is None:
+            # whole blocks on the device where a step is launch-bound (GPUs), as a draft LM's replayed steps
+            self.fused = target_pool.w.device.type == "cuda" if fused is None else fused
+            return
+        if unsupported_reason(model) is None:
             self.pool = scheduler.call(lambda: KVPool(model, kv_cache_tokens, draft_dtype(model),
                                                       prefix_caching=prefix_caching)).result()
         # whole blocks on the device (`scheduler.drafting`) where steps replay CUDA graphs; token by token
@@ -57,7 +59,7 @@ class ScheduledDraft:
     def proposer(self, target_sequence=None) -> ModelProposer:
         """A session's draft; a head's reads `target_sequence`, the session's sequence in the target pool."""
         if self.head:
-            sequence = ScheduledHeadSequence(self.scheduler, self.pool.sequence(target_sequence), self.pool)
+            sequence = ScheduledHeadSequence(self.scheduler, self.pool.sequence(target_sequence), self.pool, self.fused)
         else:
             seq = self.pool.sequence() if self.pool is not None else model_sequence(self.model)
             sequence = ScheduledSequence(self.scheduler, seq, self.pool, self.fused)
@@ -72,6 +74,12 @@ class ScheduledHeadSequence(ScheduledSequence):
         if not new_tokens:
             return self.scheduler.call(self.inner.nothing_yet).result()
         return super().feed_subset(new_tokens, keep_logits)
+
+    def draft_block(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG,
+                    top_k_q: int = 0):
+        if not self.inner.unfed(context, 1):  # no feature yet: the block starts from the zero feature's logits
+            self.scheduler.call(self.inner.nothing_yet).result()
+        return super().draft_block(context, gamma, params, rng, top_k_q)
 
 
 class ColocatedSessions:

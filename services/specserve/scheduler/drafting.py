@@ -29,7 +29,8 @@ from specserve.speculation.sampling import sparse_to_dense, truncate_top_k
 
 @dataclass
 class DraftBlock:
-    """One session's block: feed `tail` (its context tokens the cache lacks, ≥ 1), then draft `gamma` tokens."""
+    """One session's block: feed `tail` (its context tokens the cache lacks: ≥ 1, but none for a feature head
+    with no target feature yet), then draft `gamma` tokens."""
 
     seq: PooledSequence
     tail: list[int]
@@ -92,7 +93,14 @@ def draft_blocks(pool: KVPool, blocks: list[DraftBlock]) -> list[DraftedBlock]:
     q = None
     subset = pool.w.token_subset.to(dev) if pool.w.token_subset is not None else None  # head index → token id
     live = list(range(len(blocks)))  # the blocks the current step's logits rows belong to
-    logits = pool.forward([b.seq for b in blocks], [b.tail for b in blocks], [1] * len(blocks), host=False)
+    fed = [i for i, b in enumerate(blocks) if b.tail]  # (a feature head with no feature yet feeds nothing)
+    logits = pool.forward([blocks[i].seq for i in fed], [blocks[i].tail for i in fed], [1] * len(fed), host=False) \
+        if fed else None
+    if len(fed) < len(blocks):  # those start from equal logits, as `PooledHeadSequence.nothing_yet` gives
+        first = torch.zeros(len(blocks), head if logits is None else logits.shape[1], device=dev)
+        if logits is not None:
+            first[torch.tensor(fed, device=dev)] = logits.float()
+        logits = first
     for step in range(longest):
         rows = torch.tensor(live, dtype=torch.long, device=dev)
         token, q_step, confidence = _sample(logits[:, :head], [blocks[i] for i in live], uniforms[rows, step])
