@@ -291,3 +291,39 @@ def test_a_head_needs_a_target_pool_with_features_and_a_colocated_place():
                        (dict(target_resources={"tensor_parallel": 2}), "target_resources.tensor_parallel")):
         with pytest.raises(ValueError, match=field):
             WorkersConfig(target="embedded", draft="head:/some/head", **bad)
+
+
+def test_served_head_blocks_on_cuda_equal_the_in_process_decoder():
+    """On a GPU the worker drafts each head block on the device (fused by default there) beside a captured
+    target pool: seeded sessions together equal the in-process decoder on the same device (float64)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU (a device session: pytest tests -k cuda)")
+    from concurrent import futures
+
+    from specserve.rpc.servicers import TargetWorkerServicer
+    from specserve.speculation import PositionRNG
+
+    target = tiny_llama(5, vocab=VOCAB, layers=2, hidden=32, scale=8).to("cuda", torch.float64)
+    head = FeatureHeadForCausalLM.for_target(target, seed=1)
+    servicer = TargetWorkerServicer(target, VOCAB, kv_cache_tokens=4096, features=True)
+    servicer.attach_draft(head, set(), gamma_max=4)
+    assert servicer.colocated.draft.fused and servicer.pool.runner is not None
+    local = SpeculativeDecoder(target, head, gamma=3, draft_lookup=False)
+    requests = served_requests()[:8]
+
+    def run(request) -> list[int]:
+        engine = servicer.new_engine()
+        rounds = servicer.colocated.rounds(engine, request.prompt_ids, request.params,
+                                           PositionRNG(request.params.seed), request.max_tokens, 3, False)
+        tokens = [t for rnd in rounds for t in rnd.tokens]
+        servicer.scheduler.call(engine.release).result()
+        return tokens
+
+    try:
+        with futures.ThreadPoolExecutor(8) as threads:
+            served = list(threads.map(run, requests))
+        assert servicer.scheduler.fused_blocks > 0
+        for request, tokens in zip(requests, served):
+            assert tokens == local.generate(request.prompt_ids, request.params, request.max_tokens).token_ids
+    finally:
+        servicer.scheduler.close()
