@@ -82,20 +82,53 @@ def head_config(tc, subset_size: int, **extra) -> FeatureHeadConfig:
         pad_token_id=None, **extra)
 
 
-class HeadSequence(LeanSequence):
-    """One session's head cache over a target sequence of a pool that keeps features (`TokenSequence` methods
-    as `ModelProposer` calls them: `subset_logits_after`, `feed_subset`, `logits_after`, `release`).
+class _FeaturePositions:
+    """What both head caches keep of their session's target sequence (`target`): position j holds (f_j, x_{j+1});
+    the first `true` positions were fed (or are to be fed, at the next step) the target's features, later ones
+    the head's own predictions (`last`: the latest, [1, hidden]), replaced at the next block."""
 
-    Position j of the head's cache holds (f_j, x_{j+1}); `tokens` are those x_{j+1}. The first `true` positions
-    were fed the target's features; later ones the head's own predictions, replaced at the next block."""
+    target: PooledSequence
+    true: int = 0
+    last: torch.Tensor | None = None
+
+    def true_tail(self, tokens: list[int]) -> list[int]:
+        """For the committed context `tokens`: roll back to the positions still right and return the tokens of
+        those to feed with the target's features, (f_j, tokens[j+1]) for every j the target holds since; [] where
+        it holds none yet (`nothing_yet`)."""
+        m = len(tokens) - 1  # positions with a known feature: the target holds tokens[:m]
+        if m < 1 or self.target.block is None or len(self.target.tokens) < m:
+            self.rollback(0)
+            return []
+        keep = min(self.true, self.common_prefix(tokens[1 : m + 1]), m - 1)
+        self.rollback(keep)
+        self.true = m
+        return tokens[keep + 1 : m + 1]
+
+    def nothing_yet(self) -> torch.Tensor:
+        """Logits (all equal) where there is no target feature to read: the head drafts on a zero feature."""
+        features = self.target.pool.features
+        self.last = features.new_zeros(1, features.shape[1])
+        return torch.zeros(1, len(self.token_subset) if self.token_subset is not None else self.target.pool.vocab)
+
+    def rollback(self, length: int) -> None:
+        super().rollback(length)
+        self.true = min(self.true, length)
+
+    def release(self) -> None:
+        super().release()
+        self.true, self.last = 0, None
+
+
+class HeadSequence(_FeaturePositions, LeanSequence):
+    """One session's head cache over a target sequence of a pool that keeps features (`TokenSequence` methods
+    as `ModelProposer` calls them: `subset_logits_after`, `feed_subset`, `logits_after`, `release`); its `tokens`
+    are the x_{j+1} of its positions (`_FeaturePositions`)."""
 
     def __init__(self, head: FeatureHeadForCausalLM, target_sequence, dtype: torch.dtype | None = None):
         super().__init__(head, dtype or next(head.parameters()).dtype)
         self.target = target_sequence
         self.fc = head.fc.weight.detach().to(self.w.device, self.w.dtype).contiguous()
         self.embedding = head.model.embed_tokens.weight
-        self.true = 0
-        self.last: torch.Tensor | None = None  # the head's latest predicted feature [1, hidden]
 
     def _target_features(self, start: int, stop: int) -> torch.Tensor:
         pool, block = self.target.pool, self.target.block
@@ -115,15 +148,10 @@ class HeadSequence(LeanSequence):
     def subset_logits_after(self, tokens: list[int]) -> torch.Tensor:
         """Logits over the subset for the token after `tokens` (the committed context): the target's features of
         every position it holds of them fed first."""
-        m = len(tokens) - 1  # positions with a known feature: the target holds tokens[:m]
-        if m < 1 or self.target.block is None or len(self.target.tokens) < m:  # nothing to read yet
-            self.rollback(0)
-            self.last = torch.zeros(1, self.fc.shape[0], dtype=self.w.dtype, device=self.w.device)
-            return torch.zeros(1, len(self.token_subset) if self.token_subset is not None else self.vocab)
-        keep = min(self.true, self.common_prefix(tokens[1 : m + 1]), m - 1)
-        self.rollback(keep)
-        self.true = m
-        return self._feed(self._target_features(keep, m), tokens[keep + 1 : m + 1])
+        tail = self.true_tail(tokens)
+        if not tail:
+            return self.nothing_yet()
+        return self._feed(self._target_features(len(self.tokens), self.true), tail)
 
     def feed_subset(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
         """Draft on: the head's own last predicted feature with the token drafted from it."""
@@ -133,14 +161,6 @@ class HeadSequence(LeanSequence):
 
     def logits_after(self, tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
         return widen(self.subset_logits_after(tokens), self.token_subset, self.vocab)
-
-    def rollback(self, length: int) -> None:
-        super().rollback(length)
-        self.true = min(self.true, length)
-
-    def release(self) -> None:
-        super().release()
-        self.true, self.last = 0, None
 
 
 class HeadPool(KVPool):
@@ -206,45 +226,21 @@ class HeadPool(KVPool):
         return head_logits(self.w, last, normed=True)
 
 
-class PooledHeadSequence(PooledSequence):
-    """One session's head cache in a `HeadPool` (what `HeadSequence` is on a cache of its own): position j holds
-    (f_j, x_{j+1}); `target` is the session's sequence in the target pool, whose features it reads."""
+class PooledHeadSequence(_FeaturePositions, PooledSequence):
+    """One session's head cache in a `HeadPool` (what `HeadSequence` is on a cache of its own); `target` is the
+    session's sequence in the target pool, whose features it reads."""
 
     def __init__(self, pool: HeadPool, target: PooledSequence):
         super().__init__(pool)
         self.target = target
-        self.true = 0  # positions fed (or to be fed, at the next step) the target's features
-        self.last: torch.Tensor | None = None  # the latest predicted feature [1, hidden]
 
     def unfed(self, tokens: list[int], keep_logits: int) -> list[int]:
-        """The head positions to feed for the committed context `tokens`: (f_j, tokens[j+1]) for every j the
-        target holds since the last true one; [] where the target holds none yet (`nothing_yet`)."""
         if keep_logits != 1:
             raise ValueError("a feature head keeps the logits after its last position only")
-        m = len(tokens) - 1  # positions with a known feature: the target holds tokens[:m]
-        if m < 1 or self.target.block is None or len(self.target.tokens) < m:
-            self.rollback(0)
-            return []
-        keep = min(self.true, self.common_prefix(tokens[1 : m + 1]), m - 1)
-        self.rollback(keep)
-        self.true = m
-        return tokens[keep + 1 : m + 1]
-
-    def nothing_yet(self) -> torch.Tensor:
-        """Logits (all equal) where there is no target feature to read: the head drafts on a zero feature."""
-        self.last = torch.zeros(1, self.pool.fc.shape[0], dtype=self.pool.w.dtype, device=self.pool.w.device)
-        return torch.zeros(1, len(self.token_subset) if self.token_subset is not None else self.pool.vocab)
+        return self.true_tail(tokens)
 
     def feed_subset(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
         return self.pool.forward([self], [new_tokens], [keep_logits]) if new_tokens else self.nothing_yet()
-
-    def rollback(self, length: int) -> None:
-        super().rollback(length)
-        self.true = min(self.true, length)
-
-    def release(self) -> None:
-        super().release()
-        self.true, self.last = 0, None
 
 
 AutoConfig.register(FeatureHeadConfig.model_type, FeatureHeadConfig)
