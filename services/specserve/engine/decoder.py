@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from specserve.engine.loop import Round
-from specserve.engine.profile import draft_step_time, verify_profile
+from specserve.engine.profile import draft_step_time, profile_context, verify_profile
 from specserve.engine.prompts import Prompt, PromptCodec, cut_at_stop
 from specserve.engine.proposers import LookupOrModelProposer, ModelProposer, NgramProposer, Proposer, TargetVerifier
 from specserve.engine.session import SessionFactory, gamma_spec
@@ -202,7 +202,7 @@ class SpeculativeDecoder:
         verify = verify_profile(self.target.model, vocab, self.gamma_max + 1, sequence=self.target_sequence())
         target = self.target_sequence() if self.draft_kind == "head" else None
         if target is not None:  # the head reads the features of a target that has seen the context
-            target.feed(torch.randint(0, vocab, (63,), generator=torch.Generator().manual_seed(1)).tolist())
+            target.feed(profile_context(vocab)[:-1])
         proposer = self.new_proposer(target_sequence=target)
         seconds = draft_step_time(proposer, vocab) if proposer is not None else 0.0
         if target is not None:

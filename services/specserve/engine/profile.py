@@ -43,12 +43,16 @@ def verify_profile(
     return {n: statistics.median(times[1:]) for n, times in samples.items()}
 
 
+def profile_context(vocab: int, context: int = 64) -> list[int]:
+    """The random context `draft_step_time` drafts after (a feature head's target is fed all but its last token)."""
+    return torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
 def draft_step_time(proposer, vocab: int, context: int = 64, repeats: int = 3) -> float:
-    """Seconds per drafted token for a proposer (γ=2 proposals on a random context)."""
+    """Seconds per drafted token for a proposer (γ=2 proposals on `profile_context`)."""
     from specserve.speculation import PositionRNG, SamplingParams
 
-    gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, vocab, (context,), generator=gen).tolist()
+    tokens = profile_context(vocab, context)
     params, rng = SamplingParams(temperature=0.0), PositionRNG(0)
     times = []
     for _ in range(repeats + 1):

@@ -94,20 +94,20 @@ class _FeaturePositions:
     def true_tail(self, tokens: list[int]) -> list[int]:
         """For the committed context `tokens`: roll back to the positions still right and return the tokens of
         those to feed with the target's features, (f_j, tokens[j+1]) for every j the target holds since; [] where
-        it holds none yet (`nothing_yet`)."""
+        it holds none yet: then the head drafts on from a zero feature (after `equal_logits`)."""
         m = len(tokens) - 1  # positions with a known feature: the target holds tokens[:m]
         if m < 1 or self.target.block is None or len(self.target.tokens) < m:
             self.rollback(0)
+            features = self.target.pool.features
+            self.last = features.new_zeros(1, features.shape[1])
             return []
         keep = min(self.true, self.common_prefix(tokens[1 : m + 1]), m - 1)
         self.rollback(keep)
         self.true = m
         return tokens[keep + 1 : m + 1]
 
-    def nothing_yet(self) -> torch.Tensor:
-        """Logits (all equal) where there is no target feature to read: the head drafts on a zero feature."""
-        features = self.target.pool.features
-        self.last = features.new_zeros(1, features.shape[1])
+    def equal_logits(self) -> torch.Tensor:
+        """The head's logits where there is no target feature to read (`true_tail` returned []): all equal."""
         return torch.zeros(1, len(self.token_subset) if self.token_subset is not None else self.target.pool.vocab)
 
     def rollback(self, length: int) -> None:
@@ -150,7 +150,7 @@ class HeadSequence(_FeaturePositions, LeanSequence):
         every position it holds of them fed first."""
         tail = self.true_tail(tokens)
         if not tail:
-            return self.nothing_yet()
+            return self.equal_logits()
         return self._feed(self._target_features(len(self.tokens), self.true), tail)
 
     def feed_subset(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
@@ -240,7 +240,7 @@ class PooledHeadSequence(_FeaturePositions, PooledSequence):
         return self.true_tail(tokens)
 
     def feed_subset(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
-        return self.pool.forward([self], [new_tokens], [keep_logits]) if new_tokens else self.nothing_yet()
+        return self.pool.forward([self], [new_tokens], [keep_logits]) if new_tokens else self.equal_logits()
 
 
 AutoConfig.register(FeatureHeadConfig.model_type, FeatureHeadConfig)

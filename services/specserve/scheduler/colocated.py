@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 
 from specserve.engine.loop import Round
-from specserve.engine.profile import draft_step_time, verify_profile
+from specserve.engine.profile import draft_step_time, profile_context, verify_profile
 from specserve.engine.proposers import LookupOrModelProposer, ModelProposer, Proposer, TargetVerifier
 from specserve.engine.session import SessionFactory
 from specserve.models.head import HeadPool, is_head
@@ -68,18 +68,10 @@ class ScheduledDraft:
 
 class ScheduledHeadSequence(ScheduledSequence):
     """A head's `PooledHeadSequence` on the scheduler: before the target holds a feature of the context there is
-    nothing to feed, and the head drafts from a zero feature (as `HeadSequence`)."""
+    nothing to feed, and the head drafts from a zero feature after equal logits (as `HeadSequence`)."""
 
     def feed_subset(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
-        if not new_tokens:
-            return self.scheduler.call(self.inner.nothing_yet).result()
-        return super().feed_subset(new_tokens, keep_logits)
-
-    def draft_block(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG,
-                    top_k_q: int = 0):
-        if not self.inner.unfed(context, 1):  # no feature yet: the block starts from the zero feature's logits
-            self.scheduler.call(self.inner.nothing_yet).result()
-        return super().draft_block(context, gamma, params, rng, top_k_q)
+        return super().feed_subset(new_tokens, keep_logits) if new_tokens else self.inner.equal_logits()
 
 
 class ColocatedSessions:
@@ -109,8 +101,7 @@ class ColocatedSessions:
         target = None
         if self.draft.head:  # the head reads the features of a target sequence that has seen the context
             target = pool.sequence()
-            context = torch.randint(0, self.vocab, (63,), generator=torch.Generator().manual_seed(1)).tolist()
-            self.scheduler.call(target.feed, context).result()
+            self.scheduler.call(target.feed, profile_context(self.vocab)[:-1]).result()
         seconds = draft_step_time(self.proposer(lookup=False, target_sequence=target), self.vocab)
         if target is not None:
             self.scheduler.call(target.release).result()

@@ -96,7 +96,7 @@ def draft_blocks(pool: KVPool, blocks: list[DraftBlock]) -> list[DraftedBlock]:
     fed = [i for i, b in enumerate(blocks) if b.tail]  # (a feature head with no feature yet feeds nothing)
     logits = pool.forward([blocks[i].seq for i in fed], [blocks[i].tail for i in fed], [1] * len(fed), host=False) \
         if fed else None
-    if len(fed) < len(blocks):  # those start from equal logits, as `PooledHeadSequence.nothing_yet` gives
+    if len(fed) < len(blocks):  # those start from equal logits, as a head's `equal_logits`
         first = torch.zeros(len(blocks), head if logits is None else logits.shape[1], device=dev)
         if logits is not None:
             first[torch.tensor(fed, device=dev)] = logits.float()
