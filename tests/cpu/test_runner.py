@@ -131,7 +131,7 @@ def test_an_in_process_draft_drafts_on_a_pool_where_the_runner_is_on(model, monk
 def test_compiled_steps_equal_the_eager_steps(model, monkeypatch, device, weights, mode):
     """`SPECSERVE_COMPILE_STEPS=1`: each bucket's step compiled by torch.compile (then captured on CUDA) gives the
     eager forward's logits and sequences, as one graph per (batch, width) whatever the context bucket (`dynamic`:
-    one per width for every batch bucket above 1, and one for 1), with no
+    the batch and width symbols, one graph per (batch is 1, width is 1) pair), with no
     graph break (a break leaves dynamo compiling the callees, eager forwards included). int4: a quantized
     bfloat16 model whose verify-width layers multiply a dense copy (oneDNN-packed on a CPU that has it).
     Needs a C++ compiler on a CPU (Inductor's CPU code) or a GPU."""
@@ -167,6 +167,7 @@ def test_compiled_steps_equal_the_eager_steps(model, monkeypatch, device, weight
         pool.forward(seqs, [[1, 2, 3], [4, 5], [6]], [1, 1, 1])
         steps = [pool.forward(seqs, [[(s + j) % VOCAB] for j in range(3)], [1, 1, 1]) for s in range(3)]
         steps.append(pool.forward(seqs, [list(range(8, 17))] * 3, [9] * 3))  # a verify-width bucket (9 rows each)
+        steps.append(pool.forward(seqs, [list(range(20, 25))] * 3, [5] * 3))  # another width: dynamic, no new graph
         for s in range(70):  # past the 64-position context bucket into the 128 one: no new graph
             steps.append(pool.forward(seqs, [[(s + j) % VOCAB] for j in range(3)], [1, 1, 1]))
         more = [pool.sequence() for _ in range(3)]  # batch buckets 2, 8 and 1: one new graph, for the 1
@@ -177,15 +178,15 @@ def test_compiled_steps_equal_the_eager_steps(model, monkeypatch, device, weight
     assert {key[2] for key in compiled.runner.buckets} == {64, 128}
     assert {key[0] for key in compiled.runner.buckets} == {1, 2, 4, 8}
     assert not counters["graph_break"], dict(counters["graph_break"])
-    if mode == "dynamic":  # 1 token at 1 sequence and at 2-8, 9 tokens at 4; a quantized layer that multiplies
+    if mode == "dynamic":  # 1 token at 1 sequence and at 2-8, 9 and 5 tokens at 4; a quantized layer that multiplies
         # a dense copy from 8 rows on (torch's CPU kernels: here the int8 head) branches on the batch: 2-7 and 8 apart
         linears = [part for layer in compiled.w.layers for part in (*layer, compiled.w.head)
                    if isinstance(part, QuantizedLinear)]
         branch = any(q.dense is not None and q.dense_from <= 8 for q in linears)
         assert bool(linears) == (weights == "int4")
         assert counters["stats"]["unique_graphs"] == (4 if branch else 3)
-    else:  # 1 token at 1, 2, 4 and 8 sequences, 9 tokens at 4
-        assert counters["stats"]["unique_graphs"] == 5
+    else:  # 1 token at 1, 2, 4 and 8 sequences, 9 and 5 tokens at 4
+        assert counters["stats"]["unique_graphs"] == 6
     assert outs[0][1] == outs[1][1]
     for a, b in zip(outs[0][0], outs[1][0]):
         if weights == "float32":

@@ -545,7 +545,7 @@ def main(argv=None) -> int:
     report = {"device": device_name, "torch": torch.__version__, "args": vars(args), "steps": [], "accept": [],
               "hf": [], "gammas": [], "rounds": [], "load": [], "startup": []}
     if "steps" in args.parts:
-        for shape in dict.fromkeys(args.targets + [args.draft_shape]):
+        for shape in dict.fromkeys(args.targets + ([args.draft_shape] if args.draft_kind == "model" else [])):
             log(f"{shape}: one pooled step, eager and through the step runner, against the bandwidth floor")
             report["steps"] += bench_steps(args, shape, log)
             _free_cuda()

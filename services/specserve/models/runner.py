@@ -21,8 +21,8 @@ buckets run eagerly through `lean.lean_forward`, as before.
 Compiled steps: `torch.compile` of each bucket's step before it is captured fuses the norms, rotary and
 elementwise ops that a replayed graph still runs as ~20 small kernels per layer (measured on an H200:
 docs/benchmarks.md). `SPECSERVE_COMPILE_STEPS=1`: one graph per (batch, width), the context length a symbol
-in it; `dynamic`: the batch a symbol too, one graph per width for every batch bucket above 1 (a batch of 1
-keeps its own), 18 graphs where there were 81; `auto` (the default): `dynamic` where steps are captured as
+in it; `dynamic`: the batch and the width symbols too, four graphs where there were 81 (a batch or width of 1
+keeps its own: compilers specialise a size of 1); `auto` (the default): `dynamic` where steps are captured as
 CUDA graphs, else none; `0`: none. A graph compiles for tens of seconds on a GPU, so a serving worker
 compiles every shape it can meet before it reports ready (`StepRunner.warm_up`), and the compilers' caches
 persist under `$SPECSERVE_CACHE/compile` (`compile_caches`): a second start of the same model on the same
@@ -85,8 +85,8 @@ class _Bucket:
         dev = w.device
         self.batch, self.width, self.context = batch, width, context
         # per new token: its id, its position and the arena row its keys and values go to, filled in one copy
-        self.inputs = torch.zeros(3, batch * width, dtype=torch.long, device=dev)
-        self.ids = self.inputs[0]
+        self.inputs = torch.zeros(3, batch, width, dtype=torch.long, device=dev)
+        self.ids = self.inputs[0]  # [batch, width]
         self.keys = torch.arange(context, device=dev)  # the context's key offsets (its length a graph's symbol)
         self.logits: torch.Tensor | None = None  # [batch · width, head rows], written by each run
         self.graph = None
@@ -151,8 +151,12 @@ class StepRunner:
             bucket = self.buckets[key] = _Bucket(self.w, *key)
             if self._compiled:  # the context length is a symbol in the compiled step (and a batch > 1, if asked)
                 torch._dynamo.mark_dynamic(bucket.keys, 0)
-                if self._dynamic_batch and bucket.batch > 1:  # (a size of 1 is its own graph: compilers specialise it)
+                # `dynamic`: the batch and the width symbols too (a size of 1 is its own graph: compilers specialise
+                # it), so that a worker's warm-up compiles 4 graphs, not one per (batch, width)
+                if self._dynamic_batch and bucket.batch > 1:
                     torch._dynamo.mark_dynamic(bucket.inputs, 1)
+                if self._dynamic_batch and bucket.width > 1:
+                    torch._dynamo.mark_dynamic(bucket.inputs, 2)
         self._fill(bucket, blocks, starts, new_tokens)
         if not self.capture:
             return self._step_into(bucket)[: len(blocks) * bucket.width]
@@ -224,22 +228,21 @@ class StepRunner:
         host[2].fill_(self.scratch)
         host[2, :n] = torch.tensor(blocks, dtype=torch.long)[:, None] + positions
         if isinstance(new_tokens, torch.Tensor):  # already on the device: copied there, device to device
-            b.inputs[1:].copy_(host[1:].view(2, -1), non_blocking=True)
-            b.ids.view(b.batch, width)[n:].zero_()
-            b.ids.view(b.batch, width)[:n].copy_(new_tokens)
+            b.inputs[1:].copy_(host[1:], non_blocking=True)
+            b.ids[n:].zero_()
+            b.ids[:n].copy_(new_tokens)
         else:
             host[0, :n] = torch.tensor(new_tokens, dtype=torch.long)
-            b.inputs.copy_(host.view(3, -1), non_blocking=True)
+            b.inputs.copy_(host, non_blocking=True)
 
     def _run(self, b: _Bucket) -> torch.Tensor:
         """The step on the bucket's static tensors (no host values read: capturable)."""
         w = self.w
         h, kvh, d = w.heads, w.kv_heads, w.head_dim
-        width = b.width
-        ids, positions, slots = b.inputs  # (read from the tensor a symbolic batch is marked on)
-        positions, slots = positions.view(-1, width), slots.view(-1, width)  # [batch, width]
-        batch = positions.shape[0]  # from a shape: compiled, a symbol where asked (`forward`)
+        ids, positions, slots = b.inputs  # [batch, width] each (read from the tensor the symbols are marked on)
+        batch, width = positions.shape  # from a shape: compiled, symbols where asked (`forward`)
         rows = batch * width
+        ids = ids.reshape(rows)
         # sequence j attends over its block: rows base + t up to its last new token's (padding rows: the scratch)
         base = slots[:, :1] - positions[:, :1]
         key_rows = (base + b.keys).minimum(slots[:, -1:])  # [batch, context]
