@@ -238,7 +238,7 @@ from specserve.models.runner import StepRunner
 from tests.conftest import tiny_llama
 model = tiny_llama(5, vocab=40, layers=1, hidden=16)
 eager = KVPool(model, tokens=256, runner=False)
-pool = KVPool(model, tokens=256, runner=False)
+pool = KVPool(model, tokens=int(sys.argv[1]), runner=False)
 pool.runner = StepRunner(pool.w, (pool.k, pool.v), 128, max_width=1, batch_buckets=(1, 2), capture=False,
                          compile="dynamic")
 done = pool.warm_up()
@@ -255,8 +255,9 @@ print(json.dumps(done))
 
 def test_compiled_steps_persist_under_the_cache_and_a_second_start_loads_them(tmp_path):
     """A start that compiles saves its compilers' caches under `$SPECSERVE_CACHE/compile`; a second process
-    starting the same model loads them (`cache_loaded`) and its compiled steps still equal the eager ones. Needs
-    a C++ compiler (Inductor's CPU code)."""
+    starting the same model loads them (`cache_loaded`), with a pool of another size, compiles no graph (the
+    arena's length is a symbol) and its compiled steps still equal the eager ones. Needs a C++ compiler
+    (Inductor's CPU code)."""
     import json
     import os
     import pathlib
@@ -271,11 +272,13 @@ def test_compiled_steps_persist_under_the_cache_and_a_second_start_loads_them(tm
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     env.update(SPECSERVE_CACHE=str(tmp_path), PYTHONPATH=os.pathsep.join([str(root / "services"), str(root)]))
     runs = []
-    for _ in range(2):
-        out = subprocess.run([sys.executable, "-c", _START], env=env, capture_output=True, text=True, timeout=600)
+    for tokens in (256, 512):  # the second start with another KV budget: the pool's size is a symbol of its graphs
+        out = subprocess.run([sys.executable, "-c", _START, str(tokens)], env=env, capture_output=True, text=True,
+                             timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     cold, warm = runs
     assert cold["compiled"] and cold["slow_steps"] > 0 and not cold["cache_loaded"] and cold["diff"] < 1e-5
     assert pathlib.Path(cold["cache"]).is_file() and cold["inductor"] == str(tmp_path / "compile" / "inductor")
     assert warm["cache_loaded"] and warm["diff"] < 1e-5 and warm["cache"] == cold["cache"]
+    assert cold["graphs_compiled"] > 0 and warm["graphs_compiled"] == 0 and warm["graphs_from_cache"] > 0

@@ -449,8 +449,16 @@ def bench_load(args, shape: str, log, startup: list) -> list[dict[str, Any]]:
     target = Worker("target", spec)
     warm = target.reply["info"].get("warm_up") or {}
     log(f"  target worker serving {target.start_s:.1f} s after its start (step warm-up {warm.get('seconds', 0):.1f} s"
-        f" over {warm.get('steps', 0)} shapes{', compile cache loaded' if warm.get('cache_loaded') else ''})")
-    startup.append({"target": shape, "start_s": target.start_s, "warm_up": warm or None})
+        f" over {warm.get('steps', 0)} shapes{', compile cache loaded' if warm.get('cache_loaded') else ''}"
+        + (f"; graphs from the cache {warm['graphs_from_cache']}, compiled {warm['graphs_compiled']}"
+           if "graphs_compiled" in warm else "") + ")")
+    costs = target.reply["info"].get("auto_costs")
+    if costs and costs.get("verify_ms"):
+        verify = costs["verify_ms"]
+        log("  auto's calibration: verify " + " / ".join(f"{verify[n]:.2f}" for n in verify) + " ms over 1.. positions"
+            + (f", a draft token {costs['draft_token_ms']:.3f} ms (c = {costs['draft_token_ms'] / verify['1']:.3f})"
+               if costs.get("draft_token_ms") is not None and "1" in verify else ""))
+    startup.append({"target": shape, "start_s": target.start_s, "warm_up": warm or None, "auto_costs": costs})
     try:
         coords = {gamma: coordinator_for(target, None, colocated=True, gamma=gamma, gamma_max=args.gamma_max,
                                          pipelined=False, vocab=args.vocab) for gamma in args.load_gammas}

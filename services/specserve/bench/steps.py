@@ -66,7 +66,7 @@ def bench_steps(args, shape: str, log) -> list[dict[str, Any]]:
     rows = []
     for mode in args.step_modes:
         pool = KVPool(model, tokens=2 * max(args.concurrency) * per_sequence, runner=mode != "eager",
-                      max_width=args.gamma_max + 1,
+                      max_width=args.gamma_max + 1, features=args.draft_kind == "head",  # as beside a head
                       compile_steps={"compiled": True, "compiled-dynamic": "dynamic"}.get(mode, False))
         weights = weight_bytes(pool.w)
         for batch in args.concurrency:

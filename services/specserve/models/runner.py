@@ -78,6 +78,27 @@ def compile_caches() -> pathlib.Path:
     return root
 
 
+@torch.library.custom_op("specserve::store_rows", mutates_args=("arena",))
+def store_rows(arena: torch.Tensor, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """arena[layer][:, slots[r]] = values[r] (layer < 0: arena[slots[r]] = values[r]), in place. An opaque op to the
+    compiler, so that Inductor neither copies the arena (a write to a view of an input) nor autotunes a kernel that
+    writes it (which clones what a kernel mutates: the whole arena, for each config it times)."""
+    if layer < 0:
+        arena.index_copy_(0, slots, values.to(arena.dtype))
+    else:
+        arena[layer].index_copy_(1, slots, values.transpose(0, 1).to(arena.dtype))
+
+
+@store_rows.register_fake
+def _(arena, layer, slots, values) -> None:
+    return None
+
+
+def _graph_cache(counters) -> tuple[int, int]:
+    """(hits, misses) of Inductor's compiled-graph cache so far in this process."""
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+
 class _Bucket:
     """The static inputs, output and (on CUDA) graph of one (batch, width, context) shape."""
 
@@ -125,6 +146,10 @@ class StepRunner:
 
             # one compiled graph per (batch, width), static but for the context length: allow one per bucket pair
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+            # the pool's size a symbol too: a worker with another KV budget reuses the cached graphs
+            for arena, dim in ((self.k, 2), (self.v, 2), (features, 0)):
+                if arena is not None:
+                    torch._dynamo.mark_dynamic(arena, dim)
             self._step = torch.compile(self._run, dynamic=False)
         self._compiled = self._step is not self._run
         self.buckets: dict[tuple[int, int, int], _Bucket] = {}
@@ -177,24 +202,35 @@ class StepRunner:
         widths = [w for w in (range(1, self.max_width + 1) if widths is None else widths) if w <= self.max_width]
         keys = [(batch, width, self.contexts[0]) for width in widths for batch in self.batch_buckets]
         artifacts = self._artifacts_path(widths) if self.compile_mode else None
-        loaded = False
+        loaded, load_s = False, 0.0
         if artifacts is not None and artifacts.is_file():
+            t0 = time.perf_counter()
             try:
                 loaded = torch.compiler.load_cache_artifacts(artifacts.read_bytes()) is not None
             except Exception as exc:  # noqa: BLE001 - a stale or foreign cache only costs the compile it saved
                 if progress:
                     progress(f"compile cache {artifacts.name} not loaded ({type(exc).__name__}: {exc})")
-        started = time.perf_counter()
+            load_s = time.perf_counter() - t0
+            if progress:
+                progress(f"compile cache {artifacts.name} ({artifacts.stat().st_size / 2**20:.0f} MiB) "
+                         f"{'loaded' if loaded else 'not loaded'} in {load_s:.1f} s")
+        from torch._dynamo.utils import counters
+
+        started, first = time.perf_counter(), _graph_cache(counters)
         slow = 0
         for i, key in enumerate(keys):
             t0 = time.perf_counter()
             batch, width, _ = key
+            before = _graph_cache(counters)
             self.forward(key, [0] * batch, [0] * batch, [[0] * width] * batch)
             seconds = time.perf_counter() - t0
             if seconds > 1.0:  # a compile (or the first capture): worth a line
                 slow += 1
                 if progress:
-                    progress(f"step {i + 1}/{len(keys)} (batch {batch}, width {width}): {seconds:.1f} s")
+                    hits, misses = (now - was for now, was in zip(_graph_cache(counters), before))
+                    progress(f"step {i + 1}/{len(keys)} (batch {batch}, width {width}): {seconds:.1f} s"
+                             + (f" (compiled graphs from the cache: {hits}, compiled anew: {misses})"
+                                if hits or misses else ""))
         if self.w.device.type == "cuda":
             torch.cuda.synchronize(self.w.device)
         total = time.perf_counter() - started
@@ -205,7 +241,9 @@ class StepRunner:
                 tmp.write_bytes(saved[0])
                 tmp.replace(artifacts)
         return {"steps": len(keys), "seconds": total, "compiled": bool(self.compile_mode), "slow_steps": slow,
-                "cache_loaded": loaded, "cache": str(artifacts) if artifacts is not None else None}
+                "cache_loaded": loaded, "cache_load_s": load_s, "cache": str(artifacts) if artifacts is not None else None,
+                **dict(zip(("graphs_from_cache", "graphs_compiled"),
+                           (now - was for now, was in zip(_graph_cache(counters), first))))}
 
     def _artifacts_path(self, widths: list[int]) -> pathlib.Path:
         """The mega-cache file of this runner's compiled steps: keyed by torch, the device, the model's shapes and
@@ -256,10 +294,8 @@ class StepRunner:
         cs = rope_tables(w, positions.reshape(rows).float())
         for i, layer in enumerate(w.layers):
             q, k, v = rotated_qkv(w, layer, x, cs)
-            # through the whole arena: compiled, a write to a layer's view would copy the arena every layer
-            layer_rows = torch.full_like(ids, i)
-            self.k[layer_rows, :, new_slots] = k
-            self.v[layer_rows, :, new_slots] = v
+            store_rows(self.k, i, new_slots, k)
+            store_rows(self.v, i, new_slots, v)
             k_layer, v_layer = self.k[i], self.v[i]  # [kvh, positions + 1, d]
             keys = k_layer[:, key_rows].transpose(0, 1)  # [B, kvh, L, d]
             values = v_layer[:, key_rows].transpose(0, 1)
@@ -270,7 +306,7 @@ class StepRunner:
         if self.features is None:
             return head_logits(w, x)
         x = norm(w, x, w.norm)
-        self.features[new_slots] = x.to(self.features.dtype)  # padding rows: the scratch row
+        store_rows(self.features, -1, new_slots, x)  # padding rows: the scratch row
         return head_logits(w, x, normed=True)
 
     def _step_into(self, b: _Bucket) -> torch.Tensor:

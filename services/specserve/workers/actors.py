@@ -227,7 +227,9 @@ class TargetWorkerActor(_GrpcActor):
                 model, name = drafted.model, drafted.name
             self.servicer.attach_draft(model, loaded.eos_ids, gamma_max, name, draft_top_k)
             self._info["draft_warm_up"] = self._warm_up("draft", self._draft_pool(), None)
-            self.servicer.colocated.cost_profile()  # calibrate `auto` now, not during the first request
+            verify, step = self.servicer.colocated.cost_profile()  # calibrate `auto` now, not in the first request
+            self._info["auto_costs"] = {"verify_ms": {str(n): 1000 * t for n, t in sorted((verify or {}).items())},
+                                        "draft_token_ms": 1000 * step if step is not None else None}
             self._info["colocated_draft"] = name
         self._export_pools(served_name or self._info.get("name", "target"),
                            {"target": self.servicer.pool, "draft": self._draft_pool()})
