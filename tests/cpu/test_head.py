@@ -183,6 +183,34 @@ def test_the_pooled_heads_steps_equal_a_head_cache_of_its_own(target):
     assert heads.used_tokens == 0
 
 
+def test_the_head_runners_drafted_steps_equal_its_eager_steps(target):
+    """`HeadStepRunner` (what a head's pool drafts through beside a CUDA target's runner): its drafted steps, tokens
+    fed on the device with a padding row in the batch bucket, give the eager `feed_ids` logits and predictions."""
+    from specserve.models.head import HeadPool
+
+    head = FeatureHeadForCausalLM.for_target(target, token_subset=torch.tensor([9, 3, 30, 1, 17, 22, 5, 38]), seed=2)
+    pool = KVPool(target, tokens=1024, features=True)
+    contexts = [[(5 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((9, 4, 13))]
+    tseqs = [pool.sequence() for _ in contexts]
+    pool.forward(tseqs, [c[:-1] for c in contexts], [1] * 3)
+    outs = []
+    for runner in (False, True):
+        heads = HeadPool(head, pool, tokens=1024, runner=runner)
+        assert (heads.runner is not None) == runner
+        seqs = [heads.sequence(t) for t in tseqs]
+        got = [heads.forward(seqs, [s.unfed(c, 1) for s, c in zip(seqs, contexts)], [1] * 3)]
+        for step in range(3):
+            got.append(heads.feed_ids(seqs, torch.tensor([(step * 7 + j) % VOCAB for j in range(3)])).clone())
+            got.append(torch.cat([s.last for s in seqs]))
+        if runner:
+            assert heads.runner.buckets and all(key[:2] == (4, 1) for key in heads.runner.buckets)
+        for seq in seqs:
+            seq.release()
+        outs.append(got)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def served_head(target, tmp_path_factory):
     """A target worker holding a feature head (colocated), served over real gRPC."""

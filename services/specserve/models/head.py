@@ -28,6 +28,7 @@ from specserve.models.draft import SubsetDraftConfig, SubsetDraftForCausalLM, em
 from specserve.models.lean import LeanSequence, head_logits, lean_forward, norm, widen
 from specserve.models.pool import UNKNOWN, KVPool, PooledSequence
 from specserve.models.quant import linear
+from specserve.models.runner import StepRunner
 
 
 class FeatureHeadConfig(SubsetDraftConfig):
@@ -163,19 +164,49 @@ class HeadSequence(_FeaturePositions, LeanSequence):
         return widen(self.subset_logits_after(tokens), self.token_subset, self.vocab)
 
 
+class HeadStepRunner(StepRunner):
+    """A head's drafted steps (one token per sequence, `HeadPool.feed_ids`) as static-shape steps, captured (and
+    compiled) as the target's runner's are: each sequence's input is fc([its last predicted feature, the embedding
+    of its token]) in place of an embedding, and each output row is [its next predicted feature | its subset
+    logits], float32."""
+
+    def __init__(self, w, arena, max_length: int, fc: torch.Tensor, embedding: torch.Tensor, **kwargs):
+        super().__init__(w, arena, max_length, max_width=1, **kwargs)
+        self.fc, self.embedding = fc, embedding
+
+    def _new_bucket(self, key):
+        bucket = super()._new_bucket(key)
+        bucket.feature = torch.zeros(bucket.batch, self.fc.shape[0], dtype=self.w.dtype, device=self.w.device)
+        if self._compiled and self._dynamic_batch and bucket.batch > 1:
+            torch._dynamo.mark_dynamic(bucket.feature, 0)
+        return bucket
+
+    def _inputs(self, b, ids: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([b.feature, self.embedding[ids].to(self.w.device, self.w.dtype)], -1)
+        return linear(x, self.fc)
+
+    def _outputs(self, x: torch.Tensor, new_slots: torch.Tensor) -> torch.Tensor:
+        last = norm(self.w, x, self.w.norm)
+        return torch.cat([last.float(), head_logits(self.w, last, normed=True).float()], -1)
+
+
 class HeadPool(KVPool):
     """Feature heads' caches for the sequences of one target pool (`KVPool(features=True)`): one forward over
     every session's new head positions, each fed fc([feature, embedding]) in place of its token's embedding.
     A position below a sequence's `true` count takes the target's feature there, read at the step from the
     target's arena (where its block is then); a drafted one the head's own prediction (`last`)."""
 
-    def __init__(self, head: FeatureHeadForCausalLM, target: KVPool, tokens: int, dtype: torch.dtype | None = None):
+    def __init__(self, head: FeatureHeadForCausalLM, target: KVPool, tokens: int, dtype: torch.dtype | None = None,
+                 runner: bool | None = None):
         if target.features is None:
             raise ValueError("a feature head's pool reads a target pool that keeps features (KVPool(features=True))")
         super().__init__(head, tokens, dtype or target.w.dtype, max_length=target.max_length, runner=False)
         self.target = target
         self.fc = head.fc.weight.detach().to(self.w.device, self.w.dtype).contiguous()
         self.embedding = head.model.embed_tokens.weight
+        if runner if runner is not None else target.runner is not None:  # drafted steps as the target's steps run
+            self.runner = HeadStepRunner(self.w, (self.k, self.v), self.max_length, self.fc, self.embedding,
+                                         compile=None if target.runner is None else target.runner.compile_mode)
 
     def sequence(self, target_sequence: PooledSequence | None = None) -> PooledHeadSequence:
         if target_sequence is None:
@@ -214,16 +245,24 @@ class HeadPool(KVPool):
         sequence's own last prediction with its token; the logits over the subset [len(seqs), n] on the device."""
         for seq in seqs:
             self.reserve(seq, len(seq.tokens) + 1)
-        x = torch.cat([torch.cat([seq.last for seq in seqs]).to(self.w.dtype),
-                       self.embedding[ids.to(self.embedding.device)].to(self.w.device, self.w.dtype)], -1)
-        hidden = lean_forward(self.w, seqs, [[UNKNOWN]] * len(seqs), [1] * len(seqs),
-                              (self.k, self.v, [seq.block[0] for seq in seqs]), hidden=linear(x, self.fc), head=False)
-        last = norm(self.w, hidden, self.w.norm)
+        feature = torch.cat([seq.last for seq in seqs]).to(self.w.dtype)
+        blocks, starts = [seq.block[0] for seq in seqs], [len(seq.tokens) for seq in seqs]
+        key = self.runner.bucket_for(len(seqs), 1, max(starts) + 1) if self.runner is not None else None
+        if key is not None:
+            out = self.runner.forward(key, blocks, starts, ids[:, None], feature)
+            size = feature.shape[1]
+            last, logits = out[:, :size].to(self.w.dtype, copy=True), out[:, size:]
+        else:
+            x = torch.cat([feature, self.embedding[ids.to(self.embedding.device)].to(self.w.device, self.w.dtype)], -1)
+            hidden = lean_forward(self.w, seqs, [[UNKNOWN]] * len(seqs), [1] * len(seqs), (self.k, self.v, blocks),
+                                  hidden=linear(x, self.fc), head=False)
+            last = norm(self.w, hidden, self.w.norm)
+            logits = head_logits(self.w, last, normed=True)
         for j, seq in enumerate(seqs):
             seq.last = last[j : j + 1]
             seq.tokens.append(UNKNOWN)
             seq.forward_calls += 1
-        return head_logits(self.w, last, normed=True)
+        return logits
 
 
 class PooledHeadSequence(_FeaturePositions, PooledSequence):

@@ -111,6 +111,29 @@ class _Bucket:
         self.keys = torch.arange(context, device=dev)  # the context's key offsets (its length a graph's symbol)
         self.logits: torch.Tensor | None = None  # [batch · width, head rows], written by each run
         self.graph = None
+        # on CUDA the inputs cross from pinned buffers, taken in turn: a copy from pageable memory waits for the
+        # stream's earlier work, which would hold the host at every step of a draft block
+        pinned = dev.type == "cuda"
+        self.staging = [torch.zeros(3, batch, width, dtype=torch.long, pin_memory=True) for _ in range(4)] \
+            if pinned else []
+        self.copied: list = [None] * len(self.staging)  # the event after each buffer's last copy
+        self.turn = 0
+
+    def host_inputs(self) -> torch.Tensor:
+        """A zeroed host buffer for the next step's inputs (pinned on CUDA, once its last copy has left)."""
+        if not self.staging:
+            return torch.zeros(3, self.batch, self.width, dtype=torch.long)
+        turn = self.turn
+        if self.copied[turn] is not None:
+            self.copied[turn].synchronize()
+        return self.staging[turn].zero_()
+
+    def sent(self) -> None:
+        """The buffer `host_inputs` gave is queued for its copy: mark it, and take the next one next time."""
+        if self.staging:
+            event = self.copied[self.turn] = self.copied[self.turn] or torch.cuda.Event()
+            event.record()
+            self.turn = (self.turn + 1) % len(self.staging)
 
 
 class StepRunner:
@@ -164,25 +187,31 @@ class StepRunner:
         return (self.batch_buckets[bisect.bisect_left(self.batch_buckets, batch)], width,
                 self.contexts[bisect.bisect_left(self.contexts, longest)])
 
+    def _new_bucket(self, key: tuple[int, int, int]) -> _Bucket:
+        bucket = _Bucket(self.w, *key)
+        if self._compiled:  # the context length is a symbol in the compiled step (and a batch > 1, if asked)
+            torch._dynamo.mark_dynamic(bucket.keys, 0)
+            # `dynamic`: the batch and the width symbols too (a size of 1 is its own graph: compilers specialise
+            # it), so that a worker's warm-up compiles 4 graphs, not one per (batch, width)
+            if self._dynamic_batch and bucket.batch > 1:
+                torch._dynamo.mark_dynamic(bucket.inputs, 1)
+            if self._dynamic_batch and bucket.width > 1:
+                torch._dynamo.mark_dynamic(bucket.inputs, 2)
+        return bucket
+
     @torch.inference_mode()
     def forward(self, key: tuple[int, int, int], blocks: list[int], starts: list[int],
-                new_tokens: list[list[int]] | torch.Tensor) -> torch.Tensor:
+                new_tokens: list[list[int]] | torch.Tensor, feature: torch.Tensor | None = None) -> torch.Tensor:
         """One step in bucket `key`: sequence j's new tokens go to arena rows blocks[j] + starts[j] + i. Returns
         the head's float32 logits of every new token, in order: [len(blocks) · width, head rows] (a view of the
         bucket's output, valid until its next step). new_tokens: lists, or a [len(blocks), width] device tensor
         (tokens sampled on the device, never read on the host)."""
         bucket = self.buckets.get(key)
         if bucket is None:
-            bucket = self.buckets[key] = _Bucket(self.w, *key)
-            if self._compiled:  # the context length is a symbol in the compiled step (and a batch > 1, if asked)
-                torch._dynamo.mark_dynamic(bucket.keys, 0)
-                # `dynamic`: the batch and the width symbols too (a size of 1 is its own graph: compilers specialise
-                # it), so that a worker's warm-up compiles 4 graphs, not one per (batch, width)
-                if self._dynamic_batch and bucket.batch > 1:
-                    torch._dynamo.mark_dynamic(bucket.inputs, 1)
-                if self._dynamic_batch and bucket.width > 1:
-                    torch._dynamo.mark_dynamic(bucket.inputs, 2)
+            bucket = self.buckets[key] = self._new_bucket(key)
         self._fill(bucket, blocks, starts, new_tokens)
+        if feature is not None:  # a head runner's per-sequence input feature, device to device
+            bucket.feature[: len(blocks)].copy_(feature)
         if not self.capture:
             return self._step_into(bucket)[: len(blocks) * bucket.width]
         if bucket.graph is None:
@@ -260,7 +289,7 @@ class StepRunner:
               ) -> None:
         """The step's inputs in one host-to-device copy (padding rows: position 0, the scratch row)."""
         n, width = len(blocks), b.width
-        host = torch.zeros(3, b.batch, width, dtype=torch.long)
+        host = b.host_inputs()
         positions = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(width)
         host[1, :n] = positions
         host[2].fill_(self.scratch)
@@ -272,6 +301,7 @@ class StepRunner:
         else:
             host[0, :n] = torch.tensor(new_tokens, dtype=torch.long)
             b.inputs.copy_(host, non_blocking=True)
+        b.sent()
 
     def _run(self, b: _Bucket) -> torch.Tensor:
         """The step on the bucket's static tensors (no host values read: capturable)."""
@@ -290,7 +320,7 @@ class StepRunner:
             sees = seen if window is None else seen & (b.keys > positions[..., None] - window)
             masks[window] = sees.repeat(1, h // kvh, 1)[:, None]
         new_slots = slots.reshape(rows)  # the arena row of each new token's keys and values
-        x = embed(w, ids)  # [rows, hidden]
+        x = self._inputs(b, ids)  # [rows, hidden]
         cs = rope_tables(w, positions.reshape(rows).float())
         for i, layer in enumerate(w.layers):
             q, k, v = rotated_qkv(w, layer, x, cs)
@@ -303,6 +333,15 @@ class StepRunner:
             att = sdpa(w, queries, keys, values, masks[layer.window])
             att = att.reshape(batch, h, width, d).permute(0, 2, 1, 3).reshape(rows, h * d)
             x = layer_output(w, layer, x, att)
+        return self._outputs(x, new_slots)
+
+    def _inputs(self, b: _Bucket, ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input rows for the step's token ids (a head runner's: `models.head`)."""
+        return embed(self.w, ids)
+
+    def _outputs(self, x: torch.Tensor, new_slots: torch.Tensor) -> torch.Tensor:
+        """The step's output rows from the last layer's: the head's logits (and each row's feature kept)."""
+        w = self.w
         if self.features is None:
             return head_logits(w, x)
         x = norm(w, x, w.norm)

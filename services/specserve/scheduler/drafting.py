@@ -60,7 +60,8 @@ def _sample(logits: torch.Tensor, blocks: list[DraftBlock], uniforms: torch.Tens
         key = ("greedy",) if b.params.greedy else (b.params.temperature, b.params.top_k, b.params.top_p, b.top_k_q)
         groups.setdefault(key, []).append(i)
     for key, rows in groups.items():
-        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        # (one group, the usual case, takes every row: no index sent to the device, which would wait for it)
+        index = slice(None) if len(groups) == 1 else torch.tensor(rows, dtype=torch.long, device=logits.device)
         if key == ("greedy",):
             tokens[index] = logits[index].argmax(-1)
             continue
@@ -102,7 +103,8 @@ def draft_blocks(pool: KVPool, blocks: list[DraftBlock]) -> list[DraftedBlock]:
             first[torch.tensor(fed, device=dev)] = logits.float()
         logits = first
     for step in range(longest):
-        rows = torch.tensor(live, dtype=torch.long, device=dev)
+        # every block still drafting (the usual case): slices, not an index copied to the device at each step
+        rows = slice(None) if len(live) == len(blocks) else torch.tensor(live, dtype=torch.long, device=dev)
         token, q_step, confidence = _sample(logits[:, :head], [blocks[i] for i in live], uniforms[rows, step])
         tokens[rows, step], confidences[rows, step] = token, confidence.double()
         if q_step is not None:
@@ -112,8 +114,8 @@ def draft_blocks(pool: KVPool, blocks: list[DraftBlock]) -> list[DraftedBlock]:
         going = [j for j, i in enumerate(live) if blocks[i].gamma > step + 1]
         if not going:
             break
+        fed = token if len(going) == len(live) else token[torch.tensor(going, device=dev)]
         live = [live[j] for j in going]
-        fed = token[torch.tensor(going, device=dev)]
         logits = pool.feed_ids([blocks[i].seq for i in live], fed if subset is None else subset[fed])
     host = torch.cat((tokens.double(), confidences), 1).tolist()  # the one read back of the block
     out = []
