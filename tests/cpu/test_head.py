@@ -88,16 +88,26 @@ def test_the_heads_lean_steps_are_its_hf_forward(target):
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
 
+@pytest.mark.parametrize("runner", [False, True], ids=["head cache", "head pool with a runner"])
 @pytest.mark.parametrize("gamma", [1, 3, "auto"])
-def test_greedy_through_a_head_equals_target_only(target, gamma):
+def test_greedy_through_a_head_equals_target_only(target, gamma, runner, monkeypatch):
+    """In process the head drafts on a cache of its own, or, where the target's pool has a step runner (CUDA),
+    through a `HeadPool` beside it whose drafted steps take the runner."""
+    from specserve.models import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "STEP_RUNNER", runner)
     head = FeatureHeadForCausalLM.for_target(target, seed=1)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     reference = SpeculativeDecoder(target, None, gamma=0).generate(prompt, GREEDY, 40)
     decoder = SpeculativeDecoder(target, head, gamma=gamma, draft_lookup=False)
     assert decoder.draft_kind == "head" and decoder.kv_pool.features is not None
+    assert (decoder.head_pool is not None) == runner
     got = decoder.generate(prompt, GREEDY, 40)
     assert got.token_ids == reference.token_ids
     assert got.stats.drafted > 0 or gamma == "auto"
+    if runner:  # (at γ=1 a round drafts from its first step alone, which feeds the target's features eagerly)
+        assert bool(decoder.head_pool.runner.buckets) or gamma != 3  # drafted steps took the runner
+        assert decoder.head_pool.used_tokens == 0
 
 
 def test_seeded_runs_through_a_head_repeat_and_one_token_prompts_draft_nothing_wrong(target):
@@ -112,13 +122,19 @@ def test_seeded_runs_through_a_head_repeat_and_one_token_prompts_draft_nothing_w
 MODES = [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 5}, {"temperature": 1.2, "top_p": 0.8}]
 
 
-@pytest.mark.parametrize("mode", MODES, ids=["T=1", "top-k", "top-p"])
+@pytest.mark.parametrize("mode", MODES + ["runner"], ids=["T=1", "top-k", "top-p", "T=1, head pool with a runner"])
 def test_first_two_tokens_through_a_head_follow_the_target(mode, monkeypatch):
     """Chi-square against the target's joint distribution of the first two tokens; a missing residual step
     is caught by the same harness."""
+    from specserve.models import pool as pool_module
+
+    if mode == "runner":
+        monkeypatch.setattr(pool_module, "STEP_RUNNER", True)
+        mode = MODES[0]
     target = tiny_llama(0)  # vocabulary 8, as test_exactness
     head = FeatureHeadForCausalLM.for_target(target, seed=4)
     decoder = SpeculativeDecoder(target, head, gamma=2, draft_lookup=False)
+    assert (decoder.head_pool is not None) == bool(pool_module.STEP_RUNNER)
     expected = target_joint(target, mode)
     assert chi_square_pvalue(sampled_joint(decoder, mode, 2), expected) > 1e-3
     if mode == MODES[0]:

@@ -27,7 +27,7 @@ from specserve.engine.proposers import LookupOrModelProposer, ModelProposer, Ngr
 from specserve.engine.session import SessionFactory, gamma_spec
 from specserve.engine.stats import GenerationStats
 from specserve.models import LoadedModel, load_model, resolve_draft
-from specserve.models.head import HeadSequence, is_head, load_head
+from specserve.models.head import HeadPool, HeadSequence, is_head, load_head
 from specserve.models.lean import draft_dtype, model_sequence, unsupported_reason
 from specserve.models.loading import load_draft
 from specserve.models.pool import KVPool, wants_runner
@@ -148,7 +148,12 @@ class SpeculativeDecoder:
             if wants_runner(device, None):
                 self.draft_pool = KVPool(self.draft.model, kv_cache_tokens or 2 * (self.draft.max_positions or 4096),
                                          draft_dtype(self.draft.model), max_width=gamma_max + 1)
-        for role, pool in (("target", self.kv_pool), ("draft", self.draft_pool)):
+        # a head drafts through a pool beside the target's where that pool has a step runner (its steps then run
+        # as the target's: captured, compiled), else on a cache of its own
+        self.head_pool: HeadPool | None = None
+        if self.head is not None and self.kv_pool.runner is not None:
+            self.head_pool = HeadPool(self.head, self.kv_pool, self.kv_pool.allocator.capacity)
+        for role, pool in (("target", self.kv_pool), ("draft", self.draft_pool or self.head_pool)):
             if pool is not None and pool.runner is not None and pool.runner.compile_mode:  # compiled steps (CUDA)
                 pool.warm_up(range(1, gamma_max + 2) if role == "target" else None,
                              lambda line, role=role: print(f"[specserve] {role} steps: {line}", file=sys.stderr))
@@ -161,8 +166,9 @@ class SpeculativeDecoder:
         if self.draft_kind == "ngram":
             return NgramProposer(vocab)
         if self.draft_kind == "head":
-            sequence = HeadSequence(self.head, target_sequence if target_sequence is not None
-                                    else self.target_sequence())
+            target_sequence = target_sequence if target_sequence is not None else self.target_sequence()
+            sequence = self.head_pool.sequence(target_sequence) if self.head_pool is not None \
+                else HeadSequence(self.head, target_sequence)
             model = ModelProposer(self.head, vocab, self.draft_top_k, name="head", sequence=sequence)
             return LookupOrModelProposer(model) if (self.draft_lookup if lookup is None else lookup) else model
         if self.draft_kind == "model":
