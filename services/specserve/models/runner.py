@@ -111,29 +111,33 @@ class _Bucket:
         self.keys = torch.arange(context, device=dev)  # the context's key offsets (its length a graph's symbol)
         self.logits: torch.Tensor | None = None  # [batch · width, head rows], written by each run
         self.graph = None
-        # on CUDA the inputs cross from pinned buffers, taken in turn: a copy from pageable memory waits for the
-        # stream's earlier work, which would hold the host at every step of a draft block
-        pinned = dev.type == "cuda"
-        self.staging = [torch.zeros(3, batch, width, dtype=torch.long, pin_memory=True) for _ in range(4)] \
-            if pinned else []
-        self.copied: list = [None] * len(self.staging)  # the event after each buffer's last copy
+
+
+class _Staging:
+    """Host buffers for the steps' inputs. On CUDA, pinned buffers taken in turn (a copy from pageable memory
+    waits for the stream's earlier work, which would hold the host at every step of a draft block), each reused
+    once its last copy has left."""
+
+    def __init__(self, device: torch.device, size: int, count: int = 4):
+        pinned = device.type == "cuda"
+        self.buffers = [torch.zeros(size, dtype=torch.long, pin_memory=True) for _ in range(count)] if pinned else []
+        self.copied: list = [None] * len(self.buffers)  # the event after each buffer's last copy
         self.turn = 0
 
-    def host_inputs(self) -> torch.Tensor:
-        """A zeroed host buffer for the next step's inputs (pinned on CUDA, once its last copy has left)."""
-        if not self.staging:
-            return torch.zeros(3, self.batch, self.width, dtype=torch.long)
-        turn = self.turn
-        if self.copied[turn] is not None:
-            self.copied[turn].synchronize()
-        return self.staging[turn].zero_()
+    def take(self, b: _Bucket) -> torch.Tensor:
+        """A zeroed [3, batch, width] host buffer for bucket b's next inputs."""
+        if not self.buffers:
+            return torch.zeros(3, b.batch, b.width, dtype=torch.long)
+        if self.copied[self.turn] is not None:
+            self.copied[self.turn].synchronize()
+        return self.buffers[self.turn][: 3 * b.batch * b.width].view(3, b.batch, b.width).zero_()
 
     def sent(self) -> None:
-        """The buffer `host_inputs` gave is queued for its copy: mark it, and take the next one next time."""
-        if self.staging:
+        """The buffer `take` gave is queued for its copy: mark it, and take the next one next time."""
+        if self.buffers:
             event = self.copied[self.turn] = self.copied[self.turn] or torch.cuda.Event()
             event.record()
-            self.turn = (self.turn + 1) % len(self.staging)
+            self.turn = (self.turn + 1) % len(self.buffers)
 
 
 class StepRunner:
@@ -177,6 +181,7 @@ class StepRunner:
         self._compiled = self._step is not self._run
         self.buckets: dict[tuple[int, int, int], _Bucket] = {}
         self.replays = 0  # steps served from a captured graph
+        self._staging = _Staging(w.device, 3 * self.batch_buckets[-1] * max_width)
         self._pool = None  # the CUDA graphs' shared memory pool
 
     def bucket_for(self, batch: int, width: int, longest: int) -> tuple[int, int, int] | None:
@@ -289,7 +294,7 @@ class StepRunner:
               ) -> None:
         """The step's inputs in one host-to-device copy (padding rows: position 0, the scratch row)."""
         n, width = len(blocks), b.width
-        host = b.host_inputs()
+        host = self._staging.take(b)
         positions = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(width)
         host[1, :n] = positions
         host[2].fill_(self.scratch)
@@ -301,7 +306,7 @@ class StepRunner:
         else:
             host[0, :n] = torch.tensor(new_tokens, dtype=torch.long)
             b.inputs.copy_(host, non_blocking=True)
-        b.sent()
+        self._staging.sent()
 
     def _run(self, b: _Bucket) -> torch.Tensor:
         """The step on the bucket's static tensors (no host values read: capturable)."""
