@@ -204,7 +204,7 @@ class HeadPool(KVPool):
         self.target = target
         self.fc = head.fc.weight.detach().to(self.w.device, self.w.dtype).contiguous()
         self.embedding = head.model.embed_tokens.weight
-        if runner if runner is not None else target.runner is not None:  # drafted steps as the target's steps run
+        if target.runner is not None if runner is None else runner:  # drafted steps run as the target's steps do
             self.runner = HeadStepRunner(self.w, (self.k, self.v), self.max_length, self.fc, self.embedding,
                                          compile=None if target.runner is None else target.runner.compile_mode)
 

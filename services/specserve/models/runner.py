@@ -194,10 +194,9 @@ class StepRunner:
 
     def _new_bucket(self, key: tuple[int, int, int]) -> _Bucket:
         bucket = _Bucket(self.w, *key)
-        if self._compiled:  # the context length is a symbol in the compiled step (and a batch > 1, if asked)
+        if self._compiled:  # the context length a symbol of the compiled step; `dynamic`: the batch and the width
+            # too (a size of 1 is its own graph: compilers specialise it), so a warm-up compiles 4 graphs, not 81
             torch._dynamo.mark_dynamic(bucket.keys, 0)
-            # `dynamic`: the batch and the width symbols too (a size of 1 is its own graph: compilers specialise
-            # it), so that a worker's warm-up compiles 4 graphs, not one per (batch, width)
             if self._dynamic_batch and bucket.batch > 1:
                 torch._dynamo.mark_dynamic(bucket.inputs, 1)
             if self._dynamic_batch and bucket.width > 1:
