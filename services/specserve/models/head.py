@@ -217,12 +217,9 @@ class HeadPool(KVPool):
         if self.runner is not None and all(len(t) == 1 and seq.true <= len(seq.tokens) and seq.last is not None
                                            and keep <= 1 for seq, t, keep in zip(seqs, new_tokens, keeps)):
             # every sequence drafts on its own prediction (the in-process per-token path): the runner's step
-            ids = torch.tensor([t[0] for t in new_tokens], device=self.w.device)
-            last, logits = self._drafted(seqs, ids)
-            for j, seq in enumerate(seqs):
-                seq.last = last[j : j + 1]
+            logits = self._drafted(seqs, torch.tensor([t[0] for t in new_tokens], device=self.w.device))
             kept = [j for j, keep in enumerate(keeps) if keep]
-            return logits[kept] if kept else last.new_zeros(0, 0)
+            return logits[kept] if kept else logits.new_zeros(0, 0)
         rows, offsets, total = [], [], 0
         for seq, tokens in zip(seqs, new_tokens):
             start = len(seq.tokens)
@@ -248,22 +245,26 @@ class HeadPool(KVPool):
         kept = [j for j, keep in enumerate(keeps) if keep]
         return head_logits(self.w, last[kept], normed=True) if kept else last.new_zeros(0, 0)
 
-    def _drafted(self, seqs: list, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(next predicted features [n, hidden], subset logits [n, head rows]) of a drafted step: each sequence's
-        last prediction with its token (ids: on the device), through the runner where the step fits a bucket
-        (its logits then a view of the runner's output, valid until its next step)."""
+    def _drafted(self, seqs: list, ids: torch.Tensor) -> torch.Tensor:
+        """A drafted step: each sequence's last prediction with its token (ids: on the device), through the runner
+        where the step fits a bucket. Sets each sequence's next prediction (`last`); returns the subset logits
+        [n, head rows] (through the runner: a view of its output, valid until its next step)."""
         feature = torch.cat([seq.last for seq in seqs]).to(self.w.dtype)
         blocks, starts = [seq.block[0] for seq in seqs], [len(seq.tokens) for seq in seqs]
         key = self.runner.bucket_for(len(seqs), 1, max(starts) + 1) if self.runner is not None else None
         if key is not None:
             out = self.runner.forward(key, blocks, starts, ids[:, None], feature)
             size = feature.shape[1]
-            return out[:, :size].to(self.w.dtype, copy=True), out[:, size:]
-        x = torch.cat([feature, self.embedding[ids.to(self.embedding.device)].to(self.w.device, self.w.dtype)], -1)
-        hidden = lean_forward(self.w, seqs, [[UNKNOWN]] * len(seqs), [1] * len(seqs), (self.k, self.v, blocks),
-                              hidden=linear(x, self.fc), head=False)
-        last = norm(self.w, hidden, self.w.norm)
-        return last, head_logits(self.w, last, normed=True)
+            last, logits = out[:, :size].to(self.w.dtype, copy=True), out[:, size:]
+        else:
+            x = torch.cat([feature, self.embedding[ids.to(self.embedding.device)].to(self.w.device, self.w.dtype)], -1)
+            hidden = lean_forward(self.w, seqs, [[UNKNOWN]] * len(seqs), [1] * len(seqs), (self.k, self.v, blocks),
+                                  hidden=linear(x, self.fc), head=False)
+            last = norm(self.w, hidden, self.w.norm)
+            logits = head_logits(self.w, last, normed=True)
+        for j, seq in enumerate(seqs):
+            seq.last = last[j : j + 1]
+        return logits
 
     @torch.inference_mode()
     def feed_ids(self, seqs: list, ids: torch.Tensor) -> torch.Tensor:
@@ -271,9 +272,8 @@ class HeadPool(KVPool):
         sequence's own last prediction with its token; the logits over the subset [len(seqs), n] on the device."""
         for seq in seqs:
             self.reserve(seq, len(seq.tokens) + 1)
-        last, logits = self._drafted(seqs, ids)
-        for j, seq in enumerate(seqs):
-            seq.last = last[j : j + 1]
+        logits = self._drafted(seqs, ids)
+        for seq in seqs:
             seq.tokens.append(UNKNOWN)
             seq.forward_calls += 1
         return logits
