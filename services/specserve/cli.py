@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "vocabulary)")
     dst.add_argument("--head", action="store_true",
                      help="train a feature head instead of a draft LM: one decoder layer on the target's own hidden "
-                          "states (EAGLE's design; docs/design.md 'Feature heads'), used as --draft head:OUT")
+                          "states (EAGLE's design; docs/design.md 'Feature heads'), used as --draft head:OUT; with "
+                          "--init, the head starts as that draft (its layers) and learns what the features add")
     dst.add_argument("--init", default=None,
                      help="go on training this draft of the target ('embedded-draft' or a directory distill wrote) "
                           "instead of a new one: adapts it to new data (e.g. --text) in minutes; keeps its shape")
@@ -143,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     dst.add_argument("--lr", type=float, default=1e-3)
     dst.add_argument("--warmup", type=int, default=50)
     dst.add_argument("--kd-temperature", type=float, default=1.0)
+    dst.add_argument("--feature-weight", type=float, default=1.0,
+                     help="--head: the weight of its predicted-feature loss (smooth L1) beside the KD loss")
+    dst.add_argument("--feature-dropout", type=float, default=0.0,
+                     help="--head: zero this share of the features it reads in training (0 <= P < 1); then it "
+                          "drafts on a zero feature where the target's is not known yet, not on its own prediction")
     dst.add_argument("--checkpoint-every", type=int, default=100)
     dst.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts (subjects never trained on)")
     dst.add_argument("--eval-tokens", type=int, default=96)
@@ -239,9 +245,9 @@ def _distill(args) -> int:
         print(f"specserve distill: {', '.join(shape)} cannot be changed with --init (the draft keeps its shape)",
               file=sys.stderr)
         return 2
-    if args.head and (args.init or args.hidden is not None or args.layers is not None):
-        print("specserve distill: --head trains one layer at the target's hidden size from scratch (--layers, "
-              "--hidden and --init do not apply)", file=sys.stderr)
+    if args.head and (args.hidden is not None or args.layers is not None):
+        print("specserve distill: --head trains one layer at the target's hidden size, or starts from the draft "
+              "--init names (its layers); --layers and --hidden do not apply", file=sys.stderr)
         return 2
     layers = DistillConfig.layers if args.layers is None else args.layers
     subset = DistillConfig.subset if args.subset is None else args.subset
@@ -253,10 +259,12 @@ def _distill(args) -> int:
     bad += [name for name, value in (("--subset", subset), ("--warmup", args.warmup), ("--prompts", args.prompts),
                                      ("--self-prompts", args.self_prompts)) if value < 0]
     bad += [name for name, value in (("--lr", args.lr), ("--kd-temperature", args.kd_temperature)) if value <= 0]
+    bad += ["--feature-weight"] if args.feature_weight < 0 else []
+    bad += ["--feature-dropout"] if not 0 <= args.feature_dropout < 1 else []
     bad += ["--hidden"] if args.hidden is not None and args.hidden < 1 else []
     if bad:
         print(f"specserve distill: invalid {', '.join(bad)} (sizes must be >= 1, --subset/--warmup/--prompts/"
-              "--self-prompts >= 0, --lr/--kd-temperature > 0)", file=sys.stderr)
+              "--self-prompts/--feature-weight >= 0, --lr/--kd-temperature > 0, 0 <= --feature-dropout < 1)", file=sys.stderr)
         return 2
     cfg = DistillConfig(
         target=args.target, out=args.out, layers=layers, hidden=args.hidden, subset=subset, init=args.init,
@@ -264,7 +272,8 @@ def _distill(args) -> int:
         gen_batch=args.gen_batch, top_k=args.top_k, texts=args.text, steps=args.steps, batch=args.batch,
         seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, kd_temperature=args.kd_temperature,
         checkpoint_every=args.checkpoint_every, eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens,
-        seed=args.seed, head=args.head,
+        seed=args.seed, head=args.head, feature_weight=args.feature_weight,
+        feature_dropout=args.feature_dropout,
     )
     try:
         metrics = distill(cfg)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -282,5 +283,38 @@ def test_distill_head_trains_a_feature_head_the_decoder_drafts_with(tmp_path, ca
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
     got = spec.generate("Hello there", greedy, 20)
     assert got.token_ids == plain.generate("Hello there", greedy, 20).token_ids and got.stats.drafted > 0
-    assert main(["distill", "--head", "--init", "embedded-draft", "--out", str(tmp_path / "x")]) == 2
-    assert "--head trains one layer" in capsys.readouterr().err
+    assert main(["distill", "--head", "--layers", "2", "--out", str(tmp_path / "x")]) == 2
+    assert "--layers and --hidden do not apply" in capsys.readouterr().err
+    assert main(["distill", "--head", "--feature-dropout", "1", "--out", str(tmp_path / "x")]) == 2
+    assert "--feature-dropout" in capsys.readouterr().err
+
+
+def test_a_head_from_a_draft_starts_as_that_draft_one_position_later():
+    """`distill --head --init DRAFT`: the head takes the draft's layers, norm and subset head, fc reads only the
+    next token's embedding, so at first it predicts what the draft predicts (head position j reads x_{j+1}: the
+    draft over x[1:]), whatever the features; with --feature-dropout it drafts on zeros."""
+    from specserve.distill.core import DistillConfig, head_losses, make_draft, make_head
+
+    target = tiny_llama(3, vocab=64, layers=3, hidden=32, dtype=torch.float32)
+    subset = torch.tensor(sorted(random.Random(0).sample(range(64), 20)))
+    draft, _ = make_draft(target, DistillConfig(layers=2, subset=20), subset)
+    with torch.no_grad():  # a draft trained away from the target's layers
+        for param in draft.model.layers.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    head, frozen = make_head(target, DistillConfig(head=True, feature_dropout=0.3), subset, draft)
+    assert head.config.num_hidden_layers == 2 and head.config.drafted_feature == "zero"
+    assert frozen == {"model.embed_tokens.weight"} and torch.equal(head.token_subset, draft.token_subset)
+    x = torch.randint(0, 64, (2, 12))
+    features = torch.randn(2, 11, 32)
+    with torch.no_grad():
+        _, logits = head(features, x[:, 1:])
+        expected = draft.lm_head(draft.model(input_ids=x[:, 1:]).last_hidden_state)
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+        rows, cols = torch.tensor([0, 1, 1]), torch.tensor([3, 5, 11])
+        torch.manual_seed(0)
+        dropped, _ = head_losses(head, torch.randn(2, 12, 32), x, rows, cols, dropout=0.999999)
+        _, blind = head(torch.zeros(2, 11, 32), x[:, 1:])
+        torch.testing.assert_close(dropped, blind[rows, cols - 1])  # every feature it read was zeroed
+    wide = tiny_llama(3, vocab=64, layers=2, hidden=48, dtype=torch.float32)
+    with pytest.raises(ValueError, match="hidden size"):
+        make_head(wide, DistillConfig(head=True), subset, draft)

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 from specserve import SamplingParams, SpeculativeDecoder
-from specserve.models.head import FeatureHeadForCausalLM, HeadSequence, is_head, load_head
+from specserve.models.head import FeatureHeadForCausalLM, HeadSequence, drafts_on_zeros, is_head, load_head
 from specserve.models.loading import load_model
 from specserve.models.pool import KVPool
 from specserve.speculation import rejection
@@ -110,6 +110,25 @@ def test_greedy_through_a_head_equals_target_only(target, gamma, runner, monkeyp
         assert decoder.head_pool.used_tokens == 0
 
 
+def zero_drafting(head: FeatureHeadForCausalLM) -> FeatureHeadForCausalLM:
+    """The head set to draft on a zero feature where the target's is unknown (`distill --feature-dropout`)."""
+    head.config.drafted_feature = "zero"
+    return head
+
+
+@pytest.mark.parametrize("runner", [False, True], ids=["head cache", "head pool with a runner"])
+def test_greedy_through_a_head_drafting_on_zeros_equals_target_only(target, runner, monkeypatch):
+    from specserve.models import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "STEP_RUNNER", runner)
+    head = zero_drafting(FeatureHeadForCausalLM.for_target(target, seed=1))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    reference = SpeculativeDecoder(target, None, gamma=0).generate(prompt, GREEDY, 40)
+    decoder = SpeculativeDecoder(target, head, gamma=3, draft_lookup=False)
+    got = decoder.generate(prompt, GREEDY, 40)
+    assert got.token_ids == reference.token_ids and got.stats.drafted > 0
+
+
 def test_seeded_runs_through_a_head_repeat_and_one_token_prompts_draft_nothing_wrong(target):
     head = FeatureHeadForCausalLM.for_target(target, seed=1)
     decoder = SpeculativeDecoder(target, head, gamma=3, draft_lookup=False)
@@ -122,17 +141,22 @@ def test_seeded_runs_through_a_head_repeat_and_one_token_prompts_draft_nothing_w
 MODES = [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 5}, {"temperature": 1.2, "top_p": 0.8}]
 
 
-@pytest.mark.parametrize("mode", MODES + ["runner"], ids=["T=1", "top-k", "top-p", "T=1, head pool with a runner"])
+@pytest.mark.parametrize("mode", MODES + ["runner", "zero"],
+                         ids=["T=1", "top-k", "top-p", "T=1, head pool with a runner", "T=1, drafting on zeros"])
 def test_first_two_tokens_through_a_head_follow_the_target(mode, monkeypatch):
     """Chi-square against the target's joint distribution of the first two tokens; a missing residual step
     is caught by the same harness."""
     from specserve.models import pool as pool_module
 
+    zero = mode == "zero"
     if mode == "runner":
         monkeypatch.setattr(pool_module, "STEP_RUNNER", True)
+    if mode in ("runner", "zero"):
         mode = MODES[0]
     target = tiny_llama(0)  # vocabulary 8, as test_exactness
     head = FeatureHeadForCausalLM.for_target(target, seed=4)
+    if zero:
+        zero_drafting(head)
     decoder = SpeculativeDecoder(target, head, gamma=2, draft_lookup=False)
     assert (decoder.head_pool is not None) == bool(pool_module.STEP_RUNNER)
     expected = target_joint(target, mode)
@@ -145,6 +169,7 @@ def test_first_two_tokens_through_a_head_follow_the_target(mode, monkeypatch):
 def test_heads_save_load_by_spec_and_refuse_a_target_they_do_not_fit(tmp_path, target):
     head = FeatureHeadForCausalLM.for_target(target, seed=3, shared_from=None)
     head.config.shared_from = str(tmp_path / "target")
+    head.config.drafted_feature = "zero"
     target.save_pretrained(str(tmp_path / "target"))
     head.save_pretrained(str(tmp_path / "head"))
     spec = f"head:{tmp_path / 'head'}"
@@ -154,6 +179,7 @@ def test_heads_save_load_by_spec_and_refuse_a_target_they_do_not_fit(tmp_path, t
     assert spec_path(spec).startswith(f"a feature head of 1 layer(s) over {VOCAB} tokens, in the target worker")
     loaded = load_head(spec, load_model(target))
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), head.state_dict().values()))
+    assert drafts_on_zeros(loaded) and not drafts_on_zeros(FeatureHeadForCausalLM.for_target(target))
     other = tiny_llama(1, vocab=VOCAB, layers=1, hidden=16)
     with pytest.raises(ValueError, match="does not fit a target"):
         load_head(spec, load_model(other))
@@ -164,12 +190,14 @@ def test_heads_save_load_by_spec_and_refuse_a_target_they_do_not_fit(tmp_path, t
 # -- the head served: in the target worker, its steps batched over sessions (`HeadPool`) -----------------------
 
 
-def test_the_pooled_heads_steps_equal_a_head_cache_of_its_own(target):
+@pytest.mark.parametrize("drafting_on", ["predicted", "zero"])
+def test_the_pooled_heads_steps_equal_a_head_cache_of_its_own(target, drafting_on):
     """Three sessions' head steps in one forward (`HeadPool`) give each the logits its own `HeadSequence` gives,
     through true-feature blocks, drafted steps and the next block replacing the drafted positions."""
     from specserve.models.head import HeadPool
 
     head = FeatureHeadForCausalLM.for_target(target, token_subset=torch.tensor([9, 3, 30, 1, 17, 22, 5, 38]), seed=2)
+    head.config.drafted_feature = drafting_on
     pool = KVPool(target, tokens=1024, features=True)
     heads = HeadPool(head, pool, tokens=1024)
     rng = random.Random(1)
@@ -188,6 +216,7 @@ def test_the_pooled_heads_steps_equal_a_head_cache_of_its_own(target):
             got = heads.forward(pooled, [[t] for t in drafted], [1] * 3)
             for j, (seq, t) in enumerate(zip(alone, drafted)):
                 torch.testing.assert_close(got[j], seq.feed_subset([t])[0], atol=1e-10, rtol=0)
+                assert bool(pooled[j].last.any()) == (drafting_on == "predicted")  # what the next drafted step reads
         for c, t in zip(contexts, tseqs):  # the target verified two more positions of each
             c += [rng.randrange(VOCAB), rng.randrange(VOCAB)]
             t.logits_after(c[:-1])
@@ -199,12 +228,14 @@ def test_the_pooled_heads_steps_equal_a_head_cache_of_its_own(target):
     assert heads.used_tokens == 0
 
 
-def test_the_head_runners_drafted_steps_equal_its_eager_steps(target):
+@pytest.mark.parametrize("drafted", ["predicted", "zero"])
+def test_the_head_runners_drafted_steps_equal_its_eager_steps(target, drafted):
     """`HeadStepRunner` (what a head's pool drafts through beside a CUDA target's runner): its drafted steps, tokens
     fed on the device with a padding row in the batch bucket, give the eager `feed_ids` logits and predictions."""
     from specserve.models.head import HeadPool
 
     head = FeatureHeadForCausalLM.for_target(target, token_subset=torch.tensor([9, 3, 30, 1, 17, 22, 5, 38]), seed=2)
+    head.config.drafted_feature = drafted
     pool = KVPool(target, tokens=1024, features=True)
     contexts = [[(5 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((9, 4, 13))]
     tseqs = [pool.sequence() for _ in contexts]
@@ -371,3 +402,24 @@ def test_served_head_blocks_on_cuda_equal_the_in_process_decoder():
             assert tokens == local.generate(request.prompt_ids, request.params, request.max_tokens).token_ids
     finally:
         servicer.scheduler.close()
+
+
+def test_a_bfloat16_head_on_a_cpu_drafts_with_int8_weights_unless_told_otherwise():
+    """`draft_quantization` ("auto" by default) applies to a head as to a model draft: int8 layers, fc and head
+    rows for a bfloat16 head on a CPU that runs specserve's kernels, "none" keeps it dense; either way the
+    head only proposes, so greedy stays the target's."""
+    from specserve.models import cpukernels
+    from specserve.models.quant import QuantizedLinear
+
+    target = tiny_llama(5, vocab=VOCAB, layers=2, hidden=64, scale=8, dtype=torch.bfloat16)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    reference = SpeculativeDecoder(target, None, gamma=0).generate(prompt, GREEDY, 24).token_ids
+    for asked in (None, "none"):
+        head = FeatureHeadForCausalLM.for_target(target, seed=1)
+        decoder = SpeculativeDecoder(target, head, gamma=3, draft_lookup=False, draft_quantization=asked)
+        quantized = asked is None and cpukernels.available()
+        assert (getattr(decoder.head, "specserve_quant", None) is not None) == quantized
+        proposer = decoder.new_proposer()
+        assert isinstance(proposer.seq.fc, QuantizedLinear) == quantized
+        got = decoder.generate(prompt, GREEDY, 24)
+        assert got.token_ids == reference and got.stats.drafted > 0

@@ -81,6 +81,7 @@ class DistillConfig:
     seed: int = 0
     head: bool = False  # train a feature head (`models.head`) instead of a draft LM: one layer on the target's features
     feature_weight: float = 1.0  # the head's loss: KD + this × smooth L1 of its predicted next feature
+    feature_dropout: float = 0.0  # > 0: zero this share of the features it reads; it drafts on zeros, not its own
 
     def corpus_settings(self, count: str = "prompts") -> dict:
         """What a stored part of the corpus depends on; a rerun with other values needs a new --out."""
@@ -152,7 +153,7 @@ def make_draft(target_model, cfg: DistillConfig, subset: torch.Tensor | None = N
     tcfg = target_model.config
     hidden = cfg.hidden or tcfg.hidden_size
     if cfg.head:
-        return make_head(target_model, cfg, subset)
+        return make_head(target_model, cfg, subset, start_from)
     if start_from is not None:
         draft, frozen = start_from, {EMBEDDING}
     elif hidden != tcfg.hidden_size:
@@ -196,20 +197,33 @@ def make_draft(target_model, cfg: DistillConfig, subset: torch.Tensor | None = N
     return draft, frozen
 
 
-def make_head(target_model, cfg: DistillConfig, subset: torch.Tensor | None):
+def make_head(target_model, cfg: DistillConfig, subset: torch.Tensor | None,
+              start_from: SubsetDraftForCausalLM | None = None):
     """(a feature head for the target, frozen names): its decoder layer starts from the target's last one (the
     features it reads come out of that layer), fc from [0, I] (the next token's embedding), its head from the
-    target's rows over `subset`."""
+    target's rows over `subset`. From `start_from` (`--init`, a subset-head draft of this target): that draft's
+    layers, norm and head, so the head starts as the draft (reading x_{j+1} at position j) and learns what the
+    features add to it."""
     target = cfg.target if cfg.target == "embedded" else str(pathlib.Path(cfg.target).expanduser().resolve())
-    head = FeatureHeadForCausalLM.for_target(target_model, subset, cfg.seed, shared_from=target).float()
-    source = target_model.model.layers[-1].state_dict()
-    missing, unexpected = head.model.layers[0].load_state_dict({k: v.float() for k, v in source.items()},
-                                                                strict=False)
+    layers = 1 if start_from is None else start_from.config.num_hidden_layers
+    head = FeatureHeadForCausalLM.for_target(target_model, subset, cfg.seed, shared_from=target,
+                                             layers=layers).float()
+    if start_from is None:
+        source = {f"model.layers.0.{k}": v for k, v in target_model.model.layers[-1].state_dict().items()}
+        source["model.norm.weight"] = target_model.model.norm.weight
+    else:
+        if start_from.config.hidden_size != target_model.config.hidden_size:
+            raise ValueError(f"--init: a feature head is at the target's hidden size "
+                             f"({target_model.config.hidden_size}); this draft's is {start_from.config.hidden_size}")
+        source = {k: v for k, v in start_from.state_dict().items()
+                  if k.startswith(("model.layers.", "model.norm.", "lm_head."))}
+    missing, unexpected = head.load_state_dict({k: v.float() for k, v in source.items()}, strict=False)
+    missing = [k for k in missing if k.startswith("model.layers.")]
     if unexpected or missing:
-        raise ValueError(f"a feature head starts from a Llama-shaped last layer; the target's has {unexpected} and "
+        raise ValueError(f"a feature head starts from Llama-shaped layers; its source has {unexpected} and "
                          f"lacks {missing}")
+    head.config.drafted_feature = "zero" if cfg.feature_dropout > 0 else "predicted"
     with torch.no_grad():
-        head.model.norm.weight.copy_(target_model.model.norm.weight.float())
         size = target_model.config.hidden_size
         head.fc.weight.zero_()
         head.fc.weight[:, size:].copy_(torch.eye(size))
@@ -235,14 +249,35 @@ def corpus_features(target_model, corpus: PackedCorpus, batch: int, log=print) -
     return out
 
 
-def head_losses(head, features: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def cached_features(target_model, corpus: PackedCorpus, cfg: DistillConfig, directory: pathlib.Path,
+                    log=print) -> torch.Tensor:
+    """`corpus_features`, kept beside the corpus (`features-<seq_len>.pt`, keyed by the packed ids) so that a
+    second run on the same corpus (another head, other steps) skips the target's pass over it."""
+    path = directory / f"features-{cfg.seq_len}.pt"
+    if path.is_file():
+        stored = torch.load(path)
+        if torch.equal(stored["ids"], corpus.ids.cpu()):
+            log(f"target features: from {path}")
+            return stored["features"].to(corpus.ids.device)
+    features = corpus_features(target_model, corpus, cfg.gen_batch, log)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"ids": corpus.ids.cpu(), "features": features.cpu()}, tmp)
+    tmp.replace(path)
+    return features
+
+
+def head_losses(head, features: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+                dropout: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(the head's logits over its tokens where the target's at (rows, cols) predict a token, the smooth L1 of its
     predicted feature there). features: the target's at every position of x ([B, T, hidden]). Head position j
     reads (f_j, x_{j+1}) and predicts the token after x_{j+1}: the target's position j + 1; its feature
-    prediction is f_{j+1}."""
+    prediction is f_{j+1}. dropout: the share of positions that read a zero feature instead (as a head that
+    drafts on zeros reads at its drafted positions)."""
     features = features.float()
-    predicted, logits = head(features[:, :-1], x[:, 1:])
+    read = features[:, :-1]
+    if dropout > 0:
+        read = read * (torch.rand(read.shape[:2], device=read.device) >= dropout)[..., None]
+    predicted, logits = head(read, x[:, 1:])
     at = cols - 1  # cols >= 1: every answer follows at least one prompt token
     regression = torch.nn.functional.smooth_l1_loss(predicted[rows, at], features[rows, cols])
     return logits[rows, at], regression
@@ -435,7 +470,7 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         start = state["step"]
         log(f"resuming from step {start}")
     corpus = PackedCorpus(records, cfg.seq_len, pad_id(target.tokenizer, target.eos_ids), lookup, target.device)
-    features = corpus_features(target.model, corpus, cfg.gen_batch, log) if cfg.head else None
+    features = cached_features(target.model, corpus, cfg, out / "corpus", log) if cfg.head else None
     rng = random.Random(cfg.seed + start)
     losses: list[float] = []
     pending: list[torch.Tensor] = []  # losses still on the device: read every few steps, not synced every step
@@ -450,7 +485,7 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         x, rows, cols, index, logprobs = corpus.batch(chosen)
         if cfg.head:
             f = features[torch.tensor(chosen, device=features.device), : x.shape[1]]
-            logits, regression = head_losses(draft, f, x, rows, cols)
+            logits, regression = head_losses(draft, f, x, rows, cols, cfg.feature_dropout)
             loss = kd_loss(logits, index, logprobs, cfg.kd_temperature) + cfg.feature_weight * regression
         else:
             loss = kd_loss(draft_logits(draft, x, rows, cols), index, logprobs, cfg.kd_temperature)

@@ -117,7 +117,7 @@ class SpeculativeDecoder:
         self.head = None
         if is_head(draft):  # a head on the target's features: beside the target, no model of its own to load
             self.draft_kind = "head"
-            self.head = load_head(draft, self.target)
+            self.head = load_head(draft, self.target, draft_quantization)
         if self.draft_kind == "model":
             self.draft = load_draft(draft, dtype, str(self.target.device) if device is None else device,
                                     draft_quantization)

@@ -27,7 +27,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from specserve.models.draft import SubsetDraftConfig, SubsetDraftForCausalLM, embedding_digest
 from specserve.models.lean import LeanSequence, head_logits, lean_forward, norm, widen
 from specserve.models.pool import UNKNOWN, KVPool, PooledSequence
-from specserve.models.quant import linear
+from specserve.models.loading import draft_quantization
+from specserve.models.quant import QuantizedLinear, QuantSpec, dense_from, linear, parse, quantize
 from specserve.models.runner import StepRunner
 
 
@@ -54,12 +55,13 @@ class FeatureHeadForCausalLM(SubsetDraftForCausalLM):
 
     @classmethod
     def for_target(cls, target, token_subset: torch.Tensor | None = None, seed: int = 0,
-                   shared_from: str | None = None) -> FeatureHeadForCausalLM:
-        """A randomly initialised head for `target` (a loaded HF model): its hidden size, heads and rope, its
-        embedding (frozen), its head rows over `token_subset` (default: the whole vocabulary) to start from."""
+                   shared_from: str | None = None, layers: int = 1) -> FeatureHeadForCausalLM:
+        """A randomly initialised head of `layers` decoder layers for `target` (a loaded HF model): its hidden
+        size, heads and rope, its embedding (frozen), its head rows over `token_subset` (default: the whole
+        vocabulary) to start from."""
         vocab = target.config.vocab_size
         subset = torch.arange(vocab) if token_subset is None else torch.as_tensor(token_subset)
-        config = head_config(target.config, len(subset), shared_from=shared_from,
+        config = head_config(target.config, len(subset), layers, shared_from=shared_from,
                              shared_embedding_digest=embedding_digest(target.get_input_embeddings().weight))
         torch.manual_seed(seed)
         param = next(target.parameters())
@@ -71,12 +73,28 @@ class FeatureHeadForCausalLM(SubsetDraftForCausalLM):
         return head
 
 
-def head_config(tc, subset_size: int, **extra) -> FeatureHeadConfig:
-    """A head's config for a target of config `tc`: one layer at its hidden size, its heads, rope and norm eps."""
+def fc_weight(head: FeatureHeadForCausalLM, w):
+    """The head's fc as its lean steps multiply it (`w`: its `LeanWeights`): quantized as its layers are."""
+    weight = head.fc.weight.detach()
+    spec = getattr(head, "specserve_quant", None)
+    if spec is None:
+        return weight.to(w.device, w.dtype).contiguous()
+    return QuantizedLinear(quantize(weight, spec.method, spec.group), w.dtype, w.device, spec.dense_from)
+
+
+def drafts_on_zeros(head: FeatureHeadForCausalLM) -> bool:
+    """Whether a head drafts on a zero feature where the target's is not known yet (trained so: `distill
+    --feature-dropout`), rather than on its own predicted one (EAGLE's way, the default)."""
+    return getattr(head.config, "drafted_feature", "predicted") == "zero"
+
+
+def head_config(tc, subset_size: int, layers: int = 1, **extra) -> FeatureHeadConfig:
+    """A head's config for a target of config `tc`: `layers` layers at its hidden size, its heads, rope and norm
+    eps."""
     heads = tc.num_attention_heads
     return FeatureHeadConfig(
         token_subset_size=subset_size, vocab_size=tc.vocab_size, hidden_size=tc.hidden_size,
-        intermediate_size=tc.intermediate_size, num_hidden_layers=1, num_attention_heads=heads,
+        intermediate_size=tc.intermediate_size, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=tc.num_key_value_heads, head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
         max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
         rope_parameters=getattr(tc, "rope_parameters", None), bos_token_id=None, eos_token_id=None,
@@ -128,8 +146,9 @@ class HeadSequence(_FeaturePositions, LeanSequence):
     def __init__(self, head: FeatureHeadForCausalLM, target_sequence, dtype: torch.dtype | None = None):
         super().__init__(head, dtype or next(head.parameters()).dtype)
         self.target = target_sequence
-        self.fc = head.fc.weight.detach().to(self.w.device, self.w.dtype).contiguous()
+        self.fc = fc_weight(head, self.w)
         self.embedding = head.model.embed_tokens.weight
+        self.zero_drafted = drafts_on_zeros(head)
 
     def _target_features(self, start: int, stop: int) -> torch.Tensor:
         pool, block = self.target.pool, self.target.block
@@ -143,8 +162,9 @@ class HeadSequence(_FeaturePositions, LeanSequence):
         hidden = lean_forward(self.w, [self], [tokens], [len(tokens)], hidden=linear(x, self.fc), head=False)
         self.tokens.extend(tokens)
         self.forward_calls += 1
-        self.last = norm(self.w, hidden[-1:], self.w.norm)
-        return head_logits(self.w, self.last, normed=True).cpu()
+        last = norm(self.w, hidden[-1:], self.w.norm)
+        self.last = torch.zeros_like(last) if self.zero_drafted else last
+        return head_logits(self.w, last, normed=True).cpu()
 
     def subset_logits_after(self, tokens: list[int]) -> torch.Tensor:
         """Logits over the subset for the token after `tokens` (the committed context): the target's features of
@@ -202,8 +222,9 @@ class HeadPool(KVPool):
             raise ValueError("a feature head's pool reads a target pool that keeps features (KVPool(features=True))")
         super().__init__(head, tokens, dtype or target.w.dtype, max_length=target.max_length, runner=False)
         self.target = target
-        self.fc = head.fc.weight.detach().to(self.w.device, self.w.dtype).contiguous()
+        self.fc = fc_weight(head, self.w)
         self.embedding = head.model.embed_tokens.weight
+        self.zero_drafted = drafts_on_zeros(head)
         if target.runner is not None if runner is None else runner:  # drafted steps run as the target's steps do
             self.runner = HeadStepRunner(self.w, (self.k, self.v), self.max_length, self.fc, self.embedding,
                                          compile=None if target.runner is None else target.runner.compile_mode)
@@ -238,8 +259,9 @@ class HeadPool(KVPool):
         hidden = lean_forward(self.w, seqs, new_tokens, [len(t) for t in new_tokens],
                               (self.k, self.v, [seq.block[0] for seq in seqs]), hidden=linear(x, self.fc), head=False)
         last = norm(self.w, hidden[torch.tensor(offsets, device=hidden.device) - 1], self.w.norm)
+        fed_back = torch.zeros_like(last) if self.zero_drafted else last
         for j, seq in enumerate(seqs):
-            seq.last = last[j : j + 1]
+            seq.last = fed_back[j : j + 1]
             if keeps[j] > 1:
                 raise ValueError("a feature head keeps the logits after its last position only")
         kept = [j for j, keep in enumerate(keeps) if keep]
@@ -255,13 +277,15 @@ class HeadPool(KVPool):
         if key is not None:
             out = self.runner.forward(key, blocks, starts, ids[:, None], feature)
             size = feature.shape[1]
-            last, logits = out[:, :size].to(self.w.dtype, copy=True), out[:, size:]
+            last, logits = out[:, :size].to(self.w.dtype, copy=not self.zero_drafted), out[:, size:]
         else:
             x = torch.cat([feature, self.embedding[ids.to(self.embedding.device)].to(self.w.device, self.w.dtype)], -1)
             hidden = lean_forward(self.w, seqs, [[UNKNOWN]] * len(seqs), [1] * len(seqs), (self.k, self.v, blocks),
                                   hidden=linear(x, self.fc), head=False)
             last = norm(self.w, hidden, self.w.norm)
             logits = head_logits(self.w, last, normed=True)
+        if self.zero_drafted:
+            last = torch.zeros_like(feature)
         for j, seq in enumerate(seqs):
             seq.last = last[j : j + 1]
         return logits
@@ -308,8 +332,10 @@ def is_head(spec) -> bool:
     return isinstance(spec, FeatureHeadForCausalLM) or (isinstance(spec, str) and spec.startswith(HEAD_PREFIX))
 
 
-def load_head(spec, target) -> FeatureHeadForCausalLM:
-    """The head a spec names, on the target's (a `LoadedModel`) device and in its dtype, checked against it."""
+def load_head(spec, target, quantization: str | None = None) -> FeatureHeadForCausalLM:
+    """The head a spec names, on the target's (a `LoadedModel`) device and in its dtype, checked against it;
+    `quantization` as a model draft's (`loading.draft_quantization`: "auto" is int8 for a bfloat16 head on a CPU
+    that runs specserve's kernels), applied to its layers, fc and head when its steps first run."""
     if isinstance(spec, FeatureHeadForCausalLM):
         head = spec
     else:
@@ -323,4 +349,9 @@ def load_head(spec, target) -> FeatureHeadForCausalLM:
         raise ValueError(f"draft {spec if isinstance(spec, str) else 'head'}: a head of hidden size "
                          f"{hc.hidden_size} and vocabulary {hc.vocab_size} does not fit a target of "
                          f"{tc.hidden_size} and {tc.vocab_size}")
-    return head.to(device=target.device, dtype=target.dtype).eval()
+    head = head.to(device=target.device, dtype=target.dtype).eval()
+    method, group = parse(draft_quantization(quantization, spec if isinstance(spec, str) else "head", target.dtype,
+                                             target.device))
+    if method in ("int8", "int4") and getattr(head, "specserve_quant", None) is None:
+        head.specserve_quant = QuantSpec(method, group, None, dense_from(target.device))
+    return head

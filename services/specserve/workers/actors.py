@@ -219,7 +219,8 @@ class TargetWorkerActor(_GrpcActor):
             if stages:
                 raise ValueError("a colocated draft needs the whole target in one worker (not target_stages)")
             if head:  # a feature head: one layer beside the target, reading its pool's features
-                model, name = compute.call(load_head, draft, loaded).result(), str(draft).removeprefix("head:")
+                model, name = (compute.call(load_head, draft, loaded, draft_quantization).result(),
+                               str(draft).removeprefix("head:"))
             else:
                 drafted = compute.call(load_draft, draft, dtype, str(loaded.device), draft_quantization).result()
                 if drafted.vocab_size != self.vocab:
