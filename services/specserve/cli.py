@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     dst.add_argument("--kd-temperature", type=float, default=1.0)
     dst.add_argument("--feature-weight", type=float, default=1.0,
                      help="--head: the weight of its predicted-feature loss (smooth L1) beside the KD loss")
+    dst.add_argument("--freeze-init", action="store_true",
+                     help="--head --init: keep the draft's layers, norm and head as they are and train fc alone (the "
+                          "features' way in), so a small corpus cannot cost the draft's acceptance")
     dst.add_argument("--feature-dropout", type=float, default=0.0,
                      help="--head: zero this share of the features it reads in training (0 <= P < 1); then it "
                           "drafts on a zero feature where the target's is not known yet, not on its own prediction")
@@ -261,6 +264,10 @@ def _distill(args) -> int:
     bad += [name for name, value in (("--lr", args.lr), ("--kd-temperature", args.kd_temperature)) if value <= 0]
     bad += ["--feature-weight"] if args.feature_weight < 0 else []
     bad += ["--feature-dropout"] if not 0 <= args.feature_dropout < 1 else []
+    if args.freeze_init and not (args.head and args.init):
+        print("specserve distill: --freeze-init keeps the layers of the draft a head starts from (--head --init)",
+              file=sys.stderr)
+        return 2
     bad += ["--hidden"] if args.hidden is not None and args.hidden < 1 else []
     if bad:
         print(f"specserve distill: invalid {', '.join(bad)} (sizes must be >= 1, --subset/--warmup/--prompts/"
@@ -273,7 +280,7 @@ def _distill(args) -> int:
         seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, kd_temperature=args.kd_temperature,
         checkpoint_every=args.checkpoint_every, eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens,
         seed=args.seed, head=args.head, feature_weight=args.feature_weight,
-        feature_dropout=args.feature_dropout,
+        feature_dropout=args.feature_dropout, freeze_init=args.freeze_init,
     )
     try:
         metrics = distill(cfg)

@@ -315,6 +315,15 @@ def test_a_head_from_a_draft_starts_as_that_draft_one_position_later():
         dropped, _ = head_losses(head, torch.randn(2, 12, 32), x, rows, cols, dropout=0.999999)
         _, blind = head(torch.zeros(2, 11, 32), x[:, 1:])
         torch.testing.assert_close(dropped, blind[rows, cols - 1])  # every feature it read was zeroed
+    frozen_head, frozen = make_head(target, DistillConfig(head=True, freeze_init=True), subset, draft)
+    assert [n for n, p in frozen_head.named_parameters() if p.requires_grad] == ["fc.weight"]
+    before = frozen_head.fc.weight.detach().clone()
+    optimizer = torch.optim.AdamW([frozen_head.fc.weight], lr=1e-2, weight_decay=0.0)  # as distill trains
+    logits, _ = head_losses(frozen_head, torch.randn(2, 12, 32), x, rows, cols)
+    logits.logsumexp(-1).sum().backward()
+    optimizer.step()
+    moved = frozen_head.fc.weight.detach() != before
+    assert moved[:, :32].any() and not moved[:, 32:].any()  # the features' half learns, the embedding's stays I
     wide = tiny_llama(3, vocab=64, layers=2, hidden=48, dtype=torch.float32)
     with pytest.raises(ValueError, match="hidden size"):
         make_head(wide, DistillConfig(head=True), subset, draft)

@@ -82,6 +82,7 @@ class DistillConfig:
     head: bool = False  # train a feature head (`models.head`) instead of a draft LM: one layer on the target's features
     feature_weight: float = 1.0  # the head's loss: KD + this × smooth L1 of its predicted next feature
     feature_dropout: float = 0.0  # > 0: zero this share of the features it reads; it drafts on zeros, not its own
+    freeze_init: bool = False  # a head from `init`: keep that draft's layers, norm and head; train fc alone
 
     def corpus_settings(self, count: str = "prompts") -> dict:
         """What a stored part of the corpus depends on; a rerun with other values needs a new --out."""
@@ -228,6 +229,11 @@ def make_head(target_model, cfg: DistillConfig, subset: torch.Tensor | None,
         head.fc.weight.zero_()
         head.fc.weight[:, size:].copy_(torch.eye(size))
     frozen = {EMBEDDING}
+    if start_from is not None and cfg.freeze_init:  # the draft's acceptance cannot be lost on a small corpus
+        frozen = {name for name, _ in head.named_parameters() if name != "fc.weight"}
+        reads_features = torch.zeros_like(head.fc.weight)
+        reads_features[:, :size] = 1.0  # fc's embedding half stays the identity: only the features' half learns
+        head.fc.weight.register_hook(lambda grad: grad * reads_features)
     for name, param in head.named_parameters():
         param.requires_grad_(name not in frozen)
     return head, frozen
