@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     dst.add_argument("--freeze-init", action="store_true",
                      help="--head --init: keep the draft's layers, norm and head as they are and train fc alone (the "
                           "features' way in), so a small corpus cannot cost the draft's acceptance")
+    dst.add_argument("--live-features", action="store_true",
+                     help="--head: compute the target's features of each batch at its step instead of once for the "
+                          "whole corpus (records x --seq-len x hidden, bfloat16): for targets whose corpus features "
+                          "outgrow memory (a 7B's: 3 MiB a record at 384 positions)")
     dst.add_argument("--feature-dropout", type=float, default=0.0,
                      help="--head: zero this share of the features it reads in training (0 <= P < 1); then it "
                           "drafts on a zero feature where the target's is not known yet, not on its own prediction")
@@ -281,6 +285,7 @@ def _distill(args) -> int:
         checkpoint_every=args.checkpoint_every, eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens,
         seed=args.seed, head=args.head, feature_weight=args.feature_weight,
         feature_dropout=args.feature_dropout, freeze_init=args.freeze_init,
+        live_features=args.live_features,
     )
     try:
         metrics = distill(cfg)

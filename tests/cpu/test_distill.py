@@ -283,6 +283,10 @@ def test_distill_head_trains_a_feature_head_the_decoder_drafts_with(tmp_path, ca
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
     got = spec.generate("Hello there", greedy, 20)
     assert got.token_ids == plain.generate("Hello there", greedy, 20).token_ids and got.stats.drafted > 0
+    assert (out / "corpus" / "features-48.pt").is_file()  # kept for the next run on this corpus
+    live = tmp_path / "live"  # the features of each batch at its step instead (a 7B's corpus outgrows memory)
+    assert main(args[:5] + [str(live)] + args[6:] + ["--live-features", "--steps", "3", "--checkpoint-every", "3"]) == 0
+    assert not list((live / "corpus").glob("features-*")) and (live / "model.safetensors").is_file()
     assert main(["distill", "--head", "--layers", "2", "--out", str(tmp_path / "x")]) == 2
     assert "--layers and --hidden do not apply" in capsys.readouterr().err
     assert main(["distill", "--head", "--feature-dropout", "1", "--out", str(tmp_path / "x")]) == 2

@@ -83,6 +83,7 @@ class DistillConfig:
     feature_weight: float = 1.0  # the head's loss: KD + this × smooth L1 of its predicted next feature
     feature_dropout: float = 0.0  # > 0: zero this share of the features it reads; it drafts on zeros, not its own
     freeze_init: bool = False  # a head from `init`: keep that draft's layers, norm and head; train fc alone
+    live_features: bool = False  # a head: the target's features of each batch computed at its step, none kept
 
     def corpus_settings(self, count: str = "prompts") -> dict:
         """What a stored part of the corpus depends on; a rerun with other values needs a new --out."""
@@ -476,7 +477,8 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         start = state["step"]
         log(f"resuming from step {start}")
     corpus = PackedCorpus(records, cfg.seq_len, pad_id(target.tokenizer, target.eos_ids), lookup, target.device)
-    features = cached_features(target.model, corpus, cfg, out / "corpus", log) if cfg.head else None
+    features = cached_features(target.model, corpus, cfg, out / "corpus", log) \
+        if cfg.head and not cfg.live_features else None
     rng = random.Random(cfg.seed + start)
     losses: list[float] = []
     pending: list[torch.Tensor] = []  # losses still on the device: read every few steps, not synced every step
@@ -490,7 +492,11 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         chosen = rng.sample(range(len(corpus)), min(cfg.batch, len(corpus)))
         x, rows, cols, index, logprobs = corpus.batch(chosen)
         if cfg.head:
-            f = features[torch.tensor(chosen, device=features.device), : x.shape[1]]
+            if features is None:  # a 7B corpus's features outgrow memory: the target's pass at every step
+                with torch.no_grad():
+                    f = target.model.model(input_ids=x).last_hidden_state
+            else:
+                f = features[torch.tensor(chosen, device=features.device), : x.shape[1]]
             logits, regression = head_losses(draft, f, x, rows, cols, cfg.feature_dropout)
             loss = kd_loss(logits, index, logprobs, cfg.kd_temperature) + cfg.feature_weight * regression
         else:
