@@ -275,7 +275,8 @@ def _distill(args) -> int:
     bad += ["--hidden"] if args.hidden is not None and args.hidden < 1 else []
     if bad:
         print(f"specserve distill: invalid {', '.join(bad)} (sizes must be >= 1, --subset/--warmup/--prompts/"
-              "--self-prompts/--feature-weight >= 0, --lr/--kd-temperature > 0, 0 <= --feature-dropout < 1)", file=sys.stderr)
+              "--self-prompts/--feature-weight >= 0, --lr/--kd-temperature > 0, 0 <= --feature-dropout < 1)",
+              file=sys.stderr)
         return 2
     cfg = DistillConfig(
         target=args.target, out=args.out, layers=layers, hidden=args.hidden, subset=subset, init=args.init,
