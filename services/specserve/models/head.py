@@ -74,12 +74,15 @@ class FeatureHeadForCausalLM(SubsetDraftForCausalLM):
 
 
 def fc_weight(head: FeatureHeadForCausalLM, w):
-    """The head's fc as its lean steps multiply it (`w`: its `LeanWeights`): quantized as its layers are."""
-    weight = head.fc.weight.detach()
-    spec = getattr(head, "specserve_quant", None)
-    if spec is None:
-        return weight.to(w.device, w.dtype).contiguous()
-    return QuantizedLinear(quantize(weight, spec.method, spec.group), w.dtype, w.device, spec.dense_from)
+    """The head's fc as its lean steps multiply it (`w`: its `LeanWeights`): quantized as its layers are; made
+    once per dtype, as the layers' weights are (a session's cache is made per session)."""
+    cache = head.__dict__.setdefault("_specserve_fc", {})
+    if w.dtype not in cache:
+        weight = head.fc.weight.detach()
+        spec = getattr(head, "specserve_quant", None)
+        cache[w.dtype] = weight.to(w.device, w.dtype).contiguous() if spec is None else \
+            QuantizedLinear(quantize(weight, spec.method, spec.group), w.dtype, w.device, spec.dense_from)
+    return cache[w.dtype]
 
 
 def drafts_on_zeros(head: FeatureHeadForCausalLM) -> bool:
@@ -277,7 +280,7 @@ class HeadPool(KVPool):
         if key is not None:
             out = self.runner.forward(key, blocks, starts, ids[:, None], feature)
             size = feature.shape[1]
-            last, logits = out[:, :size].to(self.w.dtype, copy=not self.zero_drafted), out[:, size:]
+            last, logits = out[:, :size].to(self.w.dtype, copy=True), out[:, size:]
         else:
             x = torch.cat([feature, self.embedding[ids.to(self.embedding.device)].to(self.w.device, self.w.dtype)], -1)
             hidden = lean_forward(self.w, seqs, [[UNKNOWN]] * len(seqs), [1] * len(seqs), (self.k, self.v, blocks),
