@@ -404,20 +404,23 @@ def test_served_head_blocks_on_cuda_equal_the_in_process_decoder():
         servicer.scheduler.close()
 
 
-def test_a_bfloat16_head_on_a_cpu_drafts_with_int8_weights_unless_told_otherwise():
+def test_a_bfloat16_head_on_a_cpu_drafts_with_int8_weights_unless_told_otherwise(tmp_path):
     """`draft_quantization` ("auto" by default) applies to a head as to a model draft: int8 layers, fc and head
-    rows for a bfloat16 head on a CPU that runs specserve's kernels, "none" keeps it dense; either way the
-    head only proposes, so greedy stays the target's."""
+    rows for a bfloat16 head named by its path on a CPU that runs specserve's kernels, "none" keeps it dense, as
+    does passing it loaded; either way the head only proposes, so greedy stays the target's."""
     from specserve.models import cpukernels
     from specserve.models.quant import QuantizedLinear
 
     target = tiny_llama(5, vocab=VOCAB, layers=2, hidden=64, scale=8, dtype=torch.bfloat16)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     reference = SpeculativeDecoder(target, None, gamma=0).generate(prompt, GREEDY, 24).token_ids
-    for asked in (None, "none"):
-        head = FeatureHeadForCausalLM.for_target(target, seed=1)
+    saved = FeatureHeadForCausalLM.for_target(target, seed=1, shared_from=str(tmp_path / "target"))
+    target.save_pretrained(str(tmp_path / "target"))
+    saved.save_pretrained(str(tmp_path / "head"))
+    for asked, loaded in ((None, False), ("none", False), (None, True)):
+        head = FeatureHeadForCausalLM.for_target(target, seed=1) if loaded else f"head:{tmp_path / 'head'}"
         decoder = SpeculativeDecoder(target, head, gamma=3, draft_lookup=False, draft_quantization=asked)
-        quantized = asked is None and cpukernels.available()
+        quantized = asked is None and not loaded and cpukernels.available()
         assert (getattr(decoder.head, "specserve_quant", None) is not None) == quantized
         proposer = decoder.new_proposer()
         assert isinstance(proposer.seq.fc, QuantizedLinear) == quantized

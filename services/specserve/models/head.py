@@ -337,8 +337,9 @@ def is_head(spec) -> bool:
 
 def load_head(spec, target, quantization: str | None = None) -> FeatureHeadForCausalLM:
     """The head a spec names, on the target's (a `LoadedModel`) device and in its dtype, checked against it;
-    `quantization` as a model draft's (`loading.draft_quantization`: "auto" is int8 for a bfloat16 head on a CPU
-    that runs specserve's kernels), applied to its layers, fc and head when its steps first run."""
+    `quantization` as a model draft's (`loading.draft_quantization`: "auto" is int8 for a bfloat16 head named by
+    its path on a CPU that runs specserve's kernels; a head passed loaded stays as it is unless a method is
+    named), applied to its layers, fc and head when its steps first run."""
     if isinstance(spec, FeatureHeadForCausalLM):
         head = spec
     else:
@@ -353,8 +354,7 @@ def load_head(spec, target, quantization: str | None = None) -> FeatureHeadForCa
                          f"{hc.hidden_size} and vocabulary {hc.vocab_size} does not fit a target of "
                          f"{tc.hidden_size} and {tc.vocab_size}")
     head = head.to(device=target.device, dtype=target.dtype).eval()
-    method, group = parse(draft_quantization(quantization, spec if isinstance(spec, str) else "head", target.dtype,
-                                             target.device))
+    method, group = parse(draft_quantization(quantization, spec, target.dtype, target.device))
     if method in ("int8", "int4") and getattr(head, "specserve_quant", None) is None:
         head.specserve_quant = QuantSpec(method, group, None, dense_from(target.device))
     return head
