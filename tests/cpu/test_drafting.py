@@ -136,3 +136,45 @@ def test_fused_blocks_on_cuda_replay_graphs_and_draft_what_token_by_token_drafts
             assert f_tokens == tokens and UNKNOWN not in f_cache
             if q is not None:  # float32 q: CUDA's batched and one-row softmax round differently (1.8e-7 seen)
                 torch.testing.assert_close(f_q.cpu(), q.cpu(), rtol=1e-6, atol=1e-8)
+
+
+def _auto_rounds(model, target, fused: bool) -> tuple[list, list, int]:
+    """40 greedy tokens through the engine's loop with `auto` and a scheduled draft: (the rounds' observations,
+    each `choose` call's open_ended, the fused blocks the scheduler ran)."""
+    from specserve.engine.loop import speculate
+    from specserve.engine.proposers import LookupOrModelProposer, TargetVerifier
+    from specserve.speculation import AutoGamma
+
+    scheduler = StepScheduler(None)
+    try:
+        draft = ScheduledDraft(scheduler, model, VOCAB, kv_cache_tokens=2048, fused=fused)
+        proposer = draft.proposer()
+        assert proposer.stops_early == (not fused) == LookupOrModelProposer(proposer).stops_early
+        auto = AutoGamma(gamma_max=6, verify_profile={n: 0.010 for n in range(1, 8)}, draft_step_s=0.001)
+        seen, asked = [], []
+        update, choose = auto.update, auto.choose
+        auto.update = lambda obs: (seen.append(obs), update(obs))[1]
+        auto.choose = lambda *a, **k: (asked.append(k.get("open_ended", False)), choose(*a, **k))[1]
+        rounds = list(speculate([1, 2, 3, 4], proposer, TargetVerifier(target, VOCAB), auto,
+                                SamplingParams(temperature=0), PositionRNG(0), 40, VOCAB, set()))
+        assert sum(len(r.tokens) for r in rounds) == 40
+        return seen, asked, scheduler.fused_blocks
+    finally:
+        scheduler.close()
+
+
+def test_auto_drafts_a_fused_block_at_the_depth_it_chose_and_prices_each_step_the_device_ran():
+    """Where the device drafts whole blocks, stopping mid-block saves nothing: `auto` picks the depth up front
+    (not an open-ended γ_max block cut after the fact), the block is as long as that depth, and the round's draft
+    time is divided by the steps the device ran. Cut blocks divided a γ_max block's time by the tokens kept; on
+    an H100 served `auto` then drafted at mean γ 0.15 where γ=3 paid 1.37x (docs/benchmarks.md)."""
+    model = tiny_llama(4, vocab=VOCAB, layers=1, hidden=16)
+    target = tiny_llama(5, vocab=VOCAB, layers=1, hidden=16)
+    seen, asked, _ = _auto_rounds(model, target, fused=False)
+    assert all(asked)  # token by token: γ is a ceiling and the draft may stop early
+    seen, asked, blocks = _auto_rounds(model, target, fused=True)
+    drafted = [obs for obs in seen if obs.gamma > 0]
+    assert drafted, "auto drafted nothing at a draft step a tenth of the verify"
+    assert not any(asked)  # the depth chosen up front
+    assert all(obs.drafted == obs.gamma and not obs.confidences for obs in drafted)
+    assert blocks >= sum(obs.gamma > 1 for obs in drafted)

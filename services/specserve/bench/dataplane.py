@@ -566,7 +566,8 @@ def main(argv=None) -> int:
             report["hf"] += bench_hf(args, shape, log)
             _free_cuda()
         if "gammas" in args.parts:
-            log(f"{shape} target, {args.draft_shape} draft: one stream in process at each γ, alpha={args.load_alpha}")
+            log(f"{shape} target, {'a feature head' if args.draft_kind == 'head' else args.draft_shape + ' draft'}: "
+                f"one stream in process at each γ, alpha={args.load_alpha}")
             report["gammas"] += bench_gammas(args, shape, log)
         if "rounds" in args.parts:
             log(f"{shape} target, {args.draft_shape} draft: one stream per configuration, γ={args.gamma}")

@@ -122,8 +122,6 @@ class ModelProposer(Proposer):
     output stays exactly the target's.
     """
 
-    stops_early = True
-
     def __init__(self, model, vocab: int, top_k_q: int = 0, name: str = "model", stop_below: float = 0.0,
                  sequence=None):
         self.seq = sequence if sequence is not None else draft_sequence(model)  # or a colocated worker's
@@ -133,6 +131,12 @@ class ModelProposer(Proposer):
         self.stop_below = stop_below
         # a head over a token subset: draft over it, widen q to the vocabulary once per block
         self.subset = self.seq.token_subset
+
+    @property
+    def stops_early(self) -> bool:
+        """Whether stopping mid-block saves draft steps: not where the device drafts the whole block anyway
+        (`fused`), so there the controller picks the block's depth up front."""
+        return not getattr(self.seq, "fused", False)
 
     def prefill(self, prompt: list[int]) -> None:
         if len(prompt) > 1:
@@ -236,8 +240,6 @@ class LookupOrModelProposer(Proposer):
     no confidences: the controller trims it by its match length's acceptance (`draft_block`).
     """
 
-    stops_early = True
-
     def __init__(self, model: ModelProposer):
         self.model = model
         self.vocab = model.vocab
@@ -246,6 +248,10 @@ class LookupOrModelProposer(Proposer):
 
     def prefill(self, prompt: list[int]) -> None:
         self.model.prefill(prompt)
+
+    @property
+    def stops_early(self) -> bool:
+        return self.model.stops_early
 
     def propose(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG,
                 keep_going: Callable[[list[float]], bool] | None = None) -> Proposal:
