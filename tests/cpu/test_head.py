@@ -88,26 +88,31 @@ def test_the_heads_lean_steps_are_its_hf_forward(target):
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("runner", [False, True], ids=["head cache", "head pool with a runner"])
+@pytest.mark.parametrize("runner", [False, True, "whole"],
+                         ids=["head cache", "head pool with a runner", "head pool drafting whole blocks"])
 @pytest.mark.parametrize("gamma", [1, 3, "auto"])
 def test_greedy_through_a_head_equals_target_only(target, gamma, runner, monkeypatch):
     """In process the head drafts on a cache of its own, or, where the target's pool has a step runner (CUDA),
-    through a `HeadPool` beside it whose drafted steps take the runner."""
+    through a `HeadPool` beside it whose drafted steps take the runner, each block's drafted steps at once where
+    they are captured (`HeadPool.drafted_block`)."""
+    from specserve.models import head as head_module
     from specserve.models import pool as pool_module
 
-    monkeypatch.setattr(pool_module, "STEP_RUNNER", runner)
+    monkeypatch.setattr(pool_module, "STEP_RUNNER", bool(runner))
+    monkeypatch.setattr(head_module, "WHOLE_BLOCKS", runner == "whole")
     head = FeatureHeadForCausalLM.for_target(target, seed=1)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     reference = SpeculativeDecoder(target, None, gamma=0).generate(prompt, GREEDY, 40)
     decoder = SpeculativeDecoder(target, head, gamma=gamma, draft_lookup=False)
     assert decoder.draft_kind == "head" and decoder.kv_pool.features is not None
-    assert (decoder.head_pool is not None) == runner
+    assert (decoder.head_pool is not None) == bool(runner)
     got = decoder.generate(prompt, GREEDY, 40)
     assert got.token_ids == reference.token_ids
     assert got.stats.drafted > 0 or gamma == "auto"
     if runner:  # (at γ=1 a round drafts from its first step alone, which feeds the target's features eagerly)
         assert bool(decoder.head_pool.runner.buckets) or gamma != 3  # drafted steps took the runner
         assert decoder.head_pool.used_tokens == 0
+        assert bool(decoder.head_pool.runner.blocks) == (runner == "whole" and gamma != 1)
 
 
 def zero_drafting(head: FeatureHeadForCausalLM) -> FeatureHeadForCausalLM:
@@ -141,17 +146,20 @@ def test_seeded_runs_through_a_head_repeat_and_one_token_prompts_draft_nothing_w
 MODES = [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 5}, {"temperature": 1.2, "top_p": 0.8}]
 
 
-@pytest.mark.parametrize("mode", MODES + ["runner", "zero"],
-                         ids=["T=1", "top-k", "top-p", "T=1, head pool with a runner", "T=1, drafting on zeros"])
+@pytest.mark.parametrize("mode", MODES + ["runner", "whole", "zero"],
+                         ids=["T=1", "top-k", "top-p", "T=1, head pool with a runner",
+                              "T=1, head pool drafting whole blocks", "T=1, drafting on zeros"])
 def test_first_two_tokens_through_a_head_follow_the_target(mode, monkeypatch):
     """Chi-square against the target's joint distribution of the first two tokens; a missing residual step
     is caught by the same harness."""
+    from specserve.models import head as head_module
     from specserve.models import pool as pool_module
 
-    zero = mode == "zero"
-    if mode == "runner":
+    zero, whole = mode == "zero", mode == "whole"
+    if mode in ("runner", "whole"):
         monkeypatch.setattr(pool_module, "STEP_RUNNER", True)
-    if mode in ("runner", "zero"):
+        monkeypatch.setattr(head_module, "WHOLE_BLOCKS", whole)
+    if mode in ("runner", "whole", "zero"):
         mode = MODES[0]
     target = tiny_llama(0)  # vocabulary 8, as test_exactness
     head = FeatureHeadForCausalLM.for_target(target, seed=4)
@@ -160,7 +168,9 @@ def test_first_two_tokens_through_a_head_follow_the_target(mode, monkeypatch):
     decoder = SpeculativeDecoder(target, head, gamma=2, draft_lookup=False)
     assert (decoder.head_pool is not None) == bool(pool_module.STEP_RUNNER)
     expected = target_joint(target, mode)
-    assert chi_square_pvalue(sampled_joint(decoder, mode, 2), expected) > 1e-3
+    # (3 tokens: a block of 2, its second token drafted by the whole-block path, decides the second token)
+    assert chi_square_pvalue(sampled_joint(decoder, mode, 3 if whole else 2), expected) > 1e-3
+    assert bool(decoder.head_pool is not None and decoder.head_pool.runner.blocks) == whole
     if mode == MODES[0]:
         monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: p)
         assert chi_square_pvalue(sampled_joint(decoder, mode, 2), expected) < 1e-3
@@ -258,6 +268,61 @@ def test_the_head_runners_drafted_steps_equal_its_eager_steps(target, drafted):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
 
 
+@pytest.mark.parametrize("drafted", ["predicted", "zero"])
+@pytest.mark.parametrize("mode", [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.8, top_k=5),
+                                  dict(temperature=1.2, top_p=0.7), dict(temperature=1.0, top_k_q=3)],
+                         ids=["greedy", "T=1", "top-k", "top-p", "sparse q"])
+def test_a_heads_whole_block_at_once_drafts_what_its_steps_draft(target, mode, drafted):
+    """`HeadPool.drafted_block` (a block's steps after the first and their sampling as one graph on CUDA; run
+    uncaptured here) drafts the tokens, q rows and confidences of the step-by-step block (`draft_blocks`), for
+    three sessions in a batch bucket with a padding row, over three rounds: the caches it leaves (tokens, last
+    predictions, keys and values) serve the next round as the steps' do. A position fed off by one fails it."""
+    from specserve.models.head import HeadPool
+    from specserve.scheduler.drafting import DraftBlock, draft_blocks
+    from specserve.speculation import PositionRNG
+
+    mode = dict(mode)
+    top_k_q = mode.pop("top_k_q", 0)
+    subset = torch.tensor([9, 3, 30, 1, 17, 22, 5, 38, 11, 2])
+    head = FeatureHeadForCausalLM.for_target(target, token_subset=subset, seed=2)
+    head.config.drafted_feature = drafted
+    outs = []
+    for whole in (False, True):
+        pool = KVPool(target, tokens=2048, features=True)
+        heads = HeadPool(head, pool, tokens=2048, runner=True)
+        heads.runner.whole_blocks = whole
+        contexts = [[(5 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((9, 4, 13))]
+        tseqs = [pool.sequence() for _ in contexts]
+        hseqs = [heads.sequence(t) for t in tseqs]
+        got = []
+        for round_ in range(3):
+            pool.forward(tseqs, [c[len(t.tokens):] for c, t in zip(contexts, tseqs)], [1] * 3)  # the features
+            blocks = [DraftBlock(h, h.unfed(c, 1), 4, SamplingParams(**mode, seed=i), PositionRNG(i), len(c),
+                                 top_k_q, len(subset)) for i, (h, c) in enumerate(zip(hseqs, contexts))]
+            for block in blocks:
+                heads.reserve(block.seq, len(block.seq.tokens) + len(block.tail) + block.gamma)
+            drafted_blocks = draft_blocks(heads, blocks)
+            for block, out in zip(blocks, drafted_blocks):
+                got.append((out.tokens, out.confidences, None if out.q is None else out.q.clone(),
+                            list(block.seq.tokens), block.seq.last.clone()))
+            # the next round: two drafted tokens accepted, then a token of the target's
+            contexts = [c + [int(subset[t]) for t in out.tokens[:2]] + [(round_ + 7 * i) % VOCAB]
+                        for i, (c, out) in enumerate(zip(contexts, drafted_blocks))]
+            for h, c in zip(hseqs, contexts):
+                h.rollback(len(c) - 2)
+        assert (heads.runner.blocks != {}) == whole  # the whole blocks ran (one shape: bucket 4, 3 steps)
+        for seq in hseqs + tseqs:
+            seq.release()
+        outs.append(got)
+    for (tokens, conf, q, cache, last), (w_tokens, w_conf, w_q, w_cache, w_last) in zip(*outs):
+        assert w_tokens == tokens and w_cache == cache
+        assert w_conf == pytest.approx(conf, rel=1e-12)
+        assert (q is None) == (w_q is None)
+        if q is not None:
+            torch.testing.assert_close(w_q, q, atol=1e-12, rtol=0)
+        torch.testing.assert_close(w_last, last, atol=1e-10, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def served_head(target, tmp_path_factory):
     """A target worker holding a feature head (colocated), served over real gRPC."""
@@ -322,24 +387,32 @@ def test_served_head_sessions_together_equal_each_alone_and_in_process(target, s
     assert (servicer.scheduler.fused_blocks > blocks) == fused
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["head steps", "head blocks on the device"])
+@pytest.mark.parametrize("fused", [False, True, "whole"],
+                         ids=["head steps", "head blocks on the device", "head blocks at once"])
 def test_first_two_tokens_follow_the_target_through_served_head_sessions(monkeypatch, fused):
     """The chi-square of the first two tokens with 16 head sessions at a time sharing head and target steps; a
-    missing residual step is caught."""
+    missing residual step is caught. "at once": the block's drafted steps as one call through the head's runner
+    (`HeadPool.drafted_block`, one graph on CUDA)."""
+    from specserve.models import pool as pool_module
     from specserve.rpc.servicers import TargetWorkerServicer
     from tests.cpu.test_colocated import colocated_first_two
 
+    monkeypatch.setattr(pool_module, "STEP_RUNNER", fused == "whole")  # the pools get runners, as on CUDA
     target = tiny_llama(0)  # vocabulary 8, as test_exactness
     servicer = TargetWorkerServicer(target, target.config.vocab_size, kv_cache_tokens=16 * 64, features=True)
     servicer.attach_draft(FeatureHeadForCausalLM.for_target(target, seed=4), set(), gamma_max=2)
-    servicer.colocated.draft.fused = fused
+    servicer.colocated.draft.fused = bool(fused)
+    if fused == "whole":
+        servicer.colocated.draft.pool.runner.whole_blocks = True
     servicer.scheduler.expected = lambda: 16
     try:
         mode = dict(temperature=1.0)
         expected = target_joint(target, mode)
         assert chi_square_pvalue(colocated_first_two(servicer, mode), expected) > 1e-3
         assert max(servicer.scheduler.sessions_per_draft_step) >= 8
-        assert (servicer.scheduler.fused_blocks > 0) == fused
+        assert (servicer.scheduler.fused_blocks > 0) == bool(fused)
+        if fused == "whole":
+            assert servicer.colocated.draft.pool.runner.blocks
         monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: p)
         assert chi_square_pvalue(colocated_first_two(servicer, mode), expected) < 1e-3
     finally:
@@ -370,7 +443,8 @@ def test_a_head_needs_a_target_pool_with_features_and_a_colocated_place():
 
 def test_served_head_blocks_on_cuda_equal_the_in_process_decoder():
     """On a GPU the worker drafts each head block on the device (fused by default there) beside a captured
-    target pool: seeded sessions together equal the in-process decoder on the same device (float64)."""
+    target pool: seeded sessions together equal the in-process decoder on the same device (float64), and each
+    alone, its drafted steps one graph."""
     if not torch.cuda.is_available():
         pytest.skip("no GPU (a device session: pytest tests -k cuda)")
     from concurrent import futures
@@ -400,6 +474,12 @@ def test_served_head_blocks_on_cuda_equal_the_in_process_decoder():
         assert servicer.scheduler.fused_blocks > 0
         for request, tokens in zip(requests, served):
             assert tokens == local.generate(request.prompt_ids, request.params, request.max_tokens).token_ids
+        # alone, each block's drafted steps are one captured graph (`HeadPool.drafted_block`), replayed
+        runner = servicer.colocated.draft.pool.runner
+        for request, tokens in zip(requests, served):
+            assert run(request) == tokens
+        assert runner.whole_blocks and runner.blocks and runner.block_replays > 0
+        assert all(blk.graph not in (None, False) for blk in runner.blocks.values())  # captured, not eager
     finally:
         servicer.scheduler.close()
 

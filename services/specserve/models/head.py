@@ -187,15 +187,98 @@ class HeadSequence(_FeaturePositions, LeanSequence):
         return widen(self.subset_logits_after(tokens), self.token_subset, self.vocab)
 
 
+# HeadStepRunner.whole_blocks for new runners: None, where its steps are captured as CUDA graphs (tests set it)
+WHOLE_BLOCKS: bool | None = None
+
+
 class HeadStepRunner(StepRunner):
     """A head's drafted steps (one token per sequence, `HeadPool.feed_ids`) as static-shape steps, captured (and
     compiled) as the target's runner's are: each sequence's input is fc([its last predicted feature, the embedding
     of its token]) in place of an embedding, and each output row is [its next predicted feature | its subset
     logits], float32."""
 
+    # block shapes kept (each a graph and its buffers; a sampled one's q rows are batch x steps x head floats):
+    # past this, new shapes (e.g. many distinct temperatures) draft step by step
+    MAX_BLOCKS = 64
+
     def __init__(self, w, arena, max_length: int, fc: torch.Tensor, embedding: torch.Tensor, **kwargs):
         super().__init__(w, arena, max_length, max_width=1, **kwargs)
         self.fc, self.embedding = fc, embedding
+        # a draft block's drafted steps and their sampling as one graph (`drafted_block`): where steps are captured
+        self.whole_blocks = self.capture if WHOLE_BLOCKS is None else WHOLE_BLOCKS
+        self.blocks: dict[tuple, _BlockGraph] = {}
+        self.block_replays = 0
+
+    def drafted_block(self, key: tuple[int, int, int], blocks: list[int], starts: list[int], ids: torch.Tensor,
+                      feature: torch.Tensor, steps: int, head: int, mode: tuple, sample, uniforms: torch.Tensor,
+                      subset: torch.Tensor | None, zero_drafted: bool) -> _BlockGraph:
+        """`steps` drafted steps of every sequence in bucket `key` with no trip to the host: step s feeds the token
+        sampled after step s - 1 (the first: `ids`, with `feature`) and samples the next with `sample(logits,
+        uniforms[:, s])` over the first `head` logits columns (-> token in the head, q row or None, confidence),
+        all on the device; on CUDA one graph per (bucket, steps, sampling `mode`), captured at its first use and
+        replayed. Returns the block's static buffers (tokens, confidences, q, last: valid until its next call)."""
+        n = len(blocks)
+        b = self.buckets.get(key)
+        if b is None:
+            b = self.buckets[key] = self._new_bucket(key)
+        blk = self.blocks.get((key, steps, mode))
+        if blk is None:
+            blk = self.blocks[(key, steps, mode)] = _BlockGraph(b, steps, mode != ("greedy",), head)
+        self._fill(b, blocks, starts, ids[:, None])
+        b.feature[:n].copy_(feature)
+        blk.uniforms[:n].copy_(uniforms)
+
+        def body():
+            self._block_body(b, blk, steps, sample, subset, zero_drafted)
+
+        if not self.capture or blk.graph is False:
+            body()
+        elif blk.graph is None:
+            blk.graph = self._capture(body)
+        else:
+            blk.graph.replay()
+            self.block_replays += 1
+        return blk
+
+    def _block_body(self, b, blk: _BlockGraph, steps: int, sample, subset, zero_drafted: bool) -> None:
+        """The block's steps on the bucket's static tensors (capturable: nothing read on the host)."""
+        size = b.feature.shape[1]
+        inputs = b.inputs[:, :, 0]  # [3, batch]: ids, positions, arena rows
+        real = (inputs[2] != self.scratch).long()  # padding rows stay at position 0 and the scratch row
+        for step in range(steps):
+            out = self._step_into(b)  # [batch, size + head rows]
+            token, q, confidence = sample(out[:, size : size + blk.head], blk.uniforms[:, step])
+            blk.tokens[:, step] = token
+            blk.confidences[:, step] = confidence
+            if q is not None:
+                blk.q[:, step] = q
+            if step + 1 < steps:
+                inputs[0].copy_(token if subset is None else subset[token])
+                inputs[1:] += real
+                if zero_drafted:
+                    b.feature.zero_()
+                else:
+                    b.feature.copy_(out[:, :size])
+        blk.last.copy_(out[:, :size])
+
+    def _capture(self, body) -> torch.cuda.CUDAGraph | bool:
+        """Run `body` once on a side stream (its results stand), then capture it; False where capture fails (the
+        block then runs its steps uncaptured, the same kernels launched one by one)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            body()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                body()
+        except RuntimeError as exc:  # e.g. an op that syncs with the host: keep the eager block
+            print(f"[specserve] draft block not captured ({exc}); drafting it step by step", flush=True)
+            torch.cuda.synchronize()
+            return False
+        self._pool = graph.pool()
+        return graph
 
     def _new_bucket(self, key):
         bucket = super()._new_bucket(key)
@@ -211,6 +294,20 @@ class HeadStepRunner(StepRunner):
     def _outputs(self, x: torch.Tensor, new_slots: torch.Tensor) -> torch.Tensor:
         last = norm(self.w, x, self.w.norm)
         return torch.cat([last.float(), head_logits(self.w, last, normed=True).float()], -1)
+
+
+class _BlockGraph:
+    """The static buffers (and on CUDA the graph) of one drafted block shape: (bucket, steps, sampling mode)."""
+
+    def __init__(self, bucket, steps: int, sampled: bool, head: int):
+        batch, dev = bucket.batch, bucket.inputs.device
+        self.head = head  # the logits columns sampled over
+        self.uniforms = torch.zeros(batch, steps, dtype=torch.float64, device=dev)
+        self.tokens = torch.zeros(batch, steps, dtype=torch.long, device=dev)
+        self.confidences = torch.zeros(batch, steps, dtype=torch.float64, device=dev)
+        self.q = torch.zeros(batch, steps, head, dtype=torch.float32, device=dev) if sampled else None
+        self.last = torch.zeros(batch, bucket.feature.shape[1], dtype=torch.float32, device=dev)
+        self.graph = None  # None: not captured yet; False: capture failed, run uncaptured
 
 
 class HeadPool(KVPool):
@@ -306,6 +403,35 @@ class HeadPool(KVPool):
         return logits
 
 
+    @torch.inference_mode()
+    def drafted_block(self, seqs: list, ids: torch.Tensor, steps: int, head: int, mode: tuple, sample,
+                      uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """`steps` drafted steps of every sequence at once (`HeadStepRunner.drafted_block`), the first feeding
+        `ids` (on the device) after each sequence's last prediction: what `steps` calls of `feed_ids` with
+        on-device sampling between them do. Returns (tokens in the head [n, steps], confidences [n, steps],
+        q rows [n, steps, head] or None), on the device; None (nothing done) where no bucket holds the block."""
+        runner = self.runner
+        if runner is None or not getattr(runner, "whole_blocks", False):
+            return None
+        key = runner.bucket_for(len(seqs), 1, max(len(seq.tokens) for seq in seqs) + steps)
+        if key is None or ((key, steps, mode) not in runner.blocks and len(runner.blocks) >= runner.MAX_BLOCKS):
+            return None
+        for seq in seqs:
+            self.reserve(seq, len(seq.tokens) + steps)
+        feature = torch.cat([seq.last for seq in seqs]).to(self.w.dtype)
+        blocks, starts = [seq.block[0] for seq in seqs], [len(seq.tokens) for seq in seqs]
+        subset = self.w.token_subset.to(self.w.device) if self.w.token_subset is not None else None
+        blk = runner.drafted_block(key, blocks, starts, ids, feature, steps, head, mode, sample, uniforms, subset,
+                                   self.zero_drafted)
+        n = len(seqs)
+        last = torch.zeros_like(feature) if self.zero_drafted else blk.last[:n].to(self.w.dtype)
+        for j, seq in enumerate(seqs):
+            seq.last = last[j : j + 1]
+            seq.tokens.extend([UNKNOWN] * steps)
+            seq.forward_calls += steps
+        return blk.tokens[:n], blk.confidences[:n], None if blk.q is None else blk.q[:n]
+
+
 class PooledHeadSequence(_FeaturePositions, PooledSequence):
     """One session's head cache in a `HeadPool` (what `HeadSequence` is on a cache of its own); `target` is the
     session's sequence in the target pool, whose features it reads."""
@@ -321,6 +447,22 @@ class PooledHeadSequence(_FeaturePositions, PooledSequence):
 
     def feed_subset(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
         return self.pool.forward([self], [new_tokens], [keep_logits]) if new_tokens else self.equal_logits()
+
+    @property
+    def fused(self) -> bool:
+        """Whether a block is drafted whole on the device (in process: where the pool's runner drafts whole blocks,
+        `HeadPool.drafted_block`), which `ModelProposer` then asks for through `draft_block`."""
+        runner = self.pool.runner
+        return runner is not None and getattr(runner, "whole_blocks", False)
+
+    def draft_block(self, context: list[int], gamma: int, params, rng, top_k_q: int = 0):
+        """Bring the cache to `context` and draft `gamma` tokens after it as one block (`drafting.draft_blocks`)."""
+        from specserve.scheduler.drafting import DraftBlock, draft_blocks, room
+
+        head = len(self.token_subset) if self.token_subset is not None else self.pool.vocab
+        block = DraftBlock(self, self.unfed(context, 1), gamma, params, rng, len(context), top_k_q, head)
+        self.pool.reserve(self, room(block))
+        return draft_blocks(self.pool, [block])[0]
 
 
 AutoConfig.register(FeatureHeadConfig.model_type, FeatureHeadConfig)

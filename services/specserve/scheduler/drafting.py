@@ -76,6 +76,41 @@ def _sample(logits: torch.Tensor, blocks: list[DraftBlock], uniforms: torch.Tens
     return tokens, q, torch.softmax(logits.float(), -1).max(-1).values
 
 
+def _mode(block: DraftBlock) -> tuple:
+    """The sampling group of a block (`_sample`'s key)."""
+    p = block.params
+    return ("greedy",) if p.greedy else (p.temperature, p.top_k, p.top_p, block.top_k_q)
+
+
+def _device_sampler(block: DraftBlock):
+    """`_sample` for rows that all sample as `block` does, over a static batch: (logits, uniforms) -> (token, q
+    or None, confidence), nothing read on the host."""
+    params, top_k_q = block.params, block.top_k_q
+
+    def sample(logits: torch.Tensor, uniforms: torch.Tensor):
+        confidence = torch.softmax(logits.float(), -1).max(-1).values
+        if params.greedy:
+            return logits.argmax(-1), None, confidence
+        probs = probs_from_logits(logits, params)
+        if top_k_q:
+            ids, kept = truncate_top_k(probs, top_k_q)
+            probs = sparse_to_dense(ids, kept, probs.shape[-1])
+        return sample_from_probs(probs, uniforms), probs, confidence
+
+    return sample
+
+
+def _rest_at_once(pool: KVPool, blocks: list[DraftBlock], ids: torch.Tensor, uniforms: torch.Tensor):
+    """Every block's steps after the first in one call where the pool drafts whole blocks (`HeadPool.drafted_block`:
+    one graph on CUDA): blocks of one γ and one sampling group. (tokens, confidences, q or None) [n, γ - 1, ...],
+    or None (then step by step)."""
+    drafted_block = getattr(pool, "drafted_block", None)
+    if drafted_block is None or len({_mode(b) for b in blocks}) > 1 or not all(b.tail for b in blocks):
+        return None
+    return drafted_block([b.seq for b in blocks], ids, blocks[0].gamma - 1, blocks[0].head, _mode(blocks[0]),
+                         _device_sampler(blocks[0]), uniforms)
+
+
 def room(block: DraftBlock) -> int:
     """The positions `block`'s cache must hold for its whole block (reserve them before `draft_blocks`, so a
     block the pool cannot hold fails alone, before any forward)."""
@@ -114,6 +149,13 @@ def draft_blocks(pool: KVPool, blocks: list[DraftBlock]) -> list[DraftedBlock]:
         going = [j for j, i in enumerate(live) if blocks[i].gamma > step + 1]
         if not going:
             break
+        if step == 0 and len(going) == len(blocks) == len(live) and len({b.gamma for b in blocks}) == 1:
+            rest = _rest_at_once(pool, blocks, token if subset is None else subset[token], uniforms[:, 1:])
+            if rest is not None:  # the steps after the first as one graph (a head's runner)
+                tokens[:, 1:], confidences[:, 1:] = rest[0], rest[1]
+                if rest[2] is not None:
+                    q[:, 1:] = rest[2]
+                break
         fed = token if len(going) == len(live) else token[torch.tensor(going, device=dev)]
         live = [live[j] for j in going]
         logits = pool.feed_ids([blocks[i].seq for i in live], fed if subset is None else subset[fed])
