@@ -312,3 +312,23 @@ def test_a_served_gamma_is_no_deeper_than_gamma_max():
     with pytest.raises(ValueError, match="gamma_max"):
         AppConfig(gamma=12)
     assert AppConfig(gamma=12, gamma_max=16).gamma == 12 and AppConfig(gamma="4").gamma == 4
+
+
+def test_under_load_others_prompts_in_a_shared_step_do_not_make_drafting_look_cheap():
+    """A step that also carried other sessions' prompt chunks (more tokens than every session's block could be)
+    is a transient: it still teaches the step's cost per token, but not the load a block will share. Before, a
+    session whose step took in 8 newly arrived sessions' prompts took the load for ~1,000 tokens a step, found a
+    drafted token nearly free beside it, and drafted under load where it does not pay (served auto with a feature
+    head on a 2-core CPU: 0.80x γ=0 at 16 streams)."""
+    profile = {n: 0.040 + 0.010 * (n - 1) for n in range(1, 10)}  # a CPU: each position costs a quarter step
+    step = lambda tokens: 0.040 + 0.0006 * tokens  # noqa: E731 - the worker's step: a + b·tokens
+    auto = AutoGamma(8, profile, 0.012)
+    for _ in range(40):  # 8 sessions decoding, one token each a step; α=0.7 known from earlier rounds
+        auto.update(RoundObservation(1, 1, 1, [0.7], 0.012, step(9), step(9) + 0.013, key="k", step_tokens=9,
+                                     step_sessions=8, step_time_s=step(9)))
+    assert auto.loaded and auto.choose(100, key="k", open_ended=True) == 0  # under load, at these costs: no
+    tokens = 8 + 8 * 128  # 8 more sessions arrive: their prompts share this session's step
+    auto.update(RoundObservation(0, 0, 0, [], 0.0, step(tokens), step(tokens) + 0.001, key="k", step_tokens=tokens,
+                                 step_sessions=16, step_time_s=step(tokens)))
+    assert auto.load_sessions == 16 and auto.others_tokens() > 15  # the load is followed at once
+    assert auto.choose(100, key="k", open_ended=True) == 0 and auto.choose(100, key="k") == 0  # not the prompts

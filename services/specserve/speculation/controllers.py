@@ -411,16 +411,25 @@ class AutoGamma(GammaController):
         positions = obs.drafted + 1
         self.tokens_per_round += w * (obs.accepted + 1 - self.tokens_per_round)
         if obs.step_sessions > 0:  # a batched step: learn its cost per token and the load around this session
-            if self.step_cost is None:
+            step_tokens = float(obs.step_tokens)
+            # more tokens than every session's block could hold: prompt chunks shared the step, a transient that
+            # says nothing of the blocks' steps to come (taken as load, a drafted token looked free beside a
+            # thousand prompt tokens: served auto ran at 0.80x γ=0 at 16 streams on a CPU): count its sessions
+            # at this session's block size, and keep it out of the blocks' step cost
+            prompts = obs.step_tokens > obs.step_sessions * (self.gamma_max + 1)
+            if prompts:
+                step_tokens = obs.step_sessions * max(1.0, self.own_positions)
+            elif self.step_cost is None:
                 ns = sorted(self.verify_s)
                 slope = (self.verify_s[ns[-1]] - self.verify_s[ns[0]]) / (ns[-1] - ns[0]) if len(ns) > 1 else 0.0
                 self.step_cost = _StepCost(slope, w)
-            self.step_cost.update(obs.step_tokens, obs.step_time_s)
+            if not prompts:
+                self.step_cost.update(obs.step_tokens, obs.step_time_s)
             if obs.step_sessions > self.load_sessions:  # load arrives at once (sessions start together): follow it
-                self.load_sessions, self.load_tokens = float(obs.step_sessions), float(obs.step_tokens)
+                self.load_sessions, self.load_tokens = float(obs.step_sessions), step_tokens
             else:  # and leaves gradually
                 self.load_sessions += w * (obs.step_sessions - self.load_sessions)
-                self.load_tokens += w * (obs.step_tokens - self.load_tokens)
+                self.load_tokens += w * (step_tokens - self.load_tokens)
             self.own_positions += w * (positions - self.own_positions)
         if obs.verify_time_s > 0 and (obs.step_sessions <= 1 or not self.loaded):
             old = self.verify_s.get(positions)
