@@ -292,20 +292,29 @@ def summarize(stats: list[dict], wall_s: float, ttft: list[float], wrong: int) -
     return out
 
 
-def run_in_process(decoder, prompt_ids: list[int], gamma, max_tokens: int, vocab: int) -> dict[str, Any]:
+def warm_tokens(args) -> int:
+    """Tokens of a configuration's warm-up run: on a GPU its whole length, so that every step shape the timed
+    run meets (a width in a longer context bucket is a new CUDA graph, captured at its first use) is captured
+    before it is timed; elsewhere a few."""
+    return args.max_tokens if args.device.startswith("cuda") else 8
+
+
+def run_in_process(decoder, prompt_ids: list[int], gamma, max_tokens: int, vocab: int, warm: int = 8
+                   ) -> dict[str, Any]:
     from specserve import SamplingParams
 
     params = SamplingParams(temperature=0.0, ignore_eos=True)
-    decoder.generate(prompt_ids, params, 8, gamma=gamma)  # warm-up
+    decoder.generate(prompt_ids, params, warm, gamma=gamma)  # warm-up
     t0 = time.perf_counter()
     result = decoder.generate(prompt_ids, params, max_tokens, gamma=gamma)
     wall = time.perf_counter() - t0
     return summarize([result.stats.to_dict()], wall, [], wrong_tokens(prompt_ids, result.token_ids, vocab))
 
 
-def run_served(coordinator, batch: list[list[int]], gamma, max_tokens: int, vocab: int) -> dict[str, Any]:
-    """All prompts of `batch` as concurrent streams through the coordinator, after a short warm-up run of the
-    same streams (the batch shapes' first steps are slower on a GPU)."""
+def run_served(coordinator, batch: list[list[int]], gamma, max_tokens: int, vocab: int, warm: int = 8
+               ) -> dict[str, Any]:
+    """All prompts of `batch` as concurrent streams through the coordinator, after a warm-up run of the same
+    streams of `warm` tokens (the batch shapes' first steps are slower on a GPU)."""
     from specserve import SamplingParams
     from specserve.coordinator import SessionRequest
 
@@ -319,8 +328,8 @@ def run_served(coordinator, batch: list[list[int]], gamma, max_tokens: int, voca
         return stats, first, wrong_tokens(prompt_ids, tokens, vocab)
 
     async def all_of():
-        warm = time.perf_counter()
-        await asyncio.gather(*(one(p, warm, min(8, max_tokens)) for p in batch))
+        warm_t0 = time.perf_counter()
+        await asyncio.gather(*(one(p, warm_t0, min(warm, max_tokens)) for p in batch))
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one(p, t0) for p in batch))
         return results, time.perf_counter() - t0
@@ -366,7 +375,7 @@ def bench_gammas(args, shape: str, log) -> list[dict[str, Any]]:
                                  kv_cache_tokens=4 * (args.prompt_len + args.max_tokens + 64), prefix_caching=False)
     rows = []
     for gamma in args.sweep_gammas:
-        figures = run_in_process(decoder, prompt_ids, gamma, args.max_tokens, args.vocab)
+        figures = run_in_process(decoder, prompt_ids, gamma, args.max_tokens, args.vocab, warm_tokens(args))
         rows.append({"target": shape, "draft": label, "alpha": args.load_alpha, "gamma": gamma, **figures})
         log(f"  γ={gamma!s:<4} {figures['tok_s']:8.1f} tok/s  {figures['tokens_per_round']:.2f} tok/round  "
             f"draft {figures['draft_ms_per_round']:.2f} ms  verify {figures['verify_ms_per_round']:.2f} ms"
@@ -400,9 +409,11 @@ def bench_rounds(args, shape: str, log) -> list[dict[str, Any]]:
         decoder = SpeculativeDecoder(target_model, draft_model, gamma=args.gamma, gamma_max=args.gamma_max,
                                      draft_lookup=False, kv_cache_tokens=kv_one, prefix_caching=False)
         row("in-process", alpha, args.device, args.gamma,
-            run_in_process(decoder, prompt_ids, args.gamma, args.max_tokens, args.vocab))
+            run_in_process(decoder, prompt_ids, args.gamma, args.max_tokens, args.vocab,
+                           warm_tokens(args)))
         if alpha == args.alphas[0]:
-            row("in-process", None, None, 0, run_in_process(decoder, prompt_ids, 0, args.max_tokens, args.vocab))
+            row("in-process", None, None, 0, run_in_process(decoder, prompt_ids, 0, args.max_tokens, args.vocab,
+                                                           warm_tokens(args)))
         del decoder, draft_model
         _free_cuda()
         target = Worker("target", {**base, "shape": shape, "device": args.device, "draft_shape": args.draft_shape,
@@ -411,12 +422,12 @@ def bench_rounds(args, shape: str, log) -> list[dict[str, Any]]:
             coord = coordinator_for(target, None, colocated=True, gamma=args.gamma, gamma_max=args.gamma_max,
                                     pipelined=False, vocab=args.vocab)
             row("colocated", alpha, args.device, args.gamma,
-                run_served(coord, [prompt_ids], args.gamma, args.max_tokens, args.vocab))
+                run_served(coord, [prompt_ids], args.gamma, args.max_tokens, args.vocab, warm_tokens(args)))
             if alpha == args.alphas[0]:
                 coord = coordinator_for(target, None, colocated=False, gamma=0, gamma_max=args.gamma_max,
                                         pipelined=False, vocab=args.vocab)
                 row("served target only", None, None, 0,
-                    run_served(coord, [prompt_ids], 0, args.max_tokens, args.vocab))
+                    run_served(coord, [prompt_ids], 0, args.max_tokens, args.vocab, warm_tokens(args)))
             for draft_device in args.draft_devices:
                 draft = Worker("draft", {**base, "shape": args.draft_shape, "device": draft_device, "alpha": alpha,
                                          "dtype": args.dtype if draft_device != "cpu" else None})
@@ -425,7 +436,7 @@ def bench_rounds(args, shape: str, log) -> list[dict[str, Any]]:
                         coord = coordinator_for(target, draft, colocated=False, gamma=args.gamma,
                                                 gamma_max=args.gamma_max, pipelined=pipelined, vocab=args.vocab)
                         row("split pipelined" if pipelined else "split sequential", alpha, draft_device, args.gamma,
-                            run_served(coord, [prompt_ids], args.gamma, args.max_tokens, args.vocab))
+                            run_served(coord, [prompt_ids], args.gamma, args.max_tokens, args.vocab, warm_tokens(args)))
                 finally:
                     draft.stop()
         finally:
@@ -467,7 +478,7 @@ def bench_load(args, shape: str, log, startup: list) -> list[dict[str, Any]]:
             for gamma in args.load_gammas if k % 2 == 0 else args.load_gammas[::-1]:
                 coord = coords[gamma]
                 figures = run_served(coord, prompts(n, args.prompt_len, args.vocab, seed=n), gamma, args.max_tokens,
-                                     args.vocab)
+                                     args.vocab, warm_tokens(args))
                 rows.append({"target": shape, "draft": "head" if args.draft_kind == "head" else args.draft_shape,
                              "config": "colocated", "alpha": args.load_alpha,
                              "gamma": gamma, **figures})
