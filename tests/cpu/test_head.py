@@ -387,6 +387,47 @@ def test_served_head_sessions_together_equal_each_alone_and_in_process(target, s
     assert (servicer.scheduler.fused_blocks > blocks) == fused
 
 
+def test_served_greedy_head_sessions_drafting_whole_blocks_together_equal_target_only(target, monkeypatch):
+    """8 greedy sessions at γ=3 over real gRPC, the worker's pools with step runners and the head drafting each
+    step's blocks at once (`HeadPool.drafted_block`, one graph on CUDA; uncaptured here): blocks of several
+    sessions share a batch bucket with padding rows, and every session emits target-only's tokens."""
+    import asyncio
+
+    from specserve.coordinator import ColocatedRelay, Coordinator, SessionRequest
+    from specserve.models import head as head_module
+    from specserve.models import pool as pool_module
+    from specserve.rpc.servicers import TargetWorkerServicer
+    from tests.cpu.test_colocated import serve
+
+    monkeypatch.setattr(pool_module, "STEP_RUNNER", True)
+    monkeypatch.setattr(head_module, "WHOLE_BLOCKS", True)
+    servicer = TargetWorkerServicer(target, VOCAB, kv_cache_tokens=4096, features=True)
+    servicer.attach_draft(FeatureHeadForCausalLM.for_target(target, seed=1), set(), gamma_max=4, name="head")
+    servicer.colocated.draft.fused = True
+    servicer.scheduler.gather = 20.0  # tiny steps: wait for the others (see test_batching)
+    server, address = serve(servicer)
+    try:
+        coord = Coordinator(ColocatedRelay(address, gamma=3, lookup=False))
+        requests = [SessionRequest([(7 * i + j * j) % VOCAB for j in range(2 + i)], GREEDY, 24) for i in range(8)]
+
+        async def tokens_of(request) -> list[int]:
+            return [t async for chunk in coord.generate(request) for t in chunk.tokens]
+
+        async def together():
+            return await asyncio.gather(*(tokens_of(r) for r in requests))
+
+        shared = asyncio.run(together())
+        greedy = SpeculativeDecoder(target, None, gamma=0)
+        for request, tokens in zip(requests, shared):
+            assert tokens == greedy.generate(request.prompt_ids, request.params, request.max_tokens).token_ids
+        runner = servicer.colocated.draft.pool.runner
+        assert max(key[0][0] for key in runner.blocks) > 1  # whole blocks of several sessions at once
+        assert len(servicer.sessions) == 0 and servicer.colocated.draft.pool.used_tokens == 0
+    finally:
+        server.stop(0).wait()
+        servicer.close()
+
+
 @pytest.mark.parametrize("fused", [False, True, "whole"],
                          ids=["head steps", "head blocks on the device", "head blocks at once"])
 def test_first_two_tokens_follow_the_target_through_served_head_sessions(monkeypatch, fused):
