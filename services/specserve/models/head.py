@@ -402,7 +402,6 @@ class HeadPool(KVPool):
             seq.forward_calls += 1
         return logits
 
-
     @torch.inference_mode()
     def drafted_block(self, seqs: list, ids: torch.Tensor, steps: int, head: int, mode: tuple, sample,
                       uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:

@@ -49,55 +49,52 @@ class DraftedBlock:
     confidences: list[float]  # the raw logits' top probability at each token
 
 
-def _sample(logits: torch.Tensor, blocks: list[DraftBlock], uniforms: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(token [A], q [A, head] or None when every row is greedy, confidence [A]) for the A rows of `logits`,
-    on their device; one sampling call per distinct (temperature, top-k, top-p, top_k_q)."""
-    tokens = torch.empty(len(blocks), dtype=torch.long, device=logits.device)
-    q = None
-    groups: dict[tuple, list[int]] = {}
-    for i, b in enumerate(blocks):
-        key = ("greedy",) if b.params.greedy else (b.params.temperature, b.params.top_k, b.params.top_p, b.top_k_q)
-        groups.setdefault(key, []).append(i)
-    for key, rows in groups.items():
-        # (one group, the usual case, takes every row: no index sent to the device, which would wait for it)
-        index = slice(None) if len(groups) == 1 else torch.tensor(rows, dtype=torch.long, device=logits.device)
-        if key == ("greedy",):
-            tokens[index] = logits[index].argmax(-1)
-            continue
-        probs = probs_from_logits(logits[index], blocks[rows[0]].params)
-        if key[-1]:
-            ids, kept = truncate_top_k(probs, key[-1])
-            probs = sparse_to_dense(ids, kept, probs.shape[-1])
-        tokens[index] = sample_from_probs(probs, uniforms[index])
-        if q is None:
-            q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-        q[index] = probs
-    return tokens, q, torch.softmax(logits.float(), -1).max(-1).values
-
-
 def _mode(block: DraftBlock) -> tuple:
-    """The sampling group of a block (`_sample`'s key)."""
+    """The sampling group of a block: its (temperature, top-k, top-p, top_k_q), or greedy."""
     p = block.params
     return ("greedy",) if p.greedy else (p.temperature, p.top_k, p.top_p, block.top_k_q)
 
 
+def _draw(block: DraftBlock, logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(token, q or None when greedy) of rows that all sample as `block` does, on their device."""
+    if block.params.greedy:
+        return logits.argmax(-1), None
+    probs = probs_from_logits(logits, block.params)
+    if block.top_k_q:
+        ids, kept = truncate_top_k(probs, block.top_k_q)
+        probs = sparse_to_dense(ids, kept, probs.shape[-1])
+    return sample_from_probs(probs, uniforms), probs
+
+
+def _confidence(logits: torch.Tensor) -> torch.Tensor:
+    """The raw logits' top probability per row."""
+    return torch.softmax(logits.float(), -1).max(-1).values
+
+
+def _sample(logits: torch.Tensor, blocks: list[DraftBlock], uniforms: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(token [A], q [A, head] or None when every row is greedy, confidence [A]) for the A rows of `logits`,
+    on their device; one sampling call per sampling group (`_mode`)."""
+    tokens = torch.empty(len(blocks), dtype=torch.long, device=logits.device)
+    q = None
+    groups: dict[tuple, list[int]] = {}
+    for i, b in enumerate(blocks):
+        groups.setdefault(_mode(b), []).append(i)
+    for rows in groups.values():
+        # (one group, the usual case, takes every row: no index sent to the device, which would wait for it)
+        index = slice(None) if len(groups) == 1 else torch.tensor(rows, dtype=torch.long, device=logits.device)
+        tokens[index], probs = _draw(blocks[rows[0]], logits[index], uniforms[index])
+        if probs is not None:
+            if q is None:
+                q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+            q[index] = probs
+    return tokens, q, _confidence(logits)
+
+
 def _device_sampler(block: DraftBlock):
-    """`_sample` for rows that all sample as `block` does, over a static batch: (logits, uniforms) -> (token, q
-    or None, confidence), nothing read on the host."""
-    params, top_k_q = block.params, block.top_k_q
-
-    def sample(logits: torch.Tensor, uniforms: torch.Tensor):
-        confidence = torch.softmax(logits.float(), -1).max(-1).values
-        if params.greedy:
-            return logits.argmax(-1), None, confidence
-        probs = probs_from_logits(logits, params)
-        if top_k_q:
-            ids, kept = truncate_top_k(probs, top_k_q)
-            probs = sparse_to_dense(ids, kept, probs.shape[-1])
-        return sample_from_probs(probs, uniforms), probs, confidence
-
-    return sample
+    """`_sample` for a static batch of rows that all sample as `block` does: (logits, uniforms) -> (token, q or
+    None, confidence), nothing read on the host (capturable)."""
+    return lambda logits, uniforms: (*_draw(block, logits, uniforms), _confidence(logits))
 
 
 def _rest_at_once(pool: KVPool, blocks: list[DraftBlock], ids: torch.Tensor, uniforms: torch.Tensor):
