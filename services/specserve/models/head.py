@@ -233,8 +233,8 @@ class HeadStepRunner(StepRunner):
 
         if not self.capture or blk.graph is False:
             body()
-        elif blk.graph is None:
-            blk.graph = self._capture(body)
+        elif blk.graph is None:  # (False where capture fails: the same kernels then run uncaptured)
+            blk.graph = self._capture(body, fallback=True)
         else:
             blk.graph.replay()
             self.block_replays += 1
@@ -260,25 +260,6 @@ class HeadStepRunner(StepRunner):
                 else:
                     b.feature.copy_(out[:, :size])
         blk.last.copy_(out[:, :size])
-
-    def _capture(self, body) -> torch.cuda.CUDAGraph | bool:
-        """Run `body` once on a side stream (its results stand), then capture it; False where capture fails (the
-        block then runs its steps uncaptured, the same kernels launched one by one)."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            body()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool):
-                body()
-        except RuntimeError as exc:  # e.g. an op that syncs with the host: keep the eager block
-            print(f"[specserve] draft block not captured ({exc}); drafting it step by step", flush=True)
-            torch.cuda.synchronize()
-            return False
-        self._pool = graph.pool()
-        return graph
 
     def _new_bucket(self, key):
         bucket = super()._new_bucket(key)

@@ -363,15 +363,27 @@ class StepRunner:
         return b.logits
 
     def _record(self, b: _Bucket) -> None:
-        """Run the bucket's first step eagerly on a side stream (a real step: its writes and logits stand), then
-        capture it as a graph; capturing records the kernels without running them."""
+        """The bucket's first step, then its graph (`_capture`)."""
+        b.graph = self._capture(lambda: self._step_into(b))  # compiled at its first run, when compiling
+
+    def _capture(self, body: Callable[[], object], fallback: bool = False) -> torch.cuda.CUDAGraph | bool:
+        """Run `body` eagerly on a side stream (real work: its writes and outputs stand), then capture it as a graph
+        in the runner's memory pool; capturing records the kernels without running them. fallback: where the
+        capture fails (an op that syncs with the host), say so and return False instead of raising."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._step_into(b)  # compiled here, when compiling
+            body()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._step_into(b)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                body()
+        except RuntimeError as exc:
+            if not fallback:
+                raise
+            print(f"[specserve] a step not captured as a CUDA graph ({exc}); it runs uncaptured", flush=True)
+            torch.cuda.synchronize()
+            return False
         self._pool = graph.pool()
-        b.graph = graph
+        return graph

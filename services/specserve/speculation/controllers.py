@@ -411,19 +411,15 @@ class AutoGamma(GammaController):
         positions = obs.drafted + 1
         self.tokens_per_round += w * (obs.accepted + 1 - self.tokens_per_round)
         if obs.step_sessions > 0:  # a batched step: learn its cost per token and the load around this session
-            step_tokens = float(obs.step_tokens)
-            # more tokens than every session's block could hold: prompt chunks shared the step, a transient that
-            # says nothing of the blocks' steps to come (taken as load, a drafted token looked free beside a
-            # thousand prompt tokens: served auto ran at 0.80x γ=0 at 16 streams on a CPU): count its sessions
-            # at this session's block size, and keep it out of the blocks' step cost
+            # more tokens than its sessions' blocks could hold: prompt chunks shared it, a transient (taken as load,
+            # it made a drafted token look free): its sessions count at this one's block size, its cost not fitted
             prompts = obs.step_tokens > obs.step_sessions * (self.gamma_max + 1)
-            if prompts:
-                step_tokens = obs.step_sessions * max(1.0, self.own_positions)
-            elif self.step_cost is None:
-                ns = sorted(self.verify_s)
-                slope = (self.verify_s[ns[-1]] - self.verify_s[ns[0]]) / (ns[-1] - ns[0]) if len(ns) > 1 else 0.0
-                self.step_cost = _StepCost(slope, w)
+            step_tokens = obs.step_sessions * max(1.0, self.own_positions) if prompts else float(obs.step_tokens)
             if not prompts:
+                if self.step_cost is None:
+                    ns = sorted(self.verify_s)
+                    slope = (self.verify_s[ns[-1]] - self.verify_s[ns[0]]) / (ns[-1] - ns[0]) if len(ns) > 1 else 0.0
+                    self.step_cost = _StepCost(slope, w)
                 self.step_cost.update(obs.step_tokens, obs.step_time_s)
             if obs.step_sessions > self.load_sessions:  # load arrives at once (sessions start together): follow it
                 self.load_sessions, self.load_tokens = float(obs.step_sessions), step_tokens
