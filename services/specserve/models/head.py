@@ -385,10 +385,11 @@ class HeadPool(KVPool):
 
     @torch.inference_mode()
     def drafted_block(self, seqs: list, ids: torch.Tensor, steps: int, head: int, mode: tuple, sample,
-                      uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+                      uniforms: torch.Tensor, subset: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """`steps` drafted steps of every sequence at once (`HeadStepRunner.drafted_block`), the first feeding
         `ids` (on the device) after each sequence's last prediction: what `steps` calls of `feed_ids` with
-        on-device sampling between them do. Returns (tokens in the head [n, steps], confidences [n, steps],
+        on-device sampling between them do (subset: the head's token ids on the device, or None). Returns (tokens in the head [n, steps], confidences [n, steps],
         q rows [n, steps, head] or None), on the device; None (nothing done) where no bucket holds the block."""
         runner = self.runner
         if runner is None or not getattr(runner, "whole_blocks", False):
@@ -400,7 +401,6 @@ class HeadPool(KVPool):
             self.reserve(seq, len(seq.tokens) + steps)
         feature = torch.cat([seq.last for seq in seqs]).to(self.w.dtype)
         blocks, starts = [seq.block[0] for seq in seqs], [len(seq.tokens) for seq in seqs]
-        subset = self.w.token_subset.to(self.w.device) if self.w.token_subset is not None else None
         blk = runner.drafted_block(key, blocks, starts, ids, feature, steps, head, mode, sample, uniforms, subset,
                                    self.zero_drafted)
         n = len(seqs)

@@ -97,7 +97,8 @@ def _device_sampler(block: DraftBlock):
     return lambda logits, uniforms: (*_draw(block, logits, uniforms), _confidence(logits))
 
 
-def _rest_at_once(pool: KVPool, blocks: list[DraftBlock], ids: torch.Tensor, uniforms: torch.Tensor):
+def _rest_at_once(pool: KVPool, blocks: list[DraftBlock], ids: torch.Tensor, uniforms: torch.Tensor,
+                  subset: torch.Tensor | None):
     """Every block's steps after the first in one call where the pool drafts whole blocks (`HeadPool.drafted_block`:
     one graph on CUDA): blocks of one γ and one sampling group. (tokens, confidences, q or None) [n, γ - 1, ...],
     or None (then step by step)."""
@@ -105,7 +106,7 @@ def _rest_at_once(pool: KVPool, blocks: list[DraftBlock], ids: torch.Tensor, uni
     if drafted_block is None or len({_mode(b) for b in blocks}) > 1 or not all(b.tail for b in blocks):
         return None
     return drafted_block([b.seq for b in blocks], ids, blocks[0].gamma - 1, blocks[0].head, _mode(blocks[0]),
-                         _device_sampler(blocks[0]), uniforms)
+                         _device_sampler(blocks[0]), uniforms, subset)
 
 
 def room(block: DraftBlock) -> int:
@@ -147,7 +148,7 @@ def draft_blocks(pool: KVPool, blocks: list[DraftBlock]) -> list[DraftedBlock]:
         if not going:
             break
         if step == 0 and len(going) == len(blocks) == len(live) and len({b.gamma for b in blocks}) == 1:
-            rest = _rest_at_once(pool, blocks, token if subset is None else subset[token], uniforms[:, 1:])
+            rest = _rest_at_once(pool, blocks, token if subset is None else subset[token], uniforms[:, 1:], subset)
             if rest is not None:  # the steps after the first as one graph (a head's runner)
                 tokens[:, 1:], confidences[:, 1:] = rest[0], rest[1]
                 if rest[2] is not None:
