@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from types import SimpleNamespace
@@ -297,7 +298,7 @@ def test_a_head_from_a_draft_starts_as_that_draft_one_position_later():
     """`distill --head --init DRAFT`: the head takes the draft's layers, norm and subset head, fc reads only the
     next token's embedding, so at first it predicts what the draft predicts (head position j reads x_{j+1}: the
     draft over x[1:]), whatever the features; with --feature-dropout it drafts on zeros."""
-    from specserve.distill.core import DistillConfig, head_losses, make_draft, make_head
+    from specserve.distill.core import DistillConfig, feature_scale, fold_fc, head_losses, make_draft, make_head
 
     target = tiny_llama(3, vocab=64, layers=3, hidden=32, dtype=torch.float32)
     subset = torch.tensor(sorted(random.Random(0).sample(range(64), 20)))
@@ -320,14 +321,21 @@ def test_a_head_from_a_draft_starts_as_that_draft_one_position_later():
         _, blind = head(torch.zeros(2, 11, 32), x[:, 1:])
         torch.testing.assert_close(dropped, blind[rows, cols - 1])  # every feature it read was zeroed
     frozen_head, frozen = make_head(target, DistillConfig(head=True, freeze_init=True), subset, draft)
-    assert [n for n, p in frozen_head.named_parameters() if p.requires_grad] == ["fc.weight"]
+    assert [n for n, p in frozen_head.named_parameters() if p.requires_grad] == ["fc.features"]
     before = frozen_head.fc.weight.detach().clone()
-    optimizer = torch.optim.AdamW([frozen_head.fc.weight], lr=1e-2, weight_decay=0.0)  # as distill trains
+    optimizer = torch.optim.AdamW([frozen_head.fc.features], lr=1e-2, weight_decay=0.0)  # as distill trains
     logits, _ = head_losses(frozen_head, torch.randn(2, 12, 32), x, rows, cols)
     logits.logsumexp(-1).sum().backward()
     optimizer.step()
-    moved = frozen_head.fc.weight.detach() != before
+    moved = frozen_head.fc.weight.detach() - before
     assert moved[:, :32].any() and not moved[:, 32:].any()  # the features' half learns, the embedding's stays I
+    # Adam's step (~lr an entry) lands on fc's features' half scaled to the embedding's size over the features'
+    scale = feature_scale(target)
+    assert 0 < scale < 1 and moved[:, :32].abs().max() <= 1.01e-2 * scale
+    saved = fold_fc(copy.deepcopy(frozen_head))
+    assert type(saved.fc) is torch.nn.Linear and torch.equal(saved.fc.weight, frozen_head.fc.weight)
+    with torch.no_grad():
+        torch.testing.assert_close(saved(features, x[:, 1:])[1], frozen_head(features, x[:, 1:])[1])
     wide = tiny_llama(3, vocab=64, layers=2, hidden=48, dtype=torch.float32)
     with pytest.raises(ValueError, match="hidden size"):
         make_head(wide, DistillConfig(head=True), subset, draft)

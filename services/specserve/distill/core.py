@@ -199,6 +199,45 @@ def make_draft(target_model, cfg: DistillConfig, subset: torch.Tensor | None = N
     return draft, frozen
 
 
+class ScaledFc(torch.nn.Module):
+    """A head's fc while it trains: the features' columns stored divided by `scale`. AdamW moves every entry by
+    about lr whatever its gradient, and a target's features are an order larger than its embedding (SmolLM2:
+    RMS 1.9 against 0.12), so fc's first steps from [0, I] swamped the embedding its layers read; stored this
+    way, a step moves what the features add as much as what the embedding adds. `fold_fc` makes it the plain
+    fc the head is saved and served with."""
+
+    def __init__(self, weight: torch.Tensor, size: int, scale: float):
+        super().__init__()
+        self.size, self.scale = size, scale
+        self.features = torch.nn.Parameter(weight[:, :size] / scale)
+        self.tokens = torch.nn.Parameter(weight[:, size:].clone())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.cat([self.features * self.scale, self.tokens], 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight)
+
+
+def feature_scale(target_model) -> float:
+    """RMS of the target's embedding / RMS of its features: a feature is its final norm's weight times a
+    unit-RMS vector, so its RMS is about the norm weight's."""
+    embedding = target_model.get_input_embeddings().weight.detach().float()
+    weight = target_model.model.norm.weight.detach().float()
+    return float(embedding.pow(2).mean().sqrt() / weight.pow(2).mean().sqrt().clamp_min(1e-6))
+
+
+def fold_fc(head: FeatureHeadForCausalLM) -> FeatureHeadForCausalLM:
+    """The head with `ScaledFc` made the plain linear fc it is saved and served with."""
+    if isinstance(head.fc, ScaledFc):
+        fc = torch.nn.Linear(head.fc.weight.shape[1], head.fc.weight.shape[0], bias=False)
+        with torch.no_grad():
+            fc.weight.copy_(head.fc.weight)
+        head.fc = fc.to(head.fc.features.device)
+    return head
+
+
 def make_head(target_model, cfg: DistillConfig, subset: torch.Tensor | None,
               start_from: SubsetDraftForCausalLM | None = None):
     """(a feature head for the target, frozen names): its decoder layer starts from the target's last one (the
@@ -225,16 +264,11 @@ def make_head(target_model, cfg: DistillConfig, subset: torch.Tensor | None,
         raise ValueError(f"a feature head starts from Llama-shaped layers; its source has {unexpected} and "
                          f"lacks {missing}")
     head.config.drafted_feature = "zero" if cfg.feature_dropout > 0 else "predicted"
-    with torch.no_grad():
-        size = target_model.config.hidden_size
-        head.fc.weight.zero_()
-        head.fc.weight[:, size:].copy_(torch.eye(size))
+    size = target_model.config.hidden_size
+    head.fc = ScaledFc(torch.cat([torch.zeros(size, size), torch.eye(size)], 1), size, feature_scale(target_model))
     frozen = {EMBEDDING}
     if start_from is not None and cfg.freeze_init:  # the draft's acceptance cannot be lost on a small corpus
-        frozen = {name for name, _ in head.named_parameters() if name != "fc.weight"}
-        reads_features = torch.zeros_like(head.fc.weight)
-        reads_features[:, :size] = 1.0  # fc's embedding half stays the identity: only the features' half learns
-        head.fc.weight.register_hook(lambda grad: grad * reads_features)
+        frozen = {name for name, _ in head.named_parameters() if name != "fc.features"}
     for name, param in head.named_parameters():
         param.requires_grad_(name not in frozen)
     return head, frozen
@@ -472,7 +506,9 @@ def distill(cfg: DistillConfig, log=print) -> dict:
     trainable = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=0.0)
     if state:
-        draft.load_state_dict(state["draft"], strict=False)
+        unexpected = draft.load_state_dict(state["draft"], strict=False).unexpected_keys
+        if unexpected:  # e.g. a head's checkpoint from before fc was split for training
+            raise ValueError(f"{checkpoint} does not fit this model ({unexpected}): remove it to start anew")
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
         log(f"resuming from step {start}")
@@ -520,6 +556,8 @@ def distill(cfg: DistillConfig, log=print) -> dict:
     draft.eval()
 
     metrics = evaluate(target, draft, cfg, out)
+    if cfg.head:
+        fold_fc(draft)
     draft.to(torch.bfloat16).save_pretrained(str(out))  # half the size; a draft loads in any dtype
     target.tokenizer.save_pretrained(str(out))
     # c on the speed path: a drafted token as the decoder drafts it against a target step (default dtype)
