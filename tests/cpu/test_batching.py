@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent import futures
 
 import grpc
@@ -19,14 +20,14 @@ import torch
 from specserve import SamplingParams, SpeculativeDecoder
 from specserve.coordinator import Coordinator, SessionRequest, SplitDriver
 from specserve.engine.loop import speculate
-from specserve.engine.proposers import ModelProposer, TargetVerifier
+from specserve.engine.proposers import ModelProposer, Proposal, TargetVerifier
 from specserve.models import pool as pool_module
 from specserve.models.pool import KVPool
 from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
 from specserve.scheduler.colocated import ScheduledDraft
 from specserve.scheduler.steps import ScheduledVerifier, StepScheduler
 from specserve.speculation import PositionRNG, make_controller, rejection
-from specserve.v1 import workers_pb2_grpc
+from specserve.v1 import workers_pb2, workers_pb2_grpc
 from tests.conftest import perturbed_copy, tiny_llama
 from tests.cpu.test_exactness import N, PROMPT, chi_square_pvalue, target_joint
 
@@ -66,6 +67,35 @@ def test_first_two_tokens_follow_target_through_batched_steps(tiny_pair, mode, r
         monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: p)
         broken = batched_first_two(scheduler, pool, target, draft, mode)
         assert chi_square_pvalue(broken, expected) < 1e-3, "the test cannot tell a missing residual step"
+    finally:
+        scheduler.close()
+
+
+def test_a_step_reports_the_prompt_chunks_it_carried_apart_from_the_blocks(tiny_pair):
+    """A verify's StepInfo says how many of its step's tokens and sessions were other sessions' prompt chunks
+    (what `AutoGamma` keeps out of the load a block shares), and carries it over the wire (`VerifyReply`)."""
+    target, _ = tiny_pair
+    vocab = target.config.vocab_size
+    pool = KVPool(target, tokens=512, min_block=8)
+    scheduler = StepScheduler(pool, prefill_chunk=16)
+    running, arriving = TargetVerifier(target, vocab, pool.sequence()), TargetVerifier(target, vocab, pool.sequence())
+    try:
+        scheduler.prefill(running, PROMPT).result()
+        held, release = threading.Event(), threading.Event()
+        scheduler.call(lambda: held.set() or release.wait(10))  # the compute thread waits while both are queued
+        assert held.wait(10)
+        proposal = Proposal([3, 4], vocab)  # one-hot q: a greedy draft's block
+        verified = scheduler.verify(running, PROMPT, proposal, SamplingParams(temperature=0.0), PositionRNG(0))
+        prefilled = scheduler.prefill(arriving, [i % vocab for i in range(30)])  # 29 to feed: chunks of 16 and 13
+        release.set()
+        _, step = verified.result(timeout=10)
+        prefilled.result(timeout=10)
+        assert (step.tokens, step.sessions, step.prompt_tokens, step.prompt_sessions) == (3 + 16, 2, 16, 1)
+        reply = workers_pb2.VerifyReply(step_tokens=step.tokens, step_sessions=step.sessions,
+                                        step_prompt_tokens=step.prompt_tokens,
+                                        step_prompt_sessions=step.prompt_sessions)
+        parsed = workers_pb2.VerifyReply.FromString(reply.SerializeToString())
+        assert (parsed.step_prompt_tokens, parsed.step_prompt_sessions) == (16, 1)
     finally:
         scheduler.close()
 

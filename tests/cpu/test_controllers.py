@@ -1,5 +1,7 @@
 """γ controllers: the rules they promise, on synthetic observations."""
 
+import copy
+
 import pytest
 
 from specserve.speculation import AutoGamma, FixedGamma, HeuristicGamma, RoundObservation, expected_tokens_per_round
@@ -315,8 +317,8 @@ def test_a_served_gamma_is_no_deeper_than_gamma_max():
 
 
 def test_under_load_others_prompts_in_a_shared_step_do_not_make_drafting_look_cheap():
-    """A step that also carried other sessions' prompt chunks (more tokens than every session's block could be)
-    is a transient: it still teaches the step's cost per token, but not the load a block will share. Before, a
+    """A step that also carried other sessions' prompt chunks (the worker reports their tokens and sessions) is
+    a transient: their sessions count at this session's block size and the step's cost is not fitted. Before, a
     session whose step took in 8 newly arrived sessions' prompts took the load for ~1,000 tokens a step, found a
     drafted token nearly free beside it, and drafted under load where it does not pay (served auto with a feature
     head on a 2-core CPU: 0.80x γ=0 at 16 streams)."""
@@ -328,7 +330,14 @@ def test_under_load_others_prompts_in_a_shared_step_do_not_make_drafting_look_ch
                                      step_sessions=8, step_time_s=step(9)))
     assert auto.loaded and auto.choose(100, key="k", open_ended=True) == 0  # under load, at these costs: no
     tokens = 8 + 8 * 128  # 8 more sessions arrive: their prompts share this session's step
+    cost = copy.deepcopy(auto.step_cost)
     auto.update(RoundObservation(0, 0, 0, [], 0.0, step(tokens), step(tokens) + 0.001, key="k", step_tokens=tokens,
-                                 step_sessions=16, step_time_s=step(tokens)))
+                                 step_sessions=16, step_time_s=step(tokens), step_prompt_tokens=8 * 128,
+                                 step_prompt_sessions=8))
     assert auto.load_sessions == 16 and auto.others_tokens() > 15  # the load is followed at once
+    assert auto.load_tokens < 2 * 16 and vars(auto.step_cost) == vars(cost)  # not the prompts' tokens or cost
+    small = copy.deepcopy(auto)  # one short prompt's last chunk: fewer tokens than the blocks could hold, still
+    small.update(RoundObservation(0, 0, 0, [], 0.0, step(24), step(24) + 0.001, key="k", step_tokens=24,
+                                  step_sessions=16, step_time_s=step(24), step_prompt_tokens=9, step_prompt_sessions=1))
+    assert vars(small.step_cost) == vars(cost) and small.load_tokens < auto.load_tokens + 1
     assert auto.choose(100, key="k", open_ended=True) == 0 and auto.choose(100, key="k") == 0  # not the prompts

@@ -128,12 +128,14 @@ def speculate(
             t_verified = time.perf_counter()
             draft_s, verify_s = t_drafted - t_round, t_verified - t_drafted
             step = verifier.last_step  # the target step that verified this block (None: not reported)
-            shared = (step.tokens, step.sessions, step.seconds) if step is not None and step.sessions else ()
+            shared = {} if step is None or not step.sessions else {
+                "step_tokens": step.tokens, "step_sessions": step.sessions, "step_time_s": step.seconds,
+                "step_prompt_tokens": step.prompt_tokens, "step_prompt_sessions": step.prompt_sessions}
             controller.update(
                 RoundObservation(
                     g, len(proposal), verdict.n_accepted, verdict.betas,
-                    draft_s, verify_s, time.perf_counter() - t_round, proposal.key, proposal.confidences, *shared,
-                    draft_fed=draft_fed,
+                    draft_s, verify_s, time.perf_counter() - t_round, proposal.key, proposal.confidences,
+                    draft_fed=draft_fed, **shared,
                 )
             )
             if model_drafted:  # it fed its drafted tokens but the last; the accepted ones stay valid

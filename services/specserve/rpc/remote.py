@@ -117,7 +117,8 @@ class RemoteVerifier(_SessionProxy):
         reply = self.stub.Verify(
             workers_pb2.VerifyRequest(update=self._update(context), tokens=proposal.tokens, q=proposal_q_to_wire(proposal))
         )
-        self.last_step = StepInfo(reply.step_tokens, reply.step_sessions, reply.verify_time_s)
+        self.last_step = StepInfo(reply.step_tokens, reply.step_sessions, reply.verify_time_s,
+                                  reply.step_prompt_tokens, reply.step_prompt_sessions)
         return Verdict(reply.n_accepted, reply.next_token, list(reply.accept_probs), list(reply.betas),
                        logprobs_from_wire(reply.logprobs))
 

@@ -296,6 +296,7 @@ class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerService
             n_accepted=verdict.n_accepted, next_token=verdict.next_token,
             accept_probs=verdict.accept_probs, betas=verdict.betas, verify_time_s=step.seconds,
             step_tokens=step.tokens, step_sessions=step.sessions, logprobs=logprobs_to_wire(verdict.logprobs),
+            step_prompt_tokens=step.prompt_tokens, step_prompt_sessions=step.prompt_sessions,
         )
 
     @_rpc_stream

@@ -63,6 +63,8 @@ class StepInfo:
     tokens: int = 0  # new tokens in the step's forward, all sessions
     sessions: int = 0
     seconds: float = 0.0  # the step's forward and acceptance
+    prompt_tokens: int = 0  # of `tokens` and `sessions`, prompt chunks' (prefills): a transient, not the load of
+    prompt_sessions: int = 0  # the steps to come
 
 
 @dataclass
@@ -287,7 +289,9 @@ class StepScheduler:
             for work, _, _ in taken:
                 self._drop(work, exc)
             return
-        info = StepInfo(sum(len(c) for _, c, _ in taken), len(taken), time.perf_counter() - t0)
+        prompts = [len(c) for w, c, _ in taken if w.kind == "prefill"]
+        info = StepInfo(sum(len(c) for _, c, _ in taken), len(taken), time.perf_counter() - t0, sum(prompts),
+                        len(prompts))
         verifies: list[tuple[_Work, torch.Tensor]] = []
         for (work, _, done), rows in zip(taken, logits):
             if not done:

@@ -44,6 +44,8 @@ class RoundObservation:
     step_tokens: int = 0
     step_sessions: int = 0
     step_time_s: float = 0.0
+    step_prompt_tokens: int = 0  # of step_tokens and step_sessions, other sessions' prompt chunks
+    step_prompt_sessions: int = 0
     # context tokens the model draft fed before its first drafted token: 1-2 while it drafts every round, more
     # after rounds it sat out (a catch-up, timed with the draft); 0 where it did not draft or nobody counted
     draft_fed: int = 0
@@ -411,10 +413,11 @@ class AutoGamma(GammaController):
         positions = obs.drafted + 1
         self.tokens_per_round += w * (obs.accepted + 1 - self.tokens_per_round)
         if obs.step_sessions > 0:  # a batched step: learn its cost per token and the load around this session
-            # more tokens than its sessions' blocks could hold: prompt chunks shared it, a transient (taken as load,
-            # it made a drafted token look free): its sessions count at this one's block size, its cost not fitted
-            prompts = obs.step_tokens > obs.step_sessions * (self.gamma_max + 1)
-            step_tokens = obs.step_sessions * max(1.0, self.own_positions) if prompts else float(obs.step_tokens)
+            # prompt chunks in the step are a transient (taken as load, they made a drafted token look free): their
+            # sessions count at this one's block size, and the step's cost is not fitted (attention over a prompt)
+            prompts = obs.step_prompt_tokens > 0
+            step_tokens = float(obs.step_tokens - obs.step_prompt_tokens
+                                + obs.step_prompt_sessions * max(1.0, self.own_positions))
             if not prompts:
                 if self.step_cost is None:
                     ns = sorted(self.verify_s)

@@ -74,7 +74,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, update: _Optional[_Union[SessionUpdate, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("n_accepted", "next_token", "accept_probs", "betas", "verify_time_s", "step_tokens", "step_sessions", "logprobs")
+    __slots__ = ("n_accepted", "next_token", "accept_probs", "betas", "verify_time_s", "step_tokens", "step_sessions", "logprobs", "step_prompt_tokens", "step_prompt_sessions")
     N_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,8 @@ class VerifyReply(_message.Message):
     STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STEP_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_PROMPT_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     n_accepted: int
     next_token: int
     accept_probs: _containers.RepeatedScalarFieldContainer[float]
@@ -91,7 +93,9 @@ class VerifyReply(_message.Message):
     step_tokens: int
     step_sessions: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_generator_pb2.TokenLogprob]
-    def __init__(self, n_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., accept_probs: _Optional[_Iterable[float]] = ..., betas: _Optional[_Iterable[float]] = ..., verify_time_s: _Optional[float] = ..., step_tokens: _Optional[int] = ..., step_sessions: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generator_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    step_prompt_tokens: int
+    step_prompt_sessions: int
+    def __init__(self, n_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., accept_probs: _Optional[_Iterable[float]] = ..., betas: _Optional[_Iterable[float]] = ..., verify_time_s: _Optional[float] = ..., step_tokens: _Optional[int] = ..., step_sessions: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generator_pb2.TokenLogprob, _Mapping]]] = ..., step_prompt_tokens: _Optional[int] = ..., step_prompt_sessions: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("session_id", "prompt_ids", "sampling", "max_tokens", "gamma", "no_lookup")
