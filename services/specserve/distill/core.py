@@ -208,7 +208,7 @@ class ScaledFc(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor, size: int, scale: float):
         super().__init__()
-        self.size, self.scale = size, scale
+        self.scale = scale
         self.features = torch.nn.Parameter(weight[:, :size] / scale)
         self.tokens = torch.nn.Parameter(weight[:, size:].clone())
 
