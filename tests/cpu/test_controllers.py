@@ -336,7 +336,7 @@ def test_under_load_others_prompts_in_a_shared_step_do_not_make_drafting_look_ch
                                  step_prompt_sessions=8))
     assert auto.load_sessions == 16 and auto.others_tokens() > 15  # the load is followed at once
     assert auto.load_tokens < 2 * 16 and vars(auto.step_cost) == vars(cost)  # not the prompts' tokens or cost
-    small = copy.deepcopy(auto)  # one short prompt's last chunk: fewer tokens than the blocks could hold, still
+    small = copy.deepcopy(auto)  # a short prompt's last chunk: fewer tokens than the blocks could hold, a prompt
     small.update(RoundObservation(0, 0, 0, [], 0.0, step(24), step(24) + 0.001, key="k", step_tokens=24,
                                   step_sessions=16, step_time_s=step(24), step_prompt_tokens=9, step_prompt_sessions=1))
     assert vars(small.step_cost) == vars(cost) and small.load_tokens < auto.load_tokens + 1
