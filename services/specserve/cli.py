@@ -195,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--http-port", type=int, default=8000)
     srv.add_argument("--grpc-port", type=int, default=9000)
     srv.add_argument("--address", default=None, help="Ray cluster address (default: start a local Ray)")
+    srv.add_argument("--ingress", choices=("direct", "proxy"), default="direct",
+                     help="direct (default): a local server's application replica answers the HTTP and gRPC ports "
+                     "itself; proxy: through Serve's proxy process (always with --address or several applications)")
     srv.add_argument("--metrics-port", type=int, default=8080,
                      help="Prometheus metrics port of the local Ray started here (0: none; with --address the "
                      "cluster's own --metrics-export-port applies)")

@@ -93,3 +93,40 @@ def test_bench_served_compares_the_served_path_with_in_process(model_dirs, tmp_p
         # one prompt: a warm-up request and two measured (--repeats 2), not the other applications' too
         assert metrics[name]["requests"] == metrics[name]["requests_sent"] == 3
         assert metrics[name]["rounds"] >= row[name]["rounds"]
+
+
+def test_ingress_plan_puts_the_replica_on_the_ports_where_one_application_serves_them(monkeypatch):
+    import os
+    import socket
+
+    from specserve.cli import build_parser
+    from specserve.serve import ingress
+    from specserve.serve.run import config_from_flags, ports
+
+    args = build_parser().parse_args(["serve", "--http-port", "8123", "--grpc-port", "9123"])
+    config = config_from_flags(args)
+    assert ingress.plan(config, "direct", None) is None
+    assert ingress.plan(config, "proxy", None) == "--ingress proxy"
+    assert "--address" in ingress.plan(config, "direct", "auto")
+    two = {**config, "applications": config["applications"] * 2}
+    assert "2 applications" in ingress.plan(two, "direct", None)
+    prefixed = {**config, "applications": [{**config["applications"][0], "route_prefix": "/a"}]}
+    assert "route_prefix '/a'" in ingress.plan(prefixed, "direct", None)
+
+    for name in ingress.direct_env(0, 0):
+        monkeypatch.setenv(name, "")  # restored after the test: use_direct writes os.environ
+    moved = ingress.use_direct(config, *ports(config))
+    assert os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    assert (os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], os.environ["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"],
+            os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"], os.environ["RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT"]) \
+        == ("8123", "8124", "9123", "9124")
+    host, http_port, grpc_port = ports(moved)
+    assert host == "127.0.0.1" and {http_port, grpc_port}.isdisjoint({8123, 9123}) and http_port != grpc_port
+    assert ports(config) == ("127.0.0.1", 8123, 9123)  # the config given is left as it was
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert ingress.port_in_use("127.0.0.1", port)
+    assert not ingress.port_in_use("127.0.0.1", port)

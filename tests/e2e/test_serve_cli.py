@@ -6,6 +6,7 @@ import ipaddress
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -62,9 +63,9 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-def _listeners(pids: set[int]) -> dict[int, set[str]]:
-    """The TCP ports `pids` listen on, with their local addresses (by the sockets their file descriptors hold)."""
-    inodes = set()
+def _listening_pids(pids: set[int]) -> dict[int, int]:
+    """The TCP ports `pids` listen on, each with the process whose file descriptors hold its socket."""
+    inodes = {}
     for pid in pids:
         for fd in pathlib.Path(f"/proc/{pid}/fd").glob("*"):
             try:
@@ -72,17 +73,37 @@ def _listeners(pids: set[int]) -> dict[int, set[str]]:
             except OSError:
                 continue
             if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    found: dict[int, set[str]] = {}
+                inodes[target[8:-1]] = pid
+    found: dict[int, int] = {}
     for name in ("tcp", "tcp6"):
         path = pathlib.Path("/proc/net") / name
         for line in path.read_text().splitlines()[1:] if path.exists() else []:
             fields = line.split()
-            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
-                continue
-            port = int(fields[1].split(":")[1], 16)
-            found.setdefault(port, set()).update(_listening(port))
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found[int(fields[1].split(":")[1], 16)] = inodes[fields[9]]
     return found
+
+
+def _listeners(pids: set[int]) -> dict[int, set[str]]:
+    """The TCP ports `pids` listen on, with their local addresses."""
+    return {port: _listening(port) for port in _listening_pids(pids)}
+
+
+def _cmdline(pid: int) -> str:
+    return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+
+
+def _wait_healthy(base: str, proc: subprocess.Popen, seconds: float = 180) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            if requests.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:  # not listening yet, or still starting
+            pass
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(1)
+    raise AssertionError(f"{base}/health did not answer 200 within {seconds} s")
 
 
 def test_serve_command_serves_and_stops_cleanly(tmp_path):
@@ -106,15 +127,7 @@ def test_serve_command_serves_and_stops_cleanly(tmp_path):
     base = f"http://127.0.0.1:{http_port}"
     key = {"Authorization": "Bearer open-sesame"}
     try:
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            try:
-                if requests.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:  # not listening yet, or still starting
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(1)
+        _wait_healthy(base, proc)
         body = {"prompt": "Hello", "max_tokens": 5, "temperature": 0}
         reply = requests.post(base + "/v1/completions", json=body, headers=key, timeout=60).json()
         assert reply["model"] == "tiny" and reply["usage"]["completion_tokens"] == 5
@@ -142,16 +155,29 @@ def test_serve_command_serves_and_stops_cleanly(tmp_path):
         # and nothing the server started listens beyond loopback (Ray's gRPC services, Serve's replicas, ours)
         wide = {port: hosts for port, hosts in _listeners(_descendants(proc.pid)).items() if hosts - {"127.0.0.1"}}
         assert not wide, wide
+        # the application's replica holds both ports itself (Serve's direct ingress), not Serve's proxy
+        owners = _listening_pids(_descendants(proc.pid))
+        replica = owners[http_port]
+        assert owners[grpc_port] == replica and "ServeReplica:specserve" in _cmdline(replica), _cmdline(replica)
         # the Prometheus endpoint of the Ray it started (Ray exports every 10 s by default)
         # (the completion and the keyed gRPC call: refused requests never reached the coordinator)
         metrics = scrape_until(f"http://127.0.0.1:{metrics_port}/metrics", "ray_specserve_requests_total", 2)
         assert total(metrics, "ray_specserve_requests_total", model="tiny") == 2
         assert total(metrics, "ray_specserve_generation_tokens_total") == 5 + 3
+        # a replica that dies is replaced on the same ports
+        os.kill(replica, signal.SIGKILL)
+        _wait_healthy(base, proc)
+        reply = requests.post(base + "/v1/completions", json=body, headers=key, timeout=60).json()
+        assert reply["usage"]["completion_tokens"] == 5
+        assert stub.Generate(request, metadata=(("authorization", "Bearer open-sesame"),), timeout=60).completion_tokens == 3
+        owners = _listening_pids(_descendants(proc.pid))
+        assert owners[http_port] == owners[grpc_port] != replica, (owners, replica)
     finally:
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output
     assert "/v1/completions" in output and "shutting down" in output  # it told the user how to call it
+    assert "ingress: the application's replica answers" in output
     assert f"127.0.0.1:{metrics_port}/metrics" in output
 
 
@@ -161,3 +187,14 @@ def test_serve_command_rejects_a_bad_config(tmp_path):
     result = subprocess.run([sys.executable, "-m", "specserve", "serve", "--config", str(path)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "gamma" in result.stderr
+
+
+def test_serve_command_says_a_port_is_taken():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "specserve", "serve", "--http-port", str(port)],
+                                check=False, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert f"HTTP port 127.0.0.1:{port} is in use" in result.stderr and "Traceback" not in result.stderr

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from specserve.serve import ingress
 from specserve.serve.app import GRPC_SERVICER_FUNCTION
 from specserve.serve.config import AppConfig
 from specserve.serve.grpc_api import GENERATED_FUNCTION
@@ -111,12 +112,16 @@ def start(config: dict[str, Any]) -> list[str]:
     return names
 
 
-def usage_text(config: dict[str, Any], metrics_port: int = 0) -> str:
+def ports(config: dict[str, Any]) -> tuple[str, int, int]:
+    """The host, HTTP port and gRPC port a config serves on."""
     http = config.get("http_options") or {}
-    host = http.get("host", "127.0.0.1")
+    return (http.get("host", "127.0.0.1"), int(http.get("port", DEFAULT_HTTP_PORT)),
+            int((config.get("grpc_options") or {}).get("port", DEFAULT_GRPC_PORT)))
+
+
+def usage_text(config: dict[str, Any], metrics_port: int = 0) -> str:
+    host, port, grpc_port = ports(config)
     host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    port = http.get("port", DEFAULT_HTTP_PORT)
-    grpc_port = (config.get("grpc_options") or {}).get("port", DEFAULT_GRPC_PORT)
     base = f"http://{host}:{port}"
     metrics = (f"  Prometheus metrics (ray_specserve_*): curl -s http://127.0.0.1:{metrics_port}/metrics"
                " | grep specserve\n" if metrics_port else "")
@@ -184,6 +189,21 @@ def serve_main(args) -> int:
     except (ValueError, FileNotFoundError, ValidationError, yaml.YAMLError) as exc:
         print(f"specserve: {exc}", file=sys.stderr)
         return 2
+    host, http_port, grpc_port = ports(config)
+    if not args.address:
+        for name, port in (("HTTP", http_port), ("gRPC", grpc_port)):
+            if ingress.port_in_use(host, port):
+                print(f"specserve: the {name} port {host}:{port} is in use (another server?): choose another "
+                      f"(--{name.lower()}-port, or the config's {name.lower()}_options.port)", file=sys.stderr)
+                return 2
+    why_proxy = ingress.plan(config, getattr(args, "ingress", "direct"), args.address)
+    if why_proxy is None:
+        print(f"[specserve] ingress: the application's replica answers {host}:{http_port} (HTTP) and :{grpc_port} "
+              "(gRPC) itself (Serve's direct ingress)", flush=True)
+        deployed = ingress.use_direct(config, host, http_port, grpc_port)
+    else:
+        print(f"[specserve] ingress: Serve's proxy ({why_proxy})", flush=True)
+        deployed = config
     metrics_port = args.metrics_port if not args.address else 0
     options: dict[str, Any] = {"_metrics_export_port": metrics_port} if metrics_port else {}
     if not args.address:  # a local Ray: keep its listeners, and Serve's gRPC proxy, on the configured host
@@ -194,7 +214,7 @@ def serve_main(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        start(config)
+        start(deployed)
         if not args.address:
             yield_control_plane()
         print(usage_text(config, metrics_port), flush=True)
