@@ -19,13 +19,15 @@ first runs the prefix-caching check on each server: 8 requests in a row with dif
 Without `--url` it starts Ray and one Serve application per server configuration itself: `batched`
 (serves both `γ=0` and `auto` through the per-request `gamma`) and, with `--load-configs` naming it,
 `unbatched` (the target worker running one session at a time, as before batching) and `uncached`
-(prefix caching off).
+(prefix caching off). With `batched` alone its replica answers HTTP itself, as `specserve serve`'s does
+(`serve.ingress`); several applications share Serve's proxy.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -192,12 +194,16 @@ def _start_servers(args, apps: set[str]) -> tuple[str, dict[str, str]]:
     from ray import serve
     from ray.serve.config import HTTPOptions
 
+    from specserve.serve import build_app, ingress
     from specserve.serve.listen import free_port
-    from specserve.serve import build_app
     from specserve.serve.run import model_args
     from specserve.workers.quiet import quiet_env, yield_control_plane
 
     port = free_port()
+    direct = apps == {"batched"}  # one application at /: its replica answers HTTP itself, as `specserve serve`'s
+    if direct:
+        replica_port = free_port()
+        os.environ.update(ingress.direct_env(replica_port, free_port()))
     quiet_env()  # as `specserve serve` runs its local Ray (`workers.quiet`)
     ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=8)  # logical slots
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
@@ -208,7 +214,7 @@ def _start_servers(args, apps: set[str]) -> tuple[str, dict[str, str]]:
         print(f"  deploying the {name} application (draft={args.draft}) ...", flush=True)
         serve.run(build_app({**app_args, "batching": name != "unbatched", "prefix_caching": name != "uncached"}),
                   name=name, route_prefix=prefix)
-        urls[name] = f"http://127.0.0.1:{port}{prefix.rstrip('/')}/v1"
+        urls[name] = f"http://127.0.0.1:{replica_port if direct else port}{prefix.rstrip('/')}/v1"
     yield_control_plane(include_root=False)  # this driver runs the clients: it keeps its priority
     return port, urls
 
