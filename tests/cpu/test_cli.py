@@ -112,6 +112,9 @@ def test_ingress_plan_puts_the_replica_on_the_ports_where_one_application_serves
     assert "2 applications" in ingress.plan(two, "direct", None)
     prefixed = {**config, "applications": [{**config["applications"][0], "route_prefix": "/a"}]}
     assert "route_prefix '/a'" in ingress.plan(prefixed, "direct", None)
+    assert ingress.ray_has_direct_ingress()  # this Ray: the settings exist (another falls back to the proxy)
+    monkeypatch.setattr(ingress, "ray_has_direct_ingress", lambda: False)
+    assert "no direct ingress" in ingress.plan(config, "direct", None)
 
     for name in ingress.direct_env(0, 0):
         monkeypatch.setenv(name, "")  # restored after the test: use_direct writes os.environ

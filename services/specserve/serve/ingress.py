@@ -32,6 +32,8 @@ def plan(config: dict[str, Any], mode: str, address: str | None) -> str | None:
         return "--ingress proxy"
     if address:
         return "a Ray cluster joined with --address keeps its own proxies"
+    if not ray_has_direct_ingress():
+        return "this Ray Serve has no direct ingress settings"
     apps = config.get("applications") or []
     if len(apps) != 1:
         return f"{len(apps)} applications share the port through Serve's proxy"
@@ -39,6 +41,15 @@ def plan(config: dict[str, Any], mode: str, address: str | None) -> str | None:
     if prefix not in ("/", None):
         return f"route_prefix {prefix!r}: the proxy routes prefixes"
     return None
+
+
+def ray_has_direct_ingress() -> bool:
+    """Whether the installed Ray Serve reads the settings `direct_env` writes (Ray 2.60 does; they are internal)."""
+    try:
+        from ray.serve._private import constants
+    except ImportError:
+        return False
+    return all(hasattr(constants, name) for name in direct_env(0, 0))
 
 
 def port_in_use(host: str, port: int) -> bool:
