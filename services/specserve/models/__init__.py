@@ -4,6 +4,7 @@ This package knows about transformers models and tokenizers; it knows
 nothing about how tokens are accepted (that is `speculation/`) or served.
 """
 
+from specserve.models import cpukernels
 from specserve.models.draft import SubsetDraftConfig, SubsetDraftForCausalLM
 from specserve.models.kv import CachedSequence
 from specserve.models.loading import (
@@ -31,3 +32,5 @@ __all__ = [
     "resolve_draft",
     "resolve_dtype",
 ]
+
+cpukernels.guard_forced_aten_isa()  # in every process that loads a model (a forced AVX2 run)

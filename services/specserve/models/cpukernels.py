@@ -58,6 +58,16 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def guard_forced_aten_isa() -> bool:
+    """Turn torch's flash SDPA off where ATEN_CPU_CAPABILITY is forced below an AVX-512 CPU's (a forced AVX2 run):
+    its CPU kernel picks a bfloat16 micro-kernel by the CPU's features but packs by ATen's level, and raises
+    ("pack_vnni2 is only supported when avx512 is supported"); the math kernel runs instead. Whether it did."""
+    if "avx512f" not in cpu_flags() or torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return False
+    torch.backends.cuda.enable_flash_sdp(False)  # the flag is torch's global one, the CPU's selection reads it too
+    return True
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve") / "kernels"
 

@@ -180,10 +180,8 @@ class QuantizedLinear:
         self.kernel = None if cuda or dtype != torch.bfloat16 else cpukernels.packed(weight)
         if self.kernel is not None:
             self.packed, self.scales = self.kernel[1:3]
-            # where oneDNN has no bfloat16 GEMM (no AVX-512) torch's is far slower than the kernels at any rows; the
-            # AVX2 build takes every row on any CPU, so a forced one (SPECSERVE_CPU_ISA=avx2) runs as on a laptop
-            fast_dense = _onednn_bf16() and cpukernels.chosen_isa() != "avx2"
-            self.dense_from = dense_from = max(dense_from, cpukernels.DENSE_FROM) if dense_from and fast_dense else 0
+            self.dense_from = dense_from = max(dense_from, cpukernels.DENSE_FROM) if dense_from and \
+                kernels_keep_dense_copy() else 0
         elif self.bits == 8:
             self.packed = weight.codes.to(self.device).contiguous()
             self.scales = weight.scale.to(self.device, dtype)
@@ -256,6 +254,13 @@ def dense(weight: torch.Tensor | None):
             and _onednn_bf16()):
         return PackedDense(weight)
     return weight
+
+
+def kernels_keep_dense_copy() -> bool:
+    """Whether a layer on specserve's kernels takes `DENSE_FROM`+ rows through a dense bf16 copy: where oneDNN
+    has a bfloat16 GEMM (AVX-512), and not where the AVX2 build runs (forced too, SPECSERVE_CPU_ISA=avx2: then as
+    on a laptop, where torch's bf16 GEMM is far slower than the kernels at any rows)."""
+    return _onednn_bf16() and cpukernels.chosen_isa() != "avx2"
 
 
 @functools.cache
