@@ -200,7 +200,8 @@ def _start_servers(args, apps: set[str]) -> tuple[str, dict[str, str]]:
     from specserve.workers.quiet import quiet_env, yield_control_plane
 
     port = free_port()
-    direct = apps == {"batched"}  # one application at /: its replica answers HTTP itself, as `specserve serve`'s
+    # one application at /: its replica answers HTTP itself, as `specserve serve`'s
+    direct = apps == {"batched"} and ingress.ray_has_direct_ingress()
     if direct:
         replica_port = free_port()
         os.environ.update(ingress.direct_env(replica_port, free_port()))
