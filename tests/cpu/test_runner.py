@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from specserve.models.runner import compiled_isa
 from specserve.models.pool import KVPool
 from specserve.models.quant import QuantizedLinear
 from tests.conftest import tiny_llama
@@ -254,10 +255,11 @@ print(json.dumps(done))
 
 
 def test_compiled_steps_persist_under_the_cache_and_a_second_start_loads_them(tmp_path):
-    """A start that compiles saves its compilers' caches under `$SPECSERVE_CACHE/compile`; a second process
-    starting the same model loads them (`cache_loaded`), with a pool of another size, compiles no graph (the
-    arena's length is a symbol) and its compiled steps still equal the eager ones. Needs a C++ compiler
-    (Inductor's CPU code)."""
+    """A start that compiles saves its compilers' caches under `$SPECSERVE_CACHE/compile/<cpu isa>`; a second
+    process starting the same model loads them (`cache_loaded`), with a pool of another size, compiles no graph
+    (the arena's length is a symbol) and its compiled steps still equal the eager ones. A start under a lower
+    `ATEN_CPU_CAPABILITY` before them (a forced AVX2 run on an AVX-512 CPU) keeps its own caches: its graphs,
+    written for narrower vectors, aborted the process that read them. Needs a C++ compiler (Inductor's CPU code)."""
     import json
     import os
     import pathlib
@@ -271,14 +273,20 @@ def test_compiled_steps_persist_under_the_cache_and_a_second_start_loads_them(tm
     root = pathlib.Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     env.update(SPECSERVE_CACHE=str(tmp_path), PYTHONPATH=os.pathsep.join([str(root / "services"), str(root)]))
+    lower = "avx2" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "default"
     runs = []
-    for tokens in (256, 512):  # the second start with another KV budget: the pool's size is a symbol of its graphs
-        out = subprocess.run([sys.executable, "-c", _START, str(tokens)], env=env, capture_output=True, text=True,
-                             timeout=600)
+    # the second start with another KV budget: the pool's size is a symbol of its graphs
+    for tokens, isa in ((256, lower), (256, None), (512, None)):
+        out = subprocess.run([sys.executable, "-c", _START, str(tokens)], capture_output=True, text=True,
+                             timeout=600, env={**env, **({"ATEN_CPU_CAPABILITY": isa} if isa else {})})
         assert out.returncode == 0, out.stderr[-2000:]
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    cold, warm = runs
+    forced, cold, warm = runs
+    assert forced["slow_steps"] > 0 and not forced["cache_loaded"] and forced["diff"] < 1e-5
+    assert forced["inductor"] == str(tmp_path / "compile" / f"cpu-{lower}" / "inductor")
+    native = pathlib.Path(cold["inductor"]).parent
+    assert native.parent == tmp_path / "compile" and native.name == compiled_isa() != f"cpu-{lower}"
     assert cold["compiled"] and cold["slow_steps"] > 0 and not cold["cache_loaded"] and cold["diff"] < 1e-5
-    assert pathlib.Path(cold["cache"]).is_file() and cold["inductor"] == str(tmp_path / "compile" / "inductor")
+    assert pathlib.Path(cold["cache"]).is_file() and pathlib.Path(cold["cache"]).parent == native
     assert warm["cache_loaded"] and warm["diff"] < 1e-5 and warm["cache"] == cold["cache"]
     assert cold["graphs_compiled"] > 0 and warm["graphs_compiled"] == 0 and warm["graphs_from_cache"] > 0

@@ -25,7 +25,7 @@ in it; `dynamic`: the batch and the width symbols too, four graphs where there w
 keeps its own: compilers specialise a size of 1); `auto` (the default): `dynamic` where steps are captured as
 CUDA graphs, else none; `0`: none. A graph compiles for tens of seconds on a GPU, so a serving worker
 compiles every shape it can meet before it reports ready (`StepRunner.warm_up`), and the compilers' caches
-persist under `$SPECSERVE_CACHE/compile` (`compile_caches`): a second start of the same model on the same
+persist under `$SPECSERVE_CACHE/compile/<cpu isa>` (`compile_caches`): a second start of the same model on the same
 machine reads them instead of compiling.
 """
 
@@ -62,20 +62,33 @@ COMPILE_STEPS: bool | str = COMPILE_MODES[_COMPILE_ENV]
 
 
 def compile_caches() -> pathlib.Path:
-    """Where compiled steps persist: `$SPECSERVE_CACHE/compile` (inductor's graph and autotuning caches, Triton's
+    """Where compiled steps persist: `$SPECSERVE_CACHE/compile/<compiled_isa()>` (inductor's graph and autotuning caches, Triton's
     kernels, and the mega-cache artifacts `StepRunner.warm_up` saves), set for this process's compilers unless
     their own variables say otherwise."""
     from specserve.models.embedded import cache_root
 
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    root = cache_root() / "compile"
+    root = cache_root() / "compile" / compiled_isa()
     # (inductor writes its default into the environment at its first use: that is not a user's choice)
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+def compiled_isa() -> str:
+    """The CPU vector ISA Inductor writes this process's kernels for: ATen's level (`ATEN_CPU_CAPABILITY` lowers it),
+    AMX, `cpp.simdlen`. Its graph cache does not key them, and a graph written for 8-lane AVX2 vectors rebuilt
+    under AVX-512 flags indexes out of bounds (an abort), so each ISA keeps its own caches."""
+    import torch._inductor.config as inductor_config
+
+    isa = torch.backends.cpu.get_cpu_capability().lower()
+    if isa.startswith("avx512") and torch.cpu._is_amx_tile_supported():
+        isa += "-amx"
+    simdlen = inductor_config.cpp.simdlen
+    return f"cpu-{isa}" + (f"-simd{simdlen}" if simdlen else "")
 
 
 @torch.library.custom_op("specserve::store_rows", mutates_args=("arena",))
