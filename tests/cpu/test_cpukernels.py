@@ -81,6 +81,46 @@ def test_quantized_products_round_as_the_dot_product_instruction_defines(isa):
     assert torch.equal(cpukernels.int8_mm(x[2:3], cpukernels.pack_int8(codes8), scales8), ours[2:3])
 
 
+def test_int8_activation_products_are_exact_integer_sums(isa, monkeypatch):
+    """With SPECSERVE_CPU_ACTIVATIONS=int8 an int4 product quantizes each row's group of inputs to int8 (d = max|x|
+    / 127, nearest even) and sums codes · xq exactly: it equals a reference of that arithmetic bit for bit (the
+    scale times d, then one FMA for the sum and one for the bias times d · sum(xq)), every row as if alone."""
+    monkeypatch.setattr(cpukernels, "ACTIVATIONS", "int8")
+    torch.manual_seed(1)
+    m, n, k, group = 6, 48, 128, 32
+    x = (torch.randn(m, k) * 3).bfloat16()
+    x[1, :group] = 0  # a group of zeros: d = 0
+    x[2, 5] = 2.0**30  # one input dwarfs its group: the others round to 0
+    x[3, :group] = 0
+    x[3, :6] = torch.tensor([127, 0.5, 1.5, 2.5, -0.5, -1.5])  # d = 1: halves, to the even neighbour
+    codes = torch.randint(0, 16, (n, k))
+    scale = (torch.rand(n, k // group) * 0.05).half().float()
+    bias = (torch.randn(n, k // group) * 0.1).half().float()
+    packed, sb = cpukernels.pack_int4(codes, scale, bias + 8 * scale, group)
+    ours = cpukernels.int4_mm(x, packed, sb, group)
+    acc = torch.zeros(m, n)
+    for g in range(k // group):
+        xg = x[:, g * group:(g + 1) * group].float()
+        amax = xg.abs().amax(-1)
+        d = amax / 127
+        inv = torch.where(amax > 0, 127 / amax, torch.zeros(()))
+        xq = (xg * inv[:, None]).round().clamp(-127, 127)  # round: nearest even, as the kernel's nearbyintf
+        isum = (xq.long() @ codes[:, g * group:(g + 1) * group].long().t()).float()  # exact below 2^24
+        acc = _fma(isum, scale[:, g][None] * d[:, None], acc)
+        total = d * xq.sum(-1)
+        acc = _fma(total[:, None].expand(m, n), bias[:, g][None], acc)
+    assert torch.equal(ours, acc.bfloat16())
+    assert torch.equal(cpukernels.int4_mm(x[2:3], packed, sb, group), ours[2:3])
+    # further from the float product than bf16 activations, as llama.cpp's Q8 activations are
+    exact = x.float() @ ((codes - 8).float() * scale.repeat_interleave(group, 1) + (bias + 8 * scale).repeat_interleave(
+        group, 1)).t()
+    err = ((ours.float() - exact).norm(dim=1) / exact.norm(dim=1))[[0, 4, 5]]
+    assert (err < 0.02).all(), err
+    monkeypatch.setattr(cpukernels, "ACTIVATIONS", "fp8")
+    with pytest.raises(ValueError, match="SPECSERVE_CPU_ACTIVATIONS"):
+        cpukernels.int4_mm(x, packed, sb, group)
+
+
 @pytest.mark.skipif(len(ISAS_HERE) < 2, reason="one build runs on this CPU")
 def test_both_builds_compute_the_same_values(monkeypatch):
     """Where both builds run, the AVX2 one computes what the AVX-512 one does (their products, attention, norms
@@ -255,11 +295,20 @@ def test_silu_mul_is_silu_times_up():
     assert torch.equal(cpukernels.silu_mul(gate_up[4:5]), ours[4:5])  # a row as if alone
 
 
-@pytest.mark.parametrize("method", ["int4", "int8"])
+def _quantization(method: str, monkeypatch) -> str:
+    """"int4-q8": int4 weights, int8 activations (SPECSERVE_CPU_ACTIVATIONS=int8)."""
+    if method == "int4-q8":
+        monkeypatch.setattr(cpukernels, "ACTIVATIONS", "int8")
+        return "int4"
+    return method
+
+
+@pytest.mark.parametrize("method", ["int4", "int4-q8", "int8"])
 def test_fused_layers_equal_the_per_op_path(monkeypatch, method):
     """A quantized bf16 model's prompts, decode steps and verify blocks through `FusedLayers` (one call a layer; its
     rotary, residual adds and roundings in C++): the same logits as the per-op path bit for bit, a verify block's
     rows the decode steps'."""
+    method = _quantization(method, monkeypatch)
     model = load_model(tiny_llama(0, vocab=64, layers=2, hidden=128, heads=4, kv_heads=2, dtype=torch.bfloat16),
                        quantization=method).model
     runs = []
@@ -286,12 +335,13 @@ def test_fused_layers_equal_the_per_op_path(monkeypatch, method):
         assert torch.equal(ours, theirs)
 
 
-@pytest.mark.parametrize("method", ["int4", "int8"])
-def test_a_session_resumed_by_prefill_goes_on_with_the_same_logits(method):
+@pytest.mark.parametrize("method", ["int4", "int4-q8", "int8"])
+def test_a_session_resumed_by_prefill_goes_on_with_the_same_logits(method, monkeypatch):
     """Prompts go through the kernels' attention too, so every row of every step is computed as if alone: a
     session whose committed tokens are fed again as one prompt (a worker restarted; a prefix found in the cache)
     gets the logits its uninterrupted run got, bit for bit, beside other sessions or not (below 32 rows, where
     an AVX-512 CPU's layers switch to their dense copy)."""
+    method = _quantization(method, monkeypatch)
     model = load_model(tiny_llama(1, vocab=64, layers=2, hidden=128, heads=4, kv_heads=2, dtype=torch.bfloat16),
                        quantization=method).model
     prompt, generated = list(range(3, 17)), [9, 41, 2, 60, 17, 33]

@@ -19,11 +19,15 @@ from tests.conftest import tiny_llama
 from tests.reference import reference_probs
 
 
-@pytest.mark.parametrize("kernels", ["specserve", "torch"])
+@pytest.mark.parametrize("kernels", ["specserve", "specserve-dense-from-32", "torch"])
 @pytest.mark.parametrize("weight", ["int8", "int4-g32", "int4-g64", "int4-g128"])
 def test_kernels_multiply_by_the_dequantized_weights_row_by_row(weight, kernels, monkeypatch):
-    if kernels == "specserve" and not cpukernels.available():
+    """(specserve-dense-from-32: SPECSERVE_CPU_DENSE_FROM=32, a dense copy from 32 rows where oneDNN has bf16.)"""
+    if kernels != "torch" and not cpukernels.available():
         pytest.skip("specserve's CPU kernels need AVX-512 bf16 or AVX2+FMA+F16C, and g++")
+    if kernels == "specserve-dense-from-32":
+        monkeypatch.setattr(cpukernels, "DENSE_FROM", 32)
+        kernels = "specserve"
     monkeypatch.setattr(cpukernels, "ENABLED", kernels == "specserve")
     torch.manual_seed(0)
     dense = torch.randn(320, 256)
@@ -44,11 +48,11 @@ def test_kernels_multiply_by_the_dequantized_weights_row_by_row(weight, kernels,
     # each row as if alone: a verify block's rows equal decode steps' (greedy identity in bf16 rests on it)
     assert torch.equal(out, torch.cat([packed(x[i : i + 1]) for i in range(len(x))]))
     dense_from = QuantizedLinear(stored, torch.bfloat16, "cpu", dense_from=8)
-    if kernels == "specserve" and not quant.kernels_keep_dense_copy():  # (AVX2 build) the kernels take every row
+    if kernels == "specserve" and not quant.kernels_keep_dense_copy():  # (by default) the kernels take every row
         assert dense_from.dense_from == 0 and dense_from.dense is None and torch.equal(dense_from(x), out)
         return
     rows = dense_from.dense_from  # specserve's kernels keep the quantized weights to more rows than torch's
-    assert rows == (cpukernels.DENSE_FROM if kernels == "specserve" else 8) and rows < len(x)
+    assert rows == (32 if kernels == "specserve" else 8) and rows < len(x)
     assert torch.equal(dense_from(x[: rows - 1]), out[: rows - 1])  # below the threshold: the kernel
     assert close(dense_from(x)) and not torch.equal(dense_from(x), out)  # from it on: the bf16 GEMM
 
@@ -98,7 +102,7 @@ def test_packed_dense_weights_multiply_as_f_linear(monkeypatch):
     assert all(isinstance(t, quant.PackedDense) for t in (w.layers[0][1], w.layers[0][3], w.layers[0][6], w.head))
     copy = QuantizedLinear(Int8Rows.quantize(weight.float()), torch.bfloat16, "cpu", 8).dense
     assert isinstance(copy, quant.PackedDense) if quant.kernels_keep_dense_copy() or not cpukernels.available() \
-        else copy is None  # the AVX2 build keeps none
+        else copy is None  # the kernels keep none unless asked (SPECSERVE_CPU_DENSE_FROM), the AVX2 build never
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

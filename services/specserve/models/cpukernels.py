@@ -40,11 +40,15 @@ ISAS = {
 }
 ISA: str = os.environ.get("SPECSERVE_CPU_ISA", "auto")  # a build of ISAS, or auto: the best this CPU runs
 ENABLED: bool = os.environ.get("SPECSERVE_CPU_KERNELS", "1") != "0"
+# int4 products' activations: "bf16" as given, or "int8" quantized per row and weight group, as llama.cpp's Q4 x
+# Q8 products do (integer dot products: exact, so both builds still compute the same bits)
+ACTIVATIONS: str = os.environ.get("SPECSERVE_CPU_ACTIVATIONS", "bf16")
 # a step's decoder layers as one call each (`FusedLayers`); 0 keeps the per-op path (same values), to compare
 FUSED: bool = os.environ.get("SPECSERVE_FUSED_LAYERS", "1") != "0"
 ROWS = 8  # rows of activations a pass over the weights serves (csrc: kMaxRows)
-# Rows from which a layer with these kernels multiplies its dense bfloat16 copy instead (docs/benchmarks.md).
-DENSE_FROM = 32
+# Rows from which a layer with these kernels multiplies a dense bfloat16 copy (oneDNN, AVX-512 CPUs) instead;
+# 0 (the default): never, so every row is computed as if alone (a faster big step rounds apart from a small one)
+DENSE_FROM: int = int(os.environ.get("SPECSERVE_CPU_DENSE_FROM", "0"))
 
 
 @functools.cache
@@ -110,6 +114,13 @@ def _choose(wanted: str) -> str | None:
     return wanted if runs_here(wanted) else None
 
 
+def int8_activations() -> bool:
+    """Whether int4 products quantize their activations to int8 (`ACTIVATIONS`); an unknown value is an error."""
+    if ACTIVATIONS not in ("bf16", "int8"):
+        raise ValueError(f"SPECSERVE_CPU_ACTIVATIONS must be bf16 or int8, got {ACTIVATIONS!r}")
+    return ACTIVATIONS == "int8"
+
+
 def library() -> ctypes.CDLL | None:
     """The loaded kernels of the chosen build, or None where they cannot run (`describe` says why)."""
     isa = chosen_isa()
@@ -137,14 +148,14 @@ def _load(isa: str) -> ctypes.CDLL | None:
         return None
     lib = ctypes.CDLL(str(path))  # after torch: its OpenMP runtime (libgomp.so.1) is the one loaded
     p, i = ctypes.c_void_p, ctypes.c_int64
-    lib.specserve_int4_mm.argtypes = [p, i, i, p, p, i, p, i, p]
+    lib.specserve_int4_mm.argtypes = lib.specserve_int4q8_mm.argtypes = [p, i, i, p, p, i, p, i, p]
     lib.specserve_int8_mm.argtypes = [p, i, i, p, p, p, i]
     lib.specserve_attend.argtypes = [p, i, p, i, p, i, p, p, i, p, i, i, i, i, ctypes.c_float, i, p]
     lib.specserve_rms_norm.argtypes = [p, i, p, i, i, ctypes.c_float, p]
     lib.specserve_silu_mul.argtypes = [p, i, i, p]
     lib.specserve_layer.argtypes = [p, i, i, p, p, ctypes.c_float, p, p, p, p, p, i, p, i, i, i, i,
                                     ctypes.c_float, i, p, p]
-    for f in (lib.specserve_int4_mm, lib.specserve_int8_mm, lib.specserve_attend, lib.specserve_rms_norm,
+    for f in (lib.specserve_int4_mm, lib.specserve_int4q8_mm, lib.specserve_int8_mm, lib.specserve_attend, lib.specserve_rms_norm,
               lib.specserve_silu_mul, lib.specserve_layer):
         f.restype = None
     lib.specserve_isa.restype = ctypes.c_int
@@ -168,7 +179,8 @@ def describe() -> str:
     if _load(isa) is None:
         return "torch's CPU kernels (specserve's could not be compiled: no g++ or $CXX, or it failed)"
     forced = " (SPECSERVE_CPU_ISA)" if ISA != "auto" else ""
-    return f"specserve's CPU kernels, {ISAS[isa][2]} build{forced}"
+    acts = "int8" if int8_activations() else "bfloat16"
+    return f"specserve's CPU kernels, {ISAS[isa][2]} build{forced}, int4 products of {acts} activations"
 
 
 def fits(out_features: int, in_features: int, group: int | None) -> bool:
@@ -225,8 +237,9 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, sb: torch.Tensor, group: int)
     n = packed.shape[0] * 16
     out = x.new_empty(m, n)
     xsum = torch.empty(m * (k // group), dtype=torch.float32)
-    library().specserve_int4_mm(x.data_ptr(), m, k, packed.data_ptr(), sb.data_ptr(), group, out.data_ptr(), n,
-                                xsum.data_ptr())
+    lib = library()
+    product = lib.specserve_int4q8_mm if int8_activations() else lib.specserve_int4_mm
+    product(x.data_ptr(), m, k, packed.data_ptr(), sb.data_ptr(), group, out.data_ptr(), n, xsum.data_ptr())
     return out
 
 
@@ -332,7 +345,18 @@ class FusedLayers:
         lin = layers[0][2]
         self.hidden, self.inter = h, lin[2].N // 2
         self.qkv = lin[0].N
-        self.max_groups = max(l.K // l.group if l.kind == 4 else 1 for _, _, ls, _, _ in layers for l in ls)
+        self.max_groups = max(l.K // l.group if l.kind in (4, 5) else 1 for _, _, ls, _, _ in layers for l in ls)
+        self.int8_activations = False
+        self._int4_kind()
+
+    def _int4_kind(self) -> None:
+        """The int4 linears' kind for `ACTIVATIONS` now (4: bfloat16 activations, 5: int8), as `int4_mm` reads it."""
+        if self.int8_activations != int8_activations():
+            self.int8_activations = not self.int8_activations
+            for _, _, structs, _, _ in self.layers:
+                for s in structs:
+                    if s.kind in (4, 5):
+                        s.kind = 5 if self.int8_activations else 4
 
     @classmethod
     def plan(cls, w) -> FusedLayers | None:
@@ -362,6 +386,7 @@ class FusedLayers:
             kv_heads: int, head_dim: int, eps: float) -> None:
         """Every layer over x [T, hidden] (bfloat16, contiguous; updated in place) with `attention`'s sequences
         (all of the step's)."""
+        self._int4_kind()
         t = x.shape[0]
         per_row = 2 * self.hidden + 2 * self.qkv + heads * head_dim + 3 * self.inter
         scratch = torch.empty(t * per_row, dtype=torch.bfloat16)

@@ -10,8 +10,8 @@ are fast only there), weights stay packed, and each layer multiplies through tor
 - on AVX-512 CPUs with bfloat16 dot products, specserve's own kernels for both (`cpukernels`), which read the
   weights once for up to 8 rows where torch's read them every 4.
 
-From enough rows on (8 with torch's CPU kernels, `cpukernels.DENSE_FROM` with ours: a batch of streams, a
-prefill chunk) a dense bfloat16 GEMM over the same values beats them (docs/benchmarks.md). A layer
+From enough rows on (8 with torch's CPU kernels; with ours on AVX-512, `cpukernels.DENSE_FROM` when set: a
+batch of streams, a prefill chunk) a dense bfloat16 GEMM over the same values beats them (docs/benchmarks.md). A layer
 therefore also keeps its weights dequantized to bfloat16 when `dense_from` rows or more are common
 (`QuantizedLinear.dense_from`; on CPUs in oneDNN's layout, `PackedDense`, as a dense model's are);
 both compute the same quantized values, the kernel choice only changes rounding in the last bits, as a
@@ -257,10 +257,11 @@ def dense(weight: torch.Tensor | None):
 
 
 def kernels_keep_dense_copy() -> bool:
-    """Whether a layer on specserve's kernels takes `DENSE_FROM`+ rows through a dense bf16 copy: where oneDNN
-    has a bfloat16 GEMM (AVX-512), and not where the AVX2 build runs (forced too, SPECSERVE_CPU_ISA=avx2: then as
-    on a laptop, where torch's bf16 GEMM is far slower than the kernels at any rows)."""
-    return _onednn_bf16() and cpukernels.chosen_isa() != "avx2"
+    """Whether a layer on specserve's kernels takes `DENSE_FROM`+ rows through a dense bf16 copy: only where asked
+    (SPECSERVE_CPU_DENSE_FROM; those rows round apart from the kernels', so a seeded stream's tokens would depend
+    on its batch), where oneDNN has a bfloat16 GEMM (AVX-512), and not where the AVX2 build runs (forced too,
+    SPECSERVE_CPU_ISA=avx2: then as on a laptop, where torch's bf16 GEMM is far slower than the kernels)."""
+    return cpukernels.DENSE_FROM > 0 and _onednn_bf16() and cpukernels.chosen_isa() != "avx2"
 
 
 @functools.cache

@@ -72,6 +72,8 @@ inline float reduce_add(vec a) { return _mm512_reduce_add_ps(a); }
 inline float reduce_max(vec a) { return _mm512_reduce_max_ps(a); }
 inline vec load_f32(const float *p, int64_t n = 16) { return _mm512_maskz_loadu_ps(tail_mask(n), p); }
 inline void store_f32(float *p, vec v, int64_t n = 16) { _mm512_mask_storeu_ps(p, tail_mask(n), v); }
+inline vec load_i32(const int32_t *p) { return _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)p)); }
+inline vec load_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 inline vec load_bf16(const uint16_t *p, int64_t n = 16) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(tail_mask(n), p)), 16));
 }
@@ -257,6 +259,13 @@ inline void store_f32(float *p, vec v, int64_t n = 16) {
   _mm256_maskstore_ps(p + 8, lanes8(hi_lanes(n)), v.hi);
 }
 inline __m256 widen_bf16(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+inline vec load_i32(const int32_t *p) {
+  return {_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)p)),
+          _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(p + 8)))};
+}
+inline vec load_f16(const uint16_t *p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)))};
+}
 inline vec load_bf16(const uint16_t *p, int64_t n = 16) {
   alignas(32) uint16_t tmp[16] = {0};
   if (n < 16) {
@@ -517,7 +526,151 @@ void attend_row(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t
   for (int64_t c = 0; c < chunks; c++) store_bf16(out + c * 16, mul(acc[c], set1(inv)));
 }
 
-// One linear layer of a fused step: kind 4 (int4 groups) or 8 (int8 rows), in the layout of the mm kernels.
+// ---- int4 weights x int8 activations: integer dot products (exact, so every build sums the same) ----
+// Per row m and group g of G inputs: d = max|x| / 127, xq = round(x / d) (nearest even, |xq| <= 127), and
+// y += (scale · d) · sum(q · xq) + bias · (d · sum(xq)), the float part in `vec` as every other product. (The
+// bias meets the quantized sum, as the codes do: with sum(x) the error is that of codes · scale, all >= 0.)
+
+// xq of 4 inputs as two words, [xq0 xq1 xq0 xq1] and [xq2 xq3 xq2 xq3]: the byte pairs vpmaddubsw meets in a
+// 16-bit lane of codes (inputs 4t, 4t + 1 in the low nibbles, 4t + 2, 4t + 3 in the high ones).
+void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int64_t G, int32_t *pairs, float *d, float *xsum) {
+  const int64_t groups = K / G;
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t g = 0; g < groups; g++) {
+      const uint16_t *xg = x + m * K + g * G;
+      float amax = 0.f;
+      for (int64_t k = 0; k < G; k++) amax = fmaxf(amax, fabsf(bf16_to_float(xg[k])));
+      const float dg = amax / 127.0f, inv = amax > 0.f ? 127.0f / amax : 0.f;
+      int32_t total = 0;
+      for (int64_t k = 0; k < G; k += 4) {
+        uint8_t q[4];
+        for (int j = 0; j < 4; j++) {
+          const float r = nearbyintf(bf16_to_float(xg[k + j]) * inv);
+          const int32_t v = (int32_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
+          total += v;
+          q[j] = (uint8_t)(int8_t)v;
+        }
+        int32_t *p = pairs + (m * K + g * G + k) / 2;
+        p[0] = (int32_t)((uint32_t)q[0] | (uint32_t)q[1] << 8 | (uint32_t)q[0] << 16 | (uint32_t)q[1] << 24);
+        p[1] = (int32_t)((uint32_t)q[2] | (uint32_t)q[3] << 8 | (uint32_t)q[2] << 16 | (uint32_t)q[3] << 24);
+      }
+      d[m * groups + g] = dg;
+      xsum[m * groups + g] = dg * (float)total;
+    }
+}
+
+// sums[m][t][i] = sum over inputs [k0, k1) of codes · xq for row m, output i of block nb + t: 16-bit sums of 16
+// inputs (|sum| <= 16 · 15 · 127 < 2^15) with vpmaddubsw, widened to 32 bits. 256-bit registers hold a block's
+// 16 outputs; on AVX-512, 512-bit ones hold two blocks where NT is even (the same integers either way).
+template <int MR, int NT>
+void q8_sums(const int32_t *pairs, int64_t K, const uint8_t *codes, int64_t nb, int64_t k0, int64_t k1,
+             int32_t (*sums)[NT][16]) {
+#if defined(__AVX512BF16__)
+  if constexpr (NT % 2 == 0) {
+    constexpr int P = NT / 2;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512i s32[MR][NT];
+    for (int m = 0; m < MR; m++)
+      for (int t = 0; t < NT; t++) s32[m][t] = _mm512_setzero_si512();
+    for (int64_t c0 = k0; c0 < k1; c0 += 16) {
+      const int64_t c1 = c0 + 16 < k1 ? c0 + 16 : k1;
+      __m512i s16[MR][P];
+      for (int m = 0; m < MR; m++)
+        for (int q = 0; q < P; q++) s16[m][q] = _mm512_setzero_si512();
+      for (int64_t k = c0; k < c1; k += 4) {
+        for (int q = 0; q < P; q++) {
+          const uint8_t *b = codes + ((nb + 2 * q) * (K / 4) + k / 4) * 32;
+          const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)b)),
+                                               _mm256_loadu_si256((const __m256i *)(b + (K / 4) * 32)), 1);
+          const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          for (int m = 0; m < MR; m++) {
+            const int32_t *p = pairs + (m * K + k) / 2;
+            s16[m][q] = _mm512_add_epi16(s16[m][q], _mm512_maddubs_epi16(lo, _mm512_set1_epi32(p[0])));
+            s16[m][q] = _mm512_add_epi16(s16[m][q], _mm512_maddubs_epi16(hi, _mm512_set1_epi32(p[1])));
+          }
+        }
+      }
+      for (int m = 0; m < MR; m++)
+        for (int q = 0; q < P; q++) {
+          s32[m][2 * q] = _mm512_add_epi32(s32[m][2 * q], _mm512_cvtepi16_epi32(_mm512_castsi512_si256(s16[m][q])));
+          s32[m][2 * q + 1] =
+              _mm512_add_epi32(s32[m][2 * q + 1], _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(s16[m][q], 1)));
+        }
+    }
+    for (int m = 0; m < MR; m++)
+      for (int t = 0; t < NT; t++) _mm512_storeu_si512((void *)sums[m][t], s32[m][t]);
+    return;
+  }
+#endif
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  __m256i lo32[MR][NT], hi32[MR][NT];
+  for (int m = 0; m < MR; m++)
+    for (int t = 0; t < NT; t++) lo32[m][t] = hi32[m][t] = _mm256_setzero_si256();
+  for (int64_t c0 = k0; c0 < k1; c0 += 16) {
+    const int64_t c1 = c0 + 16 < k1 ? c0 + 16 : k1;
+    __m256i s16[MR][NT];
+    for (int m = 0; m < MR; m++)
+      for (int t = 0; t < NT; t++) s16[m][t] = _mm256_setzero_si256();
+    for (int64_t k = c0; k < c1; k += 4) {
+      for (int t = 0; t < NT; t++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + ((nb + t) * (K / 4) + k / 4) * 32));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int m = 0; m < MR; m++) {
+          const int32_t *p = pairs + (m * K + k) / 2;
+          s16[m][t] = _mm256_add_epi16(s16[m][t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(p[0])));
+          s16[m][t] = _mm256_add_epi16(s16[m][t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(p[1])));
+        }
+      }
+    }
+    for (int m = 0; m < MR; m++)
+      for (int t = 0; t < NT; t++) {
+        lo32[m][t] = _mm256_add_epi32(lo32[m][t], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16[m][t])));
+        hi32[m][t] = _mm256_add_epi32(hi32[m][t], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16[m][t], 1)));
+      }
+  }
+  for (int m = 0; m < MR; m++)
+    for (int t = 0; t < NT; t++) {
+      _mm256_storeu_si256((__m256i *)sums[m][t], lo32[m][t]);
+      _mm256_storeu_si256((__m256i *)(sums[m][t] + 8), hi32[m][t]);
+    }
+}
+
+// Rows [0, MR) against NT blocks of 16 outputs from block nb.
+template <int MR, int NT>
+void int4q8_tile(const int32_t *pairs, int64_t K, const float *d, const float *xsum, int64_t groups, int64_t G,
+                 const uint8_t *codes, const uint16_t *sb, int64_t nb, uint16_t *out, int64_t N) {
+  alignas(64) float acc[MR][NT][16];
+  alignas(64) int32_t sums[MR][NT][16];
+  for (int m = 0; m < MR; m++)
+    for (int t = 0; t < NT; t++) store_f32(acc[m][t], zero());
+  for (int64_t g = 0; g < groups; g++) {
+    q8_sums<MR, NT>(pairs, K, codes, nb, g * G, (g + 1) * G, sums);
+    for (int t = 0; t < NT; t++) {
+      const uint16_t *s = sb + ((nb + t) * groups + g) * 32;
+      const vec scale = load_f16(s), bias = load_f16(s + 16);
+      for (int m = 0; m < MR; m++) {
+        vec a = load_f32(acc[m][t]);
+        a = fmadd(load_i32(sums[m][t]), mul(scale, set1(d[m * groups + g])), a);
+        a = fmadd(set1(xsum[m * groups + g]), bias, a);
+        store_f32(acc[m][t], a);
+      }
+    }
+  }
+  for (int m = 0; m < MR; m++)
+    for (int t = 0; t < NT; t++) store_bf16(out + m * N + (nb + t) * 16, load_f32(acc[m][t]));
+}
+
+// Blocks per int8-activation tile: a 16-bit sum a block (two a 512-bit register) for each row in registers.
+constexpr int q8_blocks(int rows) {
+#if defined(__AVX512BF16__)
+  return rows <= 3 ? 4 : 2;
+#else
+  return rows <= 2 ? 4 : rows <= 4 ? 2 : 1;
+#endif
+}
+
+// One linear layer of a fused step: kind 4 (int4 groups), 5 (int4 groups, int8 activations) or 8 (int8 rows), in
+// the layout of the mm kernels.
 struct Linear {
   int64_t kind;
   const void *codes;
@@ -533,6 +686,28 @@ extern "C" {
 
 // Which build this is: 512 (AVX-512 with bfloat16 dot products) or 2 (AVX2 + FMA + F16C).
 int specserve_isa() { return kIsa; }
+
+// specserve_int4_mm's product with the activations quantized to int8 per row and group (int4q8_tile).
+void specserve_int4q8_mm(const uint16_t *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *sb,
+                         int64_t G, uint16_t *out, int64_t N, float *xsum) {
+  const int64_t groups = K / G;
+  thread_local std::vector<int32_t> pairs;
+  thread_local std::vector<float> d;
+  pairs.resize(M * K / 2);
+  d.resize(M * groups);
+  quantize_rows(x, M, K, G, pairs.data(), d.data(), xsum);
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+    const int64_t rows = M - m0 < kMaxRows ? M - m0 : kMaxRows;
+    const int32_t *pm = pairs.data() + m0 * K / 2;
+    const float *dm = d.data() + m0 * groups, *sm = xsum + m0 * groups;
+    uint16_t *om = out + m0 * N;
+    by_rows(rows, [&](auto r) {
+      constexpr int MR = decltype(r)::value, NT = q8_blocks(MR);
+      over_blocks<NT>(N / 16, [&](int64_t nb) { int4q8_tile<MR, NT>(pm, K, dm, sm, groups, G, codes, sb, nb, om, N); },
+                      [&](int64_t nb) { int4q8_tile<MR, 1>(pm, K, dm, sm, groups, G, codes, sb, nb, om, N); });
+    });
+  }
+}
 
 // x: bfloat16 [M, K]; codes: N/16 x K/4 x 32 bytes; sb: float16 [N/16, K/G, 2, 16] (scale, bias); out: [M, N];
 // xsum: float scratch of M * K/G. N % 16 == 0, G % 4 == 0, K % G == 0.
@@ -677,6 +852,8 @@ void residual_add(uint16_t *x, const uint16_t *y, int64_t n) {  // x = bfloat16(
 void linear(const Linear &w, const uint16_t *x, int64_t M, uint16_t *out, float *xsum) {
   if (w.kind == 4)
     specserve_int4_mm(x, M, w.K, (const uint8_t *)w.codes, (const uint16_t *)w.scales, w.group, out, w.N, xsum);
+  else if (w.kind == 5)
+    specserve_int4q8_mm(x, M, w.K, (const uint8_t *)w.codes, (const uint16_t *)w.scales, w.group, out, w.N, xsum);
   else
     specserve_int8_mm(x, M, w.K, (const int8_t *)w.codes, (const float *)w.scales, out, w.N);
 }
