@@ -179,8 +179,12 @@ def describe() -> str:
     if _load(isa) is None:
         return "torch's CPU kernels (specserve's could not be compiled: no g++ or $CXX, or it failed)"
     forced = " (SPECSERVE_CPU_ISA)" if ISA != "auto" else ""
+    from specserve.models.quant import kernels_keep_dense_copy
+
     acts = "int8" if int8_activations() else "bfloat16"
-    return f"specserve's CPU kernels, {ISAS[isa][2]} build{forced}, int4 products of {acts} activations"
+    dense = (f", a dense bf16 copy from {DENSE_FROM} rows (SPECSERVE_CPU_DENSE_FROM: rows then depend on the batch)"
+             if kernels_keep_dense_copy() else "")
+    return f"specserve's CPU kernels, {ISAS[isa][2]} build{forced}, int4 products of {acts} activations{dense}"
 
 
 def fits(out_features: int, in_features: int, group: int | None) -> bool:
