@@ -50,6 +50,7 @@ def test_bench_model_draft_writes_json_and_png(model_dirs, tmp_path, capsys):
     runs = {r["method"]: r for r in report["workloads"]["code"]["runs"]}
     assert {"target-only HF generate", "HF assisted (defaults)", "HF assisted k=4", "specserve auto"} <= set(runs)
     assert set(report["verify_cost"]) == {"float32", "bfloat16"}
+    assert report["config"]["bf16_cpu_steps"].startswith(("specserve's CPU kernels", "torch's CPU kernels"))
     for run in runs.values():
         assert run["tokens"] > 0 and run["tokens_per_s"] > 0
         assert run["same_tokens_as_target_only"]  # fp32 greedy: every method emits the same tokens

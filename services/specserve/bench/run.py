@@ -23,7 +23,7 @@ import torch
 from specserve import SamplingParams, SpeculativeDecoder
 from specserve.bench.prompts import SUITE
 from specserve.engine.profile import verify_profile
-from specserve.models import load_model, resolve_draft
+from specserve.models import cpukernels, load_model, resolve_draft
 from specserve.models.lean import unsupported_reason
 from specserve.models.pool import KVPool
 from specserve.speculation.controllers import theorem8_speedup
@@ -298,6 +298,8 @@ def _report(args, decoder, workloads, runs, verify_costs, costs, specs) -> dict:
             "quantization": decoder.target.quantization,
             "device": str(decoder.target.device), "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
             "repeats": args.repeats, "draft_stop_below": args.draft_stop_below, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+            # which kernels a bf16 CPU step takes, with the environment's choices (ISA, activations, dense copy)
+            "bf16_cpu_steps": cpukernels.describe() if decoder.target.device.type == "cpu" else None,
         },
         "verify_cost": verify_costs,
         "c": costs[first][1],
