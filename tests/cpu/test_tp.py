@@ -239,7 +239,7 @@ def test_cached_prefixes_reach_every_rank():
 def test_the_embedded_target_split_over_two_ranks():
     """The shipped Q4_1 target (9 heads, 3 KV heads): each rank packs only its part of the file's int4 blocks;
     logits equal the whole model's up to bfloat16 rounding (the partial sums round per rank), same argmax but
-    at near-ties."""
+    at near-ties, with bf16 or int8 activations (SPECSERVE_CPU_ACTIVATIONS)."""
 
     def steps(pool: KVPool) -> torch.Tensor:
         seqs = [pool.sequence() for _ in range(2)]
@@ -252,7 +252,8 @@ def test_the_embedded_target_split_over_two_ranks():
     split, stats, _ = run_group(2, lambda shard: load_model("embedded", shard=shard).model, steps, tokens=1024)
     assert split.shape == whole.shape == (2 + 3 * 4, 49152)
     diff = (split - whole).abs().max()
-    assert diff < 1.0
+    # (bf16 activations: 0.53 of logits up to 33; int8 ones 1.1: a partial sum's rounding can move an int8 code)
+    assert diff < 0.05 * whole.abs().max()
     # the same argmax, but where the whole model's top two are within the rounding (how near a tie is depends
     # on the CPU's kernels)
     chosen = whole.gather(1, split.argmax(-1, keepdim=True)).squeeze(1)
