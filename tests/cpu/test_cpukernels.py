@@ -38,6 +38,15 @@ def _bf16_products_reference(x, w, order):
     return acc
 
 
+def _int4_weight(n: int, k: int, group: int, codes: torch.Tensor | None = None):
+    """int4 codes (random unless given), float16 scales and biases (w = codes · scale + bias), and their packing:
+    (codes, scale, bias, packed, sb)."""
+    codes = torch.randint(0, 16, (n, k)) if codes is None else codes
+    scale = (torch.rand(n, k // group) * 0.05).half().float()
+    bias = (torch.randn(n, k // group) * 0.1).half().float()
+    return codes, scale, bias, *cpukernels.pack_int4(codes, scale, bias + 8 * scale, group)
+
+
 def _fma(a, b, c):
     """a · b + c rounded once to float32 (the product is exact in float64 for these operands)."""
     return (a.double() * b.double() + c.double()).float()
@@ -59,9 +68,7 @@ def test_quantized_products_round_as_the_dot_product_instruction_defines(isa, mo
     x[2, :8] = torch.tensor([big, 0, small, -big, 0, 0, 0, 0])
     codes4 = torch.randint(0, 16, (n, k))
     codes4[0, :8] = 1
-    scale = (torch.rand(n, k // group) * 0.05).half().float()
-    bias = (torch.randn(n, k // group) * 0.1).half().float()
-    packed, sb = cpukernels.pack_int4(codes4, scale, bias + 8 * scale, group)
+    _, scale, bias, packed, sb = _int4_weight(n, k, group, codes4)
     ours = cpukernels.int4_mm(x, packed, sb, group)
     acc = torch.zeros(m, n)
     for g in range(k // group):
@@ -94,10 +101,7 @@ def test_int8_activation_products_are_exact_integer_sums(isa, monkeypatch):
     x[2, 5] = 2.0**30  # one input dwarfs its group: the others round to 0
     x[3, :group] = 0
     x[3, :6] = torch.tensor([127, 0.5, 1.5, 2.5, -0.5, -1.5])  # d = 1: halves, to the even neighbour
-    codes = torch.randint(0, 16, (n, k))
-    scale = (torch.rand(n, k // group) * 0.05).half().float()
-    bias = (torch.randn(n, k // group) * 0.1).half().float()
-    packed, sb = cpukernels.pack_int4(codes, scale, bias + 8 * scale, group)
+    codes, scale, bias, packed, sb = _int4_weight(n, k, group)
     ours = cpukernels.int4_mm(x, packed, sb, group)
     acc = torch.zeros(m, n)
     for g in range(k // group):
