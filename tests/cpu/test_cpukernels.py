@@ -7,6 +7,8 @@ AVX2 path too, as `SPECSERVE_CPU_ISA=avx2` forces it."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -57,7 +59,7 @@ def test_quantized_products_round_as_the_dot_product_instruction_defines(isa, mo
     then even (vdpbf16ps's definition), int4 groups scaled and biased by one FMA each, bfloat16 out."""
     monkeypatch.setattr(cpukernels, "ACTIVATIONS", "bf16")  # (SPECSERVE_CPU_ACTIVATIONS=int8: the test below)
     torch.manual_seed(0)
-    m, n, k, group = 5, 48, 128, 32
+    m, n, k, group = 13, 48, 128, 32  # two passes of rows over each tile of weights (8 + 5)
     x = (torch.randn(m, k) * 2).bfloat16()
     # rows where the order of the sums shows: 3/64 is lost beside 2^20 in float32, so output 0 (codes 1) is 3/64
     # summed after a cancellation and 0 summed before it
@@ -86,7 +88,9 @@ def test_quantized_products_round_as_the_dot_product_instruction_defines(isa, mo
     ours = cpukernels.int8_mm(x, cpukernels.pack_int8(codes8), scales8)
     assert torch.equal(ours, (_bf16_products_reference(x, codes8, (1, 0)) * scales8).bfloat16())
     # and each row as if alone
-    assert torch.equal(cpukernels.int8_mm(x[2:3], cpukernels.pack_int8(codes8), scales8), ours[2:3])
+    for row in (2, 12):
+        assert torch.equal(cpukernels.int8_mm(x[row:row + 1], cpukernels.pack_int8(codes8), scales8),
+                           ours[row:row + 1])
 
 
 def test_int8_activation_products_are_exact_integer_sums(isa, monkeypatch):
@@ -95,7 +99,7 @@ def test_int8_activation_products_are_exact_integer_sums(isa, monkeypatch):
     scale times d, then one FMA for the sum and one for the bias times d · sum(xq)), every row as if alone."""
     monkeypatch.setattr(cpukernels, "ACTIVATIONS", "int8")
     torch.manual_seed(1)
-    m, n, k, group = 6, 48, 128, 32
+    m, n, k, group = 11, 48, 128, 32  # two passes of rows (8 + 3)
     x = (torch.randn(m, k) * 3).bfloat16()
     x[1, :group] = 0  # a group of zeros: d = 0
     x[2, 5] = 2.0**30  # one input dwarfs its group: the others round to 0
@@ -115,7 +119,8 @@ def test_int8_activation_products_are_exact_integer_sums(isa, monkeypatch):
         total = d * xq.sum(-1)
         acc = _fma(total[:, None].expand(m, n), bias[:, g][None], acc)
     assert torch.equal(ours, acc.bfloat16())
-    assert torch.equal(cpukernels.int4_mm(x[2:3], packed, sb, group), ours[2:3])
+    for row in (2, 10):
+        assert torch.equal(cpukernels.int4_mm(x[row:row + 1], packed, sb, group), ours[row:row + 1])
     # further from the float product than bf16 activations, as llama.cpp's Q8 activations are
     exact = x.float() @ ((codes - 8).float() * scale.repeat_interleave(group, 1) + (bias + 8 * scale).repeat_interleave(
         group, 1)).t()
@@ -221,8 +226,10 @@ def test_attention_reads_and_writes_the_arena_as_the_reference(window):
     assert torch.equal(k_arena[0], before_k[0]) and torch.equal(v_arena[2], before_v[2])
 
 
-def test_attention_rows_do_not_depend_on_the_rest_of_the_step():
-    heads, kv_heads, d = 4, 1, 32
+@pytest.mark.parametrize("heads, kv_heads, d", [(4, 1, 32), (9, 3, 64), (6, 1, 128), (2, 2, 64)])
+def test_attention_rows_do_not_depend_on_the_rest_of_the_step(heads, kv_heads, d):
+    """Bit for bit: a step's row alone, and a verify block's rows against decode steps. (A step of many rows
+    takes a group of query heads that share keys and values at once; a lone row one head at a time.)"""
     torch.manual_seed(2)
     arena = torch.randn(2, 2, kv_heads, 300, d).bfloat16()
     together = _step((arena[0].clone(), arena[1].clone()), [(0, 40, 4), (100, 7, 1), (200, 90, 9)],
@@ -243,6 +250,27 @@ def test_attention_rows_do_not_depend_on_the_rest_of_the_step():
         cpukernels.Attention(step_k, step_v, [0], [40 + i], [1], [0, 1], heads, d**-0.5)(
             1, q[i : i + 1], k[i : i + 1], v[i : i + 1], row)
         assert torch.equal(row, block[i : i + 1]), i
+
+
+@pytest.mark.parametrize("rows", [1, 4], ids=["one row, head by head", "four rows, heads grouped"])
+def test_attention_scores_sum_pairs_as_the_dot_product_instruction_defines(isa, rows):
+    """A score adds each pair of a key's inputs odd then even (vdpbf16ps), whether a head is computed alone or with
+    the others of its group. Key 2 = [0, 2^20, 0 ..., 2^-5, -2^20, 0 ...] (inputs 0, 1 and 32, 33: one lane of the
+    sums) against a query of ones scores 2^-5 (0 in the other order: 2^20 + 2^-5 rounds to 2^20); it is the only
+    key with a value (ones), so every output is e^s / (e^s + 5)."""
+    heads, kv_heads, d, cached = 3, 1, 64, 5
+    k_arena = torch.zeros(2, kv_heads, 64 * rows, d).bfloat16()
+    v_arena = torch.zeros_like(k_arena)
+    for j in range(rows):
+        k_arena[1, 0, 64 * j + 2, [1, 32, 33]] = torch.tensor([2.0**20, 2.0**-5, -(2.0**20)]).bfloat16()
+        v_arena[1, 0, 64 * j + 2] = 1
+    q = torch.ones(rows, heads, d).bfloat16()
+    k, v = torch.zeros(rows, kv_heads, d).bfloat16(), torch.zeros(rows, kv_heads, d).bfloat16()
+    out = torch.empty(rows, heads * d, dtype=torch.bfloat16)
+    cpukernels.Attention(k_arena, v_arena, [64 * j for j in range(rows)], [cached] * rows, [1] * rows,
+                         list(range(rows + 1)), heads, 1.0)(1, q, k, v, out)
+    e = math.exp(2.0**-5)
+    assert torch.equal(out, torch.full_like(out, e / (e + cached)))
 
 
 def test_rms_norm_as_torch_up_to_rounding():

@@ -40,9 +40,9 @@ ISAS = {
 }
 ISA: str = os.environ.get("SPECSERVE_CPU_ISA", "auto")  # a build of ISAS, or auto: the best this CPU runs
 ENABLED: bool = os.environ.get("SPECSERVE_CPU_KERNELS", "1") != "0"
-# int4 products' activations: "bf16" as given, or "int8" quantized per row and weight group, as llama.cpp's Q4 x
-# Q8 products do (integer dot products: exact, so both builds still compute the same bits)
-ACTIVATIONS: str = os.environ.get("SPECSERVE_CPU_ACTIVATIONS", "bf16")
+# int4 products' activations: "int8" quantized per row and weight group, as llama.cpp's Q4 x Q8 products do
+# (integer dot products: exact, so both builds still compute the same bits), or "bf16" as given
+ACTIVATIONS: str = os.environ.get("SPECSERVE_CPU_ACTIVATIONS", "int8")
 # a step's decoder layers as one call each (`FusedLayers`); 0 keeps the per-op path (same values), to compare
 FUSED: bool = os.environ.get("SPECSERVE_FUSED_LAYERS", "1") != "0"
 ROWS = 8  # rows of activations a pass over the weights serves (csrc: kMaxRows)

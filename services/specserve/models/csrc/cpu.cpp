@@ -9,9 +9,9 @@
 // subnormals to zero), so both builds compute the same bits, bfloat16 subnormal inputs aside.
 //
 // Quantized products (models/quant.py):
-// y[m, n] = sum_k x[m, k] * w[n, k] for bfloat16 activations x and int4 or int8 weights w, the weights read
-// once for up to 8 rows of x (torch's CPU kernels read them again for every 4 rows). Codes are widened to
-// exact values and multiplied pairwise with the dot product's roundings.
+// y[m, n] = sum_k x[m, k] * w[n, k] for bfloat16 activations x and int4 or int8 weights w, a tile of weights
+// read from memory once for all rows, in passes of up to 8 rows (torch's CPU kernels read them again for every
+// 4 rows). Codes are widened to exact values and multiplied pairwise with the dot product's roundings.
 //
 // int4 (groups of G inputs, w = (q - 8) * scale + zero): per group, y += scale * sum(x * q) + bias * sum(x)
 // with bias = zero - 8 * scale, both float16 (as GGUF's Q4 blocks store them). Codes of 16 outputs x 4 inputs
@@ -89,6 +89,14 @@ inline vec round_bf16(vec v) {  // v rounded to bfloat16 (nearest even), kept as
 // acc + the dot products of 16 pairs of bfloat16 values (a[2l], a[2l+1]) · (b[2l], b[2l+1]) into lane l
 inline vec dot_bf16(vec acc, const uint16_t *a, const uint16_t *b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a), (__m512bh)_mm512_loadu_si512(b));
+}
+// 32 bfloat16 values loaded once for several dot_pairs (attention: a key row against a group's queries)
+struct pairs32 {
+  __m512i v;
+};
+inline pairs32 load_pairs(const uint16_t *a) { return {_mm512_loadu_si512(a)}; }
+inline vec dot_pairs(vec acc, const pairs32 &a, const pairs32 &b) {  // dot_bf16 of what a and b were loaded from
+  return _mm512_dpbf16_ps(acc, (__m512bh)a.v, (__m512bh)b.v);
 }
 
 // Lane j of the result: the sum of v[j]'s 16 lanes (a transpose as it adds: 45 operations for 16 sums), as
@@ -322,6 +330,20 @@ inline __m256 dot_bf16_8(__m256 acc, const uint16_t *a, const uint16_t *b) {
 inline vec dot_bf16(vec acc, const uint16_t *a, const uint16_t *b) {
   return {dot_bf16_8(acc.lo, a, b), dot_bf16_8(acc.hi, a + 16, b + 16)};
 }
+// 32 bfloat16 values widened once for several dot_pairs: the odd and the even input of each pair, per 16 values
+struct pairs32 {
+  __m256 odd[2], even[2];
+};
+inline pairs32 load_pairs(const uint16_t *a) {
+  const __m256i x0 = _mm256_loadu_si256((const __m256i *)a), x1 = _mm256_loadu_si256((const __m256i *)(a + 16));
+  const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
+  return {{_mm256_castsi256_ps(_mm256_and_si256(x0, odd)), _mm256_castsi256_ps(_mm256_and_si256(x1, odd))},
+          {_mm256_castsi256_ps(_mm256_slli_epi32(x0, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(x1, 16))}};
+}
+inline vec dot_pairs(vec acc, const pairs32 &a, const pairs32 &b) {  // dot_bf16 of what a and b were loaded from
+  return {_mm256_fmadd_ps(a.even[0], b.even[0], _mm256_fmadd_ps(a.odd[0], b.odd[0], acc.lo)),
+          _mm256_fmadd_ps(a.even[1], b.even[1], _mm256_fmadd_ps(a.odd[1], b.odd[1], acc.hi))};
+}
 // The sums of v[0..3]'s 16 lanes each, in sum16's order: s_q of 128-bit lane q of lo (q = 0, 1) and hi (2, 3).
 inline __m128 sum4(const vec *v) {
   auto pairs = [](__m256 a, __m256 b) { return _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b)); };
@@ -472,6 +494,22 @@ void by_rows(int64_t rows, F f) {
   }
 }
 
+// A product over M rows: the weights in tiles of NT blocks (NT = blocks(the first pass's rows)), and inside each
+// tile every pass of up to kMaxRows rows, so a step reads a tile's codes from memory once however many rows it
+// has (later passes find them in the cache). tile(rows constant, NT constant, first row, first block).
+template <int (*blocks)(int), typename Tile>
+void row_passes(int64_t M, int64_t N, Tile tile) {
+  auto passes = [&](auto nt, int64_t nb) {
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
+      by_rows(M - m0 < kMaxRows ? M - m0 : kMaxRows, [&](auto r) { tile(r, nt, m0, nb); });
+  };
+  by_rows(M < kMaxRows ? M : kMaxRows, [&](auto r) {
+    constexpr int NT = blocks(decltype(r)::value);
+    over_blocks<NT>(N / 16, [&](int64_t nb) { passes(std::integral_constant<int, NT>(), nb); },
+                    [&](int64_t nb) { passes(std::integral_constant<int, 1>(), nb); });
+  });
+}
+
 // e^x for x <= 0 (x - max of a softmax): range reduction to |r| <= ln2/2, a degree-6 polynomial.
 inline vec exp_nonpositive(vec x) {
   x = max(x, set1(-87.0f));
@@ -526,6 +564,85 @@ void attend_row(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t
   for (int64_t c = 0; c < chunks; c++) store_bf16(out + c * 16, mul(acc[c], set1(inv)));
 }
 
+// attend_row for GH heads that share their keys and values (grouped-query attention), each head's values as
+// attend_row computes them: a key's and a value's row is loaded (on AVX2 widened) once for the group. q: the
+// heads' query rows, D apart; out likewise. D % 32 == 0, D <= 256.
+template <int GH>
+void attend_heads(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t stride, int64_t L, int64_t D,
+                  float scale, uint16_t *out, std::vector<float> &scores) {
+  scores.resize(GH * (L + 16));
+  const int64_t pitch = L + 16, parts = D / 32, chunks = D / 16;
+  pairs32 qp[GH][8];
+  for (int h = 0; h < GH; h++)
+    for (int64_t c = 0; c < parts; c++) qp[h][c] = load_pairs(q + h * D + c * 32);
+  vec top16[GH];
+  for (int h = 0; h < GH; h++) top16[h] = set1(-INFINITY);
+  for (int64_t t0 = 0; t0 < L; t0 += 16) {
+    const int64_t keys = L - t0 < 16 ? L - t0 : 16;
+    vec dots[GH][16];
+    for (int64_t j = 0; j < 16; j++) {
+      vec acc[GH];
+      for (int h = 0; h < GH; h++) acc[h] = zero();
+      for (int64_t c = 0; j < keys && c < parts; c++) {
+        const pairs32 kp = load_pairs(k + (t0 + j) * stride + c * 32);
+        for (int h = 0; h < GH; h++) acc[h] = dot_pairs(acc[h], kp, qp[h][c]);
+      }
+      for (int h = 0; h < GH; h++) dots[h][j] = acc[h];
+    }
+    for (int h = 0; h < GH; h++) {
+      const vec row = mul(sum16(dots[h]), set1(scale));
+      store_f32(scores.data() + h * pitch + t0, row, keys);
+      top16[h] = max_first(top16[h], row, keys);
+    }
+  }
+  float inv[GH];
+  for (int h = 0; h < GH; h++) {
+    float *s = scores.data() + h * pitch;
+    const vec mx = set1(reduce_max(top16[h]));
+    vec sum = zero();
+    for (int64_t t = 0; t < L; t += 16) {
+      const vec e = keep(exp_nonpositive(sub(load_f32(s + t, L - t), mx)), L - t);
+      store_f32(s + t, e, L - t);
+      sum = add(sum, e);
+    }
+    inv[h] = 1.0f / reduce_add(sum);
+  }
+  constexpr int CB = GH == 1 ? 4 : GH <= 3 ? 2 : 1;  // value chunks a pass: the sums stay in registers
+  for (int64_t c0 = 0; c0 < chunks; c0 += CB) {
+    const int64_t cb = chunks - c0 < CB ? chunks - c0 : CB;
+    vec acc[GH][CB];
+    for (int h = 0; h < GH; h++)
+      for (int i = 0; i < CB; i++) acc[h][i] = zero();
+    for (int64_t t = 0; t < L; t++) {
+      vec row[CB];
+      for (int64_t i = 0; i < cb; i++) row[i] = load_bf16(v + t * stride + (c0 + i) * 16);
+      for (int h = 0; h < GH; h++) {
+        const vec p = set1(scores[h * pitch + t]);
+        for (int64_t i = 0; i < cb; i++) acc[h][i] = fmadd(p, row[i], acc[h][i]);
+      }
+    }
+    for (int h = 0; h < GH; h++)
+      for (int64_t i = 0; i < cb; i++) store_bf16(out + h * D + (c0 + i) * 16, mul(acc[h][i], set1(inv[h])));
+  }
+}
+
+// attend_heads for a runtime group size: groups of up to 4 heads at a time.
+void attend_group(const uint16_t *q, int64_t heads, const uint16_t *k, const uint16_t *v, int64_t stride, int64_t L,
+                  int64_t D, float scale, uint16_t *out, std::vector<float> &scores) {
+  for (int64_t h = 0; h < heads;) {
+    const int64_t n = heads - h >= 4 ? 4 : heads - h;
+    const uint16_t *qh = q + h * D;
+    uint16_t *oh = out + h * D;
+    switch (n) {
+      case 1: attend_heads<1>(qh, k, v, stride, L, D, scale, oh, scores); break;
+      case 2: attend_heads<2>(qh, k, v, stride, L, D, scale, oh, scores); break;
+      case 3: attend_heads<3>(qh, k, v, stride, L, D, scale, oh, scores); break;
+      default: attend_heads<4>(qh, k, v, stride, L, D, scale, oh, scores); break;
+    }
+    h += n;
+  }
+}
+
 // ---- int4 weights x int8 activations: integer dot products (exact, so every build sums the same) ----
 // Per row m and group g of G inputs: d = max|x| / 127, xq = round(x / d) (nearest even, |xq| <= 127), and
 // y += (scale · d) · sum(q · xq) + bias · (d · sum(xq)), the float part in `vec` as every other product. (The
@@ -535,18 +652,22 @@ void attend_row(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t
 // 16-bit lane of codes (inputs 4t, 4t + 1 in the low nibbles, 4t + 2, 4t + 3 in the high ones).
 void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int64_t G, int32_t *pairs, float *d, float *xsum) {
   const int64_t groups = K / G;
+#pragma omp parallel for schedule(static) if (M * K >= 4096)
   for (int64_t m = 0; m < M; m++)
     for (int64_t g = 0; g < groups; g++) {
       const uint16_t *xg = x + m * K + g * G;
-      float amax = 0.f;
-      for (int64_t k = 0; k < G; k++) amax = fmaxf(amax, fabsf(bf16_to_float(xg[k])));
+      alignas(64) float r[16];
+      vec top = zero();
+      for (int64_t k = 0; k < G; k += 16) top = max(top, abs(load_bf16(xg + k, G - k)));
+      const float amax = reduce_max(top);
       const float dg = amax / 127.0f, inv = amax > 0.f ? 127.0f / amax : 0.f;
       int32_t total = 0;
       for (int64_t k = 0; k < G; k += 4) {
+        if (k % 16 == 0) store_f32(r, round_int(mul(load_bf16(xg + k, G - k), set1(inv))));  // nearest even
         uint8_t q[4];
         for (int j = 0; j < 4; j++) {
-          const float r = nearbyintf(bf16_to_float(xg[k + j]) * inv);
-          const int32_t v = (int32_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
+          const float v0 = r[k % 16 + j];
+          const int32_t v = (int32_t)(v0 > 127.f ? 127.f : v0 < -127.f ? -127.f : v0);
           total += v;
           q[j] = (uint8_t)(int8_t)v;
         }
@@ -696,17 +817,12 @@ void specserve_int4q8_mm(const uint16_t *x, int64_t M, int64_t K, const uint8_t 
   pairs.resize(M * K / 2);
   d.resize(M * groups);
   quantize_rows(x, M, K, G, pairs.data(), d.data(), xsum);
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-    const int64_t rows = M - m0 < kMaxRows ? M - m0 : kMaxRows;
-    const int32_t *pm = pairs.data() + m0 * K / 2;
-    const float *dm = d.data() + m0 * groups, *sm = xsum + m0 * groups;
-    uint16_t *om = out + m0 * N;
-    by_rows(rows, [&](auto r) {
-      constexpr int MR = decltype(r)::value, NT = q8_blocks(MR);
-      over_blocks<NT>(N / 16, [&](int64_t nb) { int4q8_tile<MR, NT>(pm, K, dm, sm, groups, G, codes, sb, nb, om, N); },
-                      [&](int64_t nb) { int4q8_tile<MR, 1>(pm, K, dm, sm, groups, G, codes, sb, nb, om, N); });
-    });
-  }
+  const int32_t *xq = pairs.data();  // the calling thread's buffers, by pointer: the tiles run on other threads
+  const float *xd = d.data();
+  row_passes<q8_blocks>(M, N, [&](auto r, auto nt, int64_t m0, int64_t nb) {
+    int4q8_tile<decltype(r)::value, decltype(nt)::value>(xq + m0 * K / 2, K, xd + m0 * groups, xsum + m0 * groups,
+                                                         groups, G, codes, sb, nb, out + m0 * N, N);
+  });
 }
 
 // x: bfloat16 [M, K]; codes: N/16 x K/4 x 32 bytes; sb: float16 [N/16, K/G, 2, 16] (scale, bias); out: [M, N];
@@ -721,33 +837,19 @@ void specserve_int4_mm(const uint16_t *x, int64_t M, int64_t K, const uint8_t *c
       xsum[m * groups + g] = s;
     }
   const act_t *xa = activations(x, M, K, true);
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-    const int64_t rows = M - m0 < kMaxRows ? M - m0 : kMaxRows;
-    const act_t *xm = xa + m0 * K;
-    const float *sm = xsum + m0 * groups;
-    uint16_t *om = out + m0 * N;
-    by_rows(rows, [&](auto r) {
-      constexpr int MR = decltype(r)::value, NT = tile_blocks(MR);
-      over_blocks<NT>(N / 16, [&](int64_t nb) { int4_tile<MR, NT>(xm, K, sm, groups, G, codes, sb, nb, om, N); },
-                      [&](int64_t nb) { int4_tile<MR, 1>(xm, K, sm, groups, G, codes, sb, nb, om, N); });
-    });
-  }
+  row_passes<tile_blocks>(M, N, [&](auto r, auto nt, int64_t m0, int64_t nb) {
+    int4_tile<decltype(r)::value, decltype(nt)::value>(xa + m0 * K, K, xsum + m0 * groups, groups, G, codes, sb, nb,
+                                                       out + m0 * N, N);
+  });
 }
 
 // x: bfloat16 [M, K]; codes: N/16 x K/2 x 32 bytes; scales: float [N]; out: bfloat16 [M, N]. N % 16 == 0, K even.
 void specserve_int8_mm(const uint16_t *x, int64_t M, int64_t K, const int8_t *codes, const float *scales,
                        uint16_t *out, int64_t N) {
   const act_t *xa = activations(x, M, K, false);
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-    const int64_t rows = M - m0 < kMaxRows ? M - m0 : kMaxRows;
-    const act_t *xm = xa + m0 * K;
-    uint16_t *om = out + m0 * N;
-    by_rows(rows, [&](auto r) {
-      constexpr int MR = decltype(r)::value, NT = tile_blocks(MR);
-      over_blocks<NT>(N / 16, [&](int64_t nb) { int8_tile<MR, NT>(xm, K, codes, scales, nb, om, N); },
-                      [&](int64_t nb) { int8_tile<MR, 1>(xm, K, codes, scales, nb, om, N); });
-    });
-  }
+  row_passes<tile_blocks>(M, N, [&](auto r, auto nt, int64_t m0, int64_t nb) {
+    int8_tile<decltype(r)::value, decltype(nt)::value>(xa + m0 * K, K, codes, scales, nb, out + m0 * N, N);
+  });
 }
 
 // Attention of short new blocks against one layer of the pool's arena (k, v: [kv_heads, positions, D], head
@@ -773,18 +875,25 @@ void specserve_attend(const uint16_t *q, int64_t q_stride, const uint16_t *k_new
   task.reserve(2 * rows);
   for (int64_t j = 0; j < nseq; j++)
     for (int64_t i = 0; i < info[4 * j + 2]; i++) task.push_back(j), task.push_back(i);
-  const int64_t group = heads / kv_heads, tasks = rows * heads;
+  // a task: one head, or, with enough rows to keep every thread busy, a group of heads that share keys and values
+  const int64_t group = heads / kv_heads;
+  const int64_t per = group > 1 && rows * kv_heads >= 2 * omp_get_max_threads() ? group : 1;
+  const int64_t per_row = heads / per, tasks = rows * per_row;
 #pragma omp parallel
   {
     std::vector<float> scores;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t x = 0; x < tasks; x++) {
-      const int64_t j = task[2 * (x / heads)], i = task[2 * (x / heads) + 1], h = x % heads;
+      const int64_t j = task[2 * (x / per_row)], i = task[2 * (x / per_row) + 1], h = x % per_row * per;
       const int64_t base = info[4 * j], start = info[4 * j + 1], row = info[4 * j + 3] + i;
       const int64_t g = h / group, seen = start + i + 1;
       const int64_t lo = window > 0 && seen > window ? seen - window : 0;  // key t seen iff t > position - window
-      attend_row(q + row * q_stride + h * D, k + g * head_stride + (base + lo) * D,
-                 v + g * head_stride + (base + lo) * D, D, seen - lo, D, scale, out + row * heads * D + h * D, scores);
+      const uint16_t *kg = k + g * head_stride + (base + lo) * D, *vg = v + g * head_stride + (base + lo) * D;
+      if (per == 1)
+        attend_row(q + row * q_stride + h * D, kg, vg, D, seen - lo, D, scale, out + row * heads * D + h * D, scores);
+      else
+        attend_group(q + row * q_stride + h * D, per, kg, vg, D, seen - lo, D, scale, out + row * heads * D + h * D,
+                     scores);
     }
   }
 }
