@@ -30,6 +30,10 @@ namespace {
 
 constexpr int kMaxRows = 8;
 
+// Codes a little ahead of those read now: a tile's codes cross 4 KB pages, where the hardware's prefetchers stop
+// (a 16-row step of int4 x int8 tiles stalled on ~20% of its code loads without it).
+inline void ahead(const void *p) { _mm_prefetch((const char *)p + 1024, _MM_HINT_T0); }
+
 float bf16_to_float(uint16_t v) {
   uint32_t bits = (uint32_t)v << 16;
   float f;
@@ -147,6 +151,7 @@ void int4_tile(const act_t *x, int64_t K, const float *xsum, int64_t groups, int
     for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
       for (int t = 0; t < NT; t++) {
         const uint8_t *c = codes + ((nb + t) * (K / 4) + k / 4) * 32;
+        ahead(c);
         __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)c));
         __m512i lo = _mm512_permutexvar_epi16(_mm512_and_si512(w, low), table);
         __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
@@ -179,6 +184,7 @@ void int8_tile(const act_t *x, int64_t K, const int8_t *codes, const float *scal
   for (int64_t k = 0; k < K; k += 2) {
     for (int t = 0; t < NT; t++) {
       const int8_t *c = codes + ((nb + t) * (K / 2) + k / 2) * 32;
+      ahead(c);
       __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
       __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
       __m512i w = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // exact: |code| <= 127
@@ -398,6 +404,7 @@ void int4_tile(const act_t *x, int64_t K, const float *xsum, int64_t groups, int
         for (int c = 0; c < C; c++) {
           // lane i: bytes 2i and 2i+1 of the half: inputs k, k+2 in byte 2i's nibbles, k+1, k+3 in byte 2i+1's
           const uint8_t *b = codes + ((nb + c / H) * (K / 4) + k / 4) * 32 + 16 * (h0 + c % H);
+          ahead(b);
           const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)b));
           const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(w, f0));
           const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(w, f1));
@@ -439,6 +446,7 @@ void int8_tile(const act_t *x, int64_t K, const int8_t *codes, const float *scal
       for (int c = 0; c < C; c++) {
         // lane i: bytes 2i (input k) and 2i+1 (input k+1) of the half, as one sign-extended 16-bit value
         const int8_t *b = codes + ((nb + c / H) * (K / 2) + k / 2) * 32 + 16 * (h0 + c % H);
+        ahead(b);
         const __m256i w = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)b));
         const __m256 w0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 24), 24));
         const __m256 w1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(w, 8));
@@ -701,6 +709,8 @@ void q8_sums(const int32_t *pairs, int64_t K, const uint8_t *codes, int64_t nb, 
       for (int64_t k = c0; k < c1; k += 4) {
         for (int q = 0; q < P; q++) {
           const uint8_t *b = codes + ((nb + 2 * q) * (K / 4) + k / 4) * 32;
+          ahead(b);
+          ahead(b + (K / 4) * 32);
           const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)b)),
                                                _mm256_loadu_si256((const __m256i *)(b + (K / 4) * 32)), 1);
           const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -734,7 +744,9 @@ void q8_sums(const int32_t *pairs, int64_t K, const uint8_t *codes, int64_t nb, 
       for (int t = 0; t < NT; t++) s16[m][t] = _mm256_setzero_si256();
     for (int64_t k = c0; k < c1; k += 4) {
       for (int t = 0; t < NT; t++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + ((nb + t) * (K / 4) + k / 4) * 32));
+        const uint8_t *b = codes + ((nb + t) * (K / 4) + k / 4) * 32;
+        ahead(b);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)b);
         const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         for (int m = 0; m < MR; m++) {
           const int32_t *p = pairs + (m * K + k) / 2;
@@ -922,6 +934,7 @@ void specserve_rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *wei
 // act[t, i] = bfloat16(bfloat16(silu(gate)) · up) for gate_up [T, 2I] (gate first): SiLU in float32.
 void specserve_silu_mul(const uint16_t *gate_up, int64_t T, int64_t I, uint16_t *act) {
   const vec one = set1(1.0f);
+#pragma omp parallel for schedule(static) if (T >= 4)
   for (int64_t t = 0; t < T; t++) {
     const uint16_t *g = gate_up + t * 2 * I, *u = g + I;
     for (int64_t i = 0; i < I; i += 16) {
