@@ -534,47 +534,10 @@ inline vec exp_nonpositive(vec x) {
   return scale2(p, n);
 }
 
-// One query row of one head against keys [0, L) (rows of D bfloat16 values, `stride` apart): softmax(q·k ·
-// scale) · v into out. D % 32 == 0, D <= 256.
-void attend_row(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t stride, int64_t L, int64_t D,
-                float scale, uint16_t *out, std::vector<float> &scores) {
-  scores.resize(L + 16);
-  float *s = scores.data();
-  vec top16 = set1(-INFINITY);
-  for (int64_t t0 = 0; t0 < L; t0 += 16) {  // 16 keys' dot products, summed across lanes together
-    const int64_t keys = L - t0 < 16 ? L - t0 : 16;
-    vec dots[16];
-    for (int64_t j = 0; j < 16; j++) {
-      vec acc = zero();
-      for (int64_t c = 0; j < keys && c < D; c += 32) acc = dot_bf16(acc, k + (t0 + j) * stride + c, q + c);
-      dots[j] = acc;
-    }
-    const vec row = mul(sum16(dots), set1(scale));
-    store_f32(s + t0, row, keys);
-    top16 = max_first(top16, row, keys);
-  }
-  const float top = reduce_max(top16);
-  vec sum = zero();
-  const vec mx = set1(top);
-  for (int64_t t = 0; t < L; t += 16) {
-    const vec e = keep(exp_nonpositive(sub(load_f32(s + t, L - t), mx)), L - t);
-    store_f32(s + t, e, L - t);
-    sum = add(sum, e);
-  }
-  const float inv = 1.0f / reduce_add(sum);
-  vec acc[16];  // D / 16 <= 16
-  const int64_t chunks = D / 16;
-  for (int64_t c = 0; c < chunks; c++) acc[c] = zero();
-  for (int64_t t = 0; t < L; t++) {
-    const vec p = set1(s[t]);
-    for (int64_t c = 0; c < chunks; c++) acc[c] = fmadd(p, load_bf16(v + t * stride + c * 16), acc[c]);
-  }
-  for (int64_t c = 0; c < chunks; c++) store_bf16(out + c * 16, mul(acc[c], set1(inv)));
-}
-
-// attend_row for GH heads that share their keys and values (grouped-query attention), each head's values as
-// attend_row computes them: a key's and a value's row is loaded (on AVX2 widened) once for the group. q: the
-// heads' query rows, D apart; out likewise. D % 32 == 0, D <= 256.
+// One query row of GH heads that share their keys and values (grouped-query attention) against keys [0, L)
+// (rows of D bfloat16 values, `stride` apart): softmax(q·k · scale) · v for each head, computed as for a head
+// alone; a key's and a value's row is loaded (on AVX2 widened) once for the group. q: the heads' query rows, D
+// apart; out likewise. D % 32 == 0, D <= 256.
 template <int GH>
 void attend_heads(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t stride, int64_t L, int64_t D,
                   float scale, uint16_t *out, std::vector<float> &scores) {
@@ -901,11 +864,8 @@ void specserve_attend(const uint16_t *q, int64_t q_stride, const uint16_t *k_new
       const int64_t g = h / group, seen = start + i + 1;
       const int64_t lo = window > 0 && seen > window ? seen - window : 0;  // key t seen iff t > position - window
       const uint16_t *kg = k + g * head_stride + (base + lo) * D, *vg = v + g * head_stride + (base + lo) * D;
-      if (per == 1)
-        attend_row(q + row * q_stride + h * D, kg, vg, D, seen - lo, D, scale, out + row * heads * D + h * D, scores);
-      else
-        attend_group(q + row * q_stride + h * D, per, kg, vg, D, seen - lo, D, scale, out + row * heads * D + h * D,
-                     scores);
+      attend_group(q + row * q_stride + h * D, per, kg, vg, D, seen - lo, D, scale, out + row * heads * D + h * D,
+                   scores);
     }
   }
 }
