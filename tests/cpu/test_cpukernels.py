@@ -93,19 +93,24 @@ def test_quantized_products_round_as_the_dot_product_instruction_defines(isa, mo
                            ours[row:row + 1])
 
 
-def test_int8_activation_products_are_exact_integer_sums(isa, monkeypatch):
+@pytest.mark.parametrize("group", [32, 64])
+def test_int8_activation_products_are_exact_integer_sums(isa, monkeypatch, group):
     """With SPECSERVE_CPU_ACTIVATIONS=int8 an int4 product quantizes each row's group of inputs to int8 (d = max|x|
     / 127, nearest even) and sums codes · xq exactly: it equals a reference of that arithmetic bit for bit (the
     scale times d, then one FMA for the sum and one for the bias times d · sum(xq)), every row as if alone."""
     monkeypatch.setattr(cpukernels, "ACTIVATIONS", "int8")
     torch.manual_seed(1)
-    m, n, k, group = 11, 48, 128, 32  # two passes of rows (8 + 3)
+    m, n, k = 11, 48, 128  # two passes of rows (8 + 3)
     x = (torch.randn(m, k) * 3).bfloat16()
     x[1, :group] = 0  # a group of zeros: d = 0
     x[2, 5] = 2.0**30  # one input dwarfs its group: the others round to 0
     x[3, :group] = 0
     x[3, :6] = torch.tensor([127, 0.5, 1.5, 2.5, -0.5, -1.5])  # d = 1: halves, to the even neighbour
-    codes, scale, bias, packed, sb = _int4_weight(n, k, group)
+    # sums past 16 bits: every xq of the group ±127 against codes 15 and 0 (|sum| 32 · 15 · 127 for a group of 32)
+    x[4, :group], x[5, :group] = 1.0, -1.0
+    codes = torch.randint(0, 16, (n, k))
+    codes[1, :group], codes[2, :group] = 15, 0
+    codes, scale, bias, packed, sb = _int4_weight(n, k, group, codes)
     ours = cpukernels.int4_mm(x, packed, sb, group)
     acc = torch.zeros(m, n)
     for g in range(k // group):
@@ -119,12 +124,12 @@ def test_int8_activation_products_are_exact_integer_sums(isa, monkeypatch):
         total = d * xq.sum(-1)
         acc = _fma(total[:, None].expand(m, n), bias[:, g][None], acc)
     assert torch.equal(ours, acc.bfloat16())
-    for row in (2, 10):
+    for row in (2, 4, 10):
         assert torch.equal(cpukernels.int4_mm(x[row:row + 1], packed, sb, group), ours[row:row + 1])
     # further from the float product than bf16 activations, as llama.cpp's Q8 activations are
     exact = x.float() @ ((codes - 8).float() * scale.repeat_interleave(group, 1) + (bias + 8 * scale).repeat_interleave(
         group, 1)).t()
-    err = ((ours.float() - exact).norm(dim=1) / exact.norm(dim=1))[[0, 4, 5]]
+    err = ((ours.float() - exact).norm(dim=1) / exact.norm(dim=1))[[0, 6, 7]]
     assert (err < 0.02).all(), err
     monkeypatch.setattr(cpukernels, "ACTIVATIONS", "fp8")
     with pytest.raises(ValueError, match="SPECSERVE_CPU_ACTIVATIONS"):

@@ -62,6 +62,7 @@ inline vec sub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 inline vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline vec div(vec a, vec b) { return _mm512_div_ps(a, b); }
 inline vec max(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline vec min(vec a, vec b) { return _mm512_min_ps(a, b); }
 inline vec fmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }    // a·b + c
 inline vec fnmadd(vec a, vec b, vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a·b
 inline vec abs(vec a) { return _mm512_abs_ps(a); }
@@ -89,6 +90,12 @@ inline vec round_bf16(vec v) {  // v rounded to bfloat16 (nearest even), kept as
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
   b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
   return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32((int)0xffff0000u)));
+}
+// 16 integral values in [-127, 127] as int8, each pair of inputs twice in a word: [q0 q1 q0 q1] [q2 q3 q2 q3] ...
+inline void store_q8_pairs(int32_t *p, vec v) {
+  const __m128i b = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v));
+  _mm_storeu_si128((__m128i *)p, _mm_unpacklo_epi16(b, b));
+  _mm_storeu_si128((__m128i *)(p + 4), _mm_unpackhi_epi16(b, b));
 }
 // acc + the dot products of 16 pairs of bfloat16 values (a[2l], a[2l+1]) · (b[2l], b[2l+1]) into lane l
 inline vec dot_bf16(vec acc, const uint16_t *a, const uint16_t *b) {
@@ -218,6 +225,7 @@ inline vec sub(vec a, vec b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(
 inline vec mul(vec a, vec b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline vec div(vec a, vec b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
 inline vec max(vec a, vec b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline vec min(vec a, vec b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
 inline vec fmadd(vec a, vec b, vec c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 inline vec fnmadd(vec a, vec b, vec c) {
   return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
@@ -322,6 +330,14 @@ inline vec round_bf16(vec v) {
     return _mm256_castsi256_ps(_mm256_and_si256(b, top));
   };
   return {half(v.lo), half(v.hi)};
+}
+// 16 integral values in [-127, 127] as int8, each pair of inputs twice in a word: [q0 q1 q0 q1] [q2 q3 q2 q3] ...
+inline void store_q8_pairs(int32_t *p, vec v) {
+  const __m256i w = _mm256_permute4x64_epi64(
+      _mm256_packs_epi32(_mm256_cvtps_epi32(v.lo), _mm256_cvtps_epi32(v.hi)), 0xd8);  // 16 int16, in order
+  const __m128i b = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+  _mm_storeu_si128((__m128i *)p, _mm_unpacklo_epi16(b, b));
+  _mm_storeu_si128((__m128i *)(p + 4), _mm_unpackhi_epi16(b, b));
 }
 // 8 lanes of vdpbf16ps: lane l += a[2l+1]·b[2l+1], then += a[2l]·b[2l] (a product of bfloat16 values is exact
 // in float32, so an FMA rounds each sum once, as the instruction does)
@@ -621,7 +637,9 @@ void attend_group(const uint16_t *q, int64_t heads, const uint16_t *k, const uin
 
 // xq of 4 inputs as two words, [xq0 xq1 xq0 xq1] and [xq2 xq3 xq2 xq3]: the byte pairs vpmaddubsw meets in a
 // 16-bit lane of codes (inputs 4t, 4t + 1 in the low nibbles, 4t + 2, 4t + 3 in the high ones).
-void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int64_t G, int32_t *pairs, float *d, float *xsum) {
+// total[m, g] = sum(xq) of the group (for q8_sums), xsum[m, g] = d · total[m, g].
+void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int64_t G, int32_t *pairs, float *d, float *xsum,
+                   int32_t *total) {
   const int64_t groups = K / G;
 #pragma omp parallel for schedule(static) if (M * K >= 4096)
   for (int64_t m = 0; m < M; m++)
@@ -632,14 +650,23 @@ void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int64_t G, int32_t *
       for (int64_t k = 0; k < G; k += 16) top = max(top, abs(load_bf16(xg + k, G - k)));
       const float amax = reduce_max(top);
       const float dg = amax / 127.0f, inv = amax > 0.f ? 127.0f / amax : 0.f;
-      int32_t total = 0;
-      for (int64_t k = 0; k < G; k += 4) {
+      int32_t sum = 0;
+      if (G % 16 == 0) {
+        vec total16 = zero();  // integers below 2^24: float sums are exact
+        for (int64_t k = 0; k < G; k += 16) {
+          const vec r = max(set1(-127.f), min(set1(127.f), round_int(mul(load_bf16(xg + k), set1(inv)))));
+          total16 = add(total16, r);
+          store_q8_pairs(pairs + (m * K + g * G + k) / 2, r);
+        }
+        sum = (int32_t)reduce_add(total16);
+      }
+      for (int64_t k = 0; G % 16 != 0 && k < G; k += 4) {
         if (k % 16 == 0) store_f32(r, round_int(mul(load_bf16(xg + k, G - k), set1(inv))));  // nearest even
         uint8_t q[4];
         for (int j = 0; j < 4; j++) {
           const float v0 = r[k % 16 + j];
           const int32_t v = (int32_t)(v0 > 127.f ? 127.f : v0 < -127.f ? -127.f : v0);
-          total += v;
+          sum += v;
           q[j] = (uint8_t)(int8_t)v;
         }
         int32_t *p = pairs + (m * K + g * G + k) / 2;
@@ -647,16 +674,19 @@ void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int64_t G, int32_t *
         p[1] = (int32_t)((uint32_t)q[2] | (uint32_t)q[3] << 8 | (uint32_t)q[2] << 16 | (uint32_t)q[3] << 24);
       }
       d[m * groups + g] = dg;
-      xsum[m * groups + g] = dg * (float)total;
+      xsum[m * groups + g] = dg * (float)sum;
+      total[m * groups + g] = sum;
     }
 }
 
 // sums[m][t][i] = sum over inputs [k0, k1) of codes · xq for row m, output i of block nb + t: 16-bit sums of 16
 // inputs (|sum| <= 16 · 15 · 127 < 2^15) with vpmaddubsw, widened to 32 bits. 256-bit registers hold a block's
-// 16 outputs; on AVX-512, 512-bit ones hold two blocks where NT is even (the same integers either way).
+// 16 outputs; on AVX-512, 512-bit ones hold two blocks where NT is even (the same integers either way). On AVX2 a
+// group of 32 inputs is summed in 16 bits whole, wrapping: S - 8 · sum(xq) = sum((q - 8) · xq) lies within
+// 32 · 8 · 127 < 2^15, so that difference modulo 2^16 is exact, and S is it plus 8 · sum(xq) (total[m · groups]).
 template <int MR, int NT>
 void q8_sums(const int32_t *pairs, int64_t K, const uint8_t *codes, int64_t nb, int64_t k0, int64_t k1,
-             int32_t (*sums)[NT][16]) {
+             const int32_t *total, int64_t groups, int32_t (*sums)[NT][16]) {
 #if defined(__AVX512BF16__)
   if constexpr (NT % 2 == 0) {
     constexpr int P = NT / 2;
@@ -697,24 +727,56 @@ void q8_sums(const int32_t *pairs, int64_t K, const uint8_t *codes, int64_t nb, 
   }
 #endif
   const __m256i low = _mm256_set1_epi8(0x0f);
-  __m256i lo32[MR][NT], hi32[MR][NT];
-  for (int m = 0; m < MR; m++)
-    for (int t = 0; t < NT; t++) lo32[m][t] = hi32[m][t] = _mm256_setzero_si256();
-  for (int64_t c0 = k0; c0 < k1; c0 += 16) {
-    const int64_t c1 = c0 + 16 < k1 ? c0 + 16 : k1;
+  // rows' and blocks' first addresses, indexed by an unsigned offset: no address arithmetic a row in the loop
+  const int32_t *row[MR];
+  for (int m = 0; m < MR; m++) row[m] = pairs + m * (K / 2);
+  const uint8_t *block[NT];
+  for (int t = 0; t < NT; t++) block[t] = codes + (nb + t) * (K / 4) * 32;
+  if (k1 - k0 == 32) {
     __m256i s16[MR][NT];
     for (int m = 0; m < MR; m++)
       for (int t = 0; t < NT; t++) s16[m][t] = _mm256_setzero_si256();
-    for (int64_t k = c0; k < c1; k += 4) {
+    for (uint64_t j = (uint64_t)k0 / 2; j < (uint64_t)k1 / 2; j += 2) {  // inputs 2j .. 2j + 3
       for (int t = 0; t < NT; t++) {
-        const uint8_t *b = codes + ((nb + t) * (K / 4) + k / 4) * 32;
+        const uint8_t *b = block[t] + j * 16;
         ahead(b);
         const __m256i v = _mm256_loadu_si256((const __m256i *)b);
         const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         for (int m = 0; m < MR; m++) {
-          const int32_t *p = pairs + (m * K + k) / 2;
-          s16[m][t] = _mm256_add_epi16(s16[m][t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(p[0])));
-          s16[m][t] = _mm256_add_epi16(s16[m][t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(p[1])));
+          s16[m][t] = _mm256_add_epi16(s16[m][t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(row[m][j])));
+          s16[m][t] = _mm256_add_epi16(s16[m][t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(row[m][j + 1])));
+        }
+      }
+    }
+    for (int m = 0; m < MR; m++) {
+      const int32_t eight = 8 * total[m * groups];
+      const __m256i e16 = _mm256_set1_epi16((int16_t)(uint16_t)eight), e32 = _mm256_set1_epi32(eight);
+      for (int t = 0; t < NT; t++) {
+        const __m256i s = _mm256_sub_epi16(s16[m][t], e16);
+        _mm256_storeu_si256((__m256i *)sums[m][t], _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(s)), e32));
+        _mm256_storeu_si256((__m256i *)(sums[m][t] + 8),
+                            _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(s, 1)), e32));
+      }
+    }
+    return;
+  }
+  __m256i lo32[MR][NT], hi32[MR][NT];
+  for (int m = 0; m < MR; m++)
+    for (int t = 0; t < NT; t++) lo32[m][t] = hi32[m][t] = _mm256_setzero_si256();
+  for (int64_t c0 = k0; c0 < k1; c0 += 16) {
+    const uint64_t end = (uint64_t)(c0 + 16 < k1 ? c0 + 16 : k1) / 2;
+    __m256i s16[MR][NT];
+    for (int m = 0; m < MR; m++)
+      for (int t = 0; t < NT; t++) s16[m][t] = _mm256_setzero_si256();
+    for (uint64_t j = (uint64_t)c0 / 2; j < end; j += 2) {  // inputs 2j .. 2j + 3
+      for (int t = 0; t < NT; t++) {
+        const uint8_t *b = block[t] + j * 16;
+        ahead(b);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)b);
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int m = 0; m < MR; m++) {
+          s16[m][t] = _mm256_add_epi16(s16[m][t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(row[m][j])));
+          s16[m][t] = _mm256_add_epi16(s16[m][t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(row[m][j + 1])));
         }
       }
     }
@@ -733,14 +795,15 @@ void q8_sums(const int32_t *pairs, int64_t K, const uint8_t *codes, int64_t nb, 
 
 // Rows [0, MR) against NT blocks of 16 outputs from block nb.
 template <int MR, int NT>
-void int4q8_tile(const int32_t *pairs, int64_t K, const float *d, const float *xsum, int64_t groups, int64_t G,
-                 const uint8_t *codes, const uint16_t *sb, int64_t nb, uint16_t *out, int64_t N) {
+void int4q8_tile(const int32_t *pairs, int64_t K, const float *d, const float *xsum, const int32_t *total,
+                 int64_t groups, int64_t G, const uint8_t *codes, const uint16_t *sb, int64_t nb, uint16_t *out,
+                 int64_t N) {
   alignas(64) float acc[MR][NT][16];
   alignas(64) int32_t sums[MR][NT][16];
   for (int m = 0; m < MR; m++)
     for (int t = 0; t < NT; t++) store_f32(acc[m][t], zero());
   for (int64_t g = 0; g < groups; g++) {
-    q8_sums<MR, NT>(pairs, K, codes, nb, g * G, (g + 1) * G, sums);
+    q8_sums<MR, NT>(pairs, K, codes, nb, g * G, (g + 1) * G, total + g, groups, sums);
     for (int t = 0; t < NT; t++) {
       const uint16_t *s = sb + ((nb + t) * groups + g) * 32;
       const vec scale = load_f16(s), bias = load_f16(s + 16);
@@ -789,14 +852,16 @@ void specserve_int4q8_mm(const uint16_t *x, int64_t M, int64_t K, const uint8_t 
   const int64_t groups = K / G;
   thread_local std::vector<int32_t> pairs;
   thread_local std::vector<float> d;
+  thread_local std::vector<int32_t> total;
   pairs.resize(M * K / 2);
   d.resize(M * groups);
-  quantize_rows(x, M, K, G, pairs.data(), d.data(), xsum);
-  const int32_t *xq = pairs.data();  // the calling thread's buffers, by pointer: the tiles run on other threads
+  total.resize(M * groups);
+  quantize_rows(x, M, K, G, pairs.data(), d.data(), xsum, total.data());
+  const int32_t *xq = pairs.data(), *xt = total.data();  // the calling thread's, by pointer: tiles run elsewhere
   const float *xd = d.data();
   row_passes<q8_blocks>(M, N, [&](auto r, auto nt, int64_t m0, int64_t nb) {
     int4q8_tile<decltype(r)::value, decltype(nt)::value>(xq + m0 * K / 2, K, xd + m0 * groups, xsum + m0 * groups,
-                                                         groups, G, codes, sb, nb, out + m0 * N, N);
+                                                         xt + m0 * groups, groups, G, codes, sb, nb, out + m0 * N, N);
   });
 }
 
