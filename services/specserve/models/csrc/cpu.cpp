@@ -659,19 +659,20 @@ void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int64_t G, int32_t *
           store_q8_pairs(pairs + (m * K + g * G + k) / 2, r);
         }
         sum = (int32_t)reduce_add(total16);
-      }
-      for (int64_t k = 0; G % 16 != 0 && k < G; k += 4) {
-        if (k % 16 == 0) store_f32(r, round_int(mul(load_bf16(xg + k, G - k), set1(inv))));  // nearest even
-        uint8_t q[4];
-        for (int j = 0; j < 4; j++) {
-          const float v0 = r[k % 16 + j];
-          const int32_t v = (int32_t)(v0 > 127.f ? 127.f : v0 < -127.f ? -127.f : v0);
-          sum += v;
-          q[j] = (uint8_t)(int8_t)v;
+      } else {
+        for (int64_t k = 0; k < G; k += 4) {
+          if (k % 16 == 0) store_f32(r, round_int(mul(load_bf16(xg + k, G - k), set1(inv))));  // nearest even
+          uint8_t q[4];
+          for (int j = 0; j < 4; j++) {
+            const float v0 = r[k % 16 + j];
+            const int32_t v = (int32_t)(v0 > 127.f ? 127.f : v0 < -127.f ? -127.f : v0);
+            sum += v;
+            q[j] = (uint8_t)(int8_t)v;
+          }
+          int32_t *p = pairs + (m * K + g * G + k) / 2;
+          p[0] = (int32_t)((uint32_t)q[0] | (uint32_t)q[1] << 8 | (uint32_t)q[0] << 16 | (uint32_t)q[1] << 24);
+          p[1] = (int32_t)((uint32_t)q[2] | (uint32_t)q[3] << 8 | (uint32_t)q[2] << 16 | (uint32_t)q[3] << 24);
         }
-        int32_t *p = pairs + (m * K + g * G + k) / 2;
-        p[0] = (int32_t)((uint32_t)q[0] | (uint32_t)q[1] << 8 | (uint32_t)q[0] << 16 | (uint32_t)q[1] << 24);
-        p[1] = (int32_t)((uint32_t)q[2] | (uint32_t)q[3] << 8 | (uint32_t)q[2] << 16 | (uint32_t)q[3] << 24);
       }
       d[m * groups + g] = dg;
       xsum[m * groups + g] = dg * (float)sum;
@@ -732,11 +733,11 @@ void q8_sums(const int32_t *pairs, int64_t K, const uint8_t *codes, int64_t nb, 
   for (int m = 0; m < MR; m++) row[m] = pairs + m * (K / 2);
   const uint8_t *block[NT];
   for (int t = 0; t < NT; t++) block[t] = codes + (nb + t) * (K / 4) * 32;
-  if (k1 - k0 == 32) {
-    __m256i s16[MR][NT];
+  // s16 = 16-bit sums (wrapping) over inputs [2 · j0, 2 · j1)
+  auto sum16 = [&](__m256i (&s16)[MR][NT], uint64_t j0, uint64_t j1) {
     for (int m = 0; m < MR; m++)
       for (int t = 0; t < NT; t++) s16[m][t] = _mm256_setzero_si256();
-    for (uint64_t j = (uint64_t)k0 / 2; j < (uint64_t)k1 / 2; j += 2) {  // inputs 2j .. 2j + 3
+    for (uint64_t j = j0; j < j1; j += 2) {  // inputs 2j .. 2j + 3
       for (int t = 0; t < NT; t++) {
         const uint8_t *b = block[t] + j * 16;
         ahead(b);
@@ -748,6 +749,10 @@ void q8_sums(const int32_t *pairs, int64_t K, const uint8_t *codes, int64_t nb, 
         }
       }
     }
+  };
+  if (k1 - k0 == 32) {
+    __m256i s16[MR][NT];
+    sum16(s16, (uint64_t)k0 / 2, (uint64_t)k1 / 2);
     for (int m = 0; m < MR; m++) {
       const int32_t eight = 8 * total[m * groups];
       const __m256i e16 = _mm256_set1_epi16((int16_t)(uint16_t)eight), e32 = _mm256_set1_epi32(eight);
@@ -764,22 +769,8 @@ void q8_sums(const int32_t *pairs, int64_t K, const uint8_t *codes, int64_t nb, 
   for (int m = 0; m < MR; m++)
     for (int t = 0; t < NT; t++) lo32[m][t] = hi32[m][t] = _mm256_setzero_si256();
   for (int64_t c0 = k0; c0 < k1; c0 += 16) {
-    const uint64_t end = (uint64_t)(c0 + 16 < k1 ? c0 + 16 : k1) / 2;
     __m256i s16[MR][NT];
-    for (int m = 0; m < MR; m++)
-      for (int t = 0; t < NT; t++) s16[m][t] = _mm256_setzero_si256();
-    for (uint64_t j = (uint64_t)c0 / 2; j < end; j += 2) {  // inputs 2j .. 2j + 3
-      for (int t = 0; t < NT; t++) {
-        const uint8_t *b = block[t] + j * 16;
-        ahead(b);
-        const __m256i v = _mm256_loadu_si256((const __m256i *)b);
-        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        for (int m = 0; m < MR; m++) {
-          s16[m][t] = _mm256_add_epi16(s16[m][t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(row[m][j])));
-          s16[m][t] = _mm256_add_epi16(s16[m][t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(row[m][j + 1])));
-        }
-      }
-    }
+    sum16(s16, (uint64_t)c0 / 2, (uint64_t)(c0 + 16 < k1 ? c0 + 16 : k1) / 2);
     for (int m = 0; m < MR; m++)
       for (int t = 0; t < NT; t++) {
         lo32[m][t] = _mm256_add_epi32(lo32[m][t], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16[m][t])));
