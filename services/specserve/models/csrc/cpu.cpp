@@ -637,7 +637,7 @@ void attend_group(const uint16_t *q, int64_t heads, const uint16_t *k, const uin
 
 // xq of 4 inputs as two words, [xq0 xq1 xq0 xq1] and [xq2 xq3 xq2 xq3]: the byte pairs vpmaddubsw meets in a
 // 16-bit lane of codes (inputs 4t, 4t + 1 in the low nibbles, 4t + 2, 4t + 3 in the high ones).
-// total[m, g] = sum(xq) of the group (for q8_sums), xsum[m, g] = d · total[m, g].
+// total[m, g] = sum(xq) of the group (the AVX2 tile's group sums), xsum[m, g] = d · total[m, g].
 void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int64_t G, int32_t *pairs, float *d, float *xsum,
                    int32_t *total) {
   const int64_t groups = K / G;
@@ -680,14 +680,35 @@ void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int64_t G, int32_t *
     }
 }
 
+// s16[m][t] = sums (16 bits, wrapping) of codes · xq over inputs [2 · j0, 2 · j1) for row m, block t, with
+// vpmaddubsw. Rows and blocks are addressed from their first addresses by an unsigned offset: no address
+// arithmetic a row in the loop.
+template <int MR, int NT>
+inline void q8_sum16(const int32_t *const (&row)[MR], const uint8_t *const (&block)[NT], uint64_t j0, uint64_t j1,
+                     __m256i (&s16)[MR][NT]) {
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  for (int m = 0; m < MR; m++)
+    for (int t = 0; t < NT; t++) s16[m][t] = _mm256_setzero_si256();
+  for (uint64_t j = j0; j < j1; j += 2) {  // inputs 2j .. 2j + 3
+    for (int t = 0; t < NT; t++) {
+      const uint8_t *b = block[t] + j * 16;
+      ahead(b);
+      const __m256i v = _mm256_loadu_si256((const __m256i *)b);
+      const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      for (int m = 0; m < MR; m++) {
+        s16[m][t] = _mm256_add_epi16(s16[m][t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(row[m][j])));
+        s16[m][t] = _mm256_add_epi16(s16[m][t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(row[m][j + 1])));
+      }
+    }
+  }
+}
+
 // sums[m][t][i] = sum over inputs [k0, k1) of codes · xq for row m, output i of block nb + t: 16-bit sums of 16
 // inputs (|sum| <= 16 · 15 · 127 < 2^15) with vpmaddubsw, widened to 32 bits. 256-bit registers hold a block's
-// 16 outputs; on AVX-512, 512-bit ones hold two blocks where NT is even (the same integers either way). On AVX2 a
-// group of 32 inputs is summed in 16 bits whole, wrapping: S - 8 · sum(xq) = sum((q - 8) · xq) lies within
-// 32 · 8 · 127 < 2^15, so that difference modulo 2^16 is exact, and S is it plus 8 · sum(xq) (total[m · groups]).
+// 16 outputs; on AVX-512, 512-bit ones hold two blocks where NT is even (the same integers either way).
 template <int MR, int NT>
 void q8_sums(const int32_t *pairs, int64_t K, const uint8_t *codes, int64_t nb, int64_t k0, int64_t k1,
-             const int32_t *total, int64_t groups, int32_t (*sums)[NT][16]) {
+             int32_t (*sums)[NT][16]) {
 #if defined(__AVX512BF16__)
   if constexpr (NT % 2 == 0) {
     constexpr int P = NT / 2;
@@ -727,50 +748,16 @@ void q8_sums(const int32_t *pairs, int64_t K, const uint8_t *codes, int64_t nb, 
     return;
   }
 #endif
-  const __m256i low = _mm256_set1_epi8(0x0f);
-  // rows' and blocks' first addresses, indexed by an unsigned offset: no address arithmetic a row in the loop
   const int32_t *row[MR];
   for (int m = 0; m < MR; m++) row[m] = pairs + m * (K / 2);
   const uint8_t *block[NT];
   for (int t = 0; t < NT; t++) block[t] = codes + (nb + t) * (K / 4) * 32;
-  // s16 = 16-bit sums (wrapping) over inputs [2 · j0, 2 · j1)
-  auto sum16 = [&](__m256i (&s16)[MR][NT], uint64_t j0, uint64_t j1) {
-    for (int m = 0; m < MR; m++)
-      for (int t = 0; t < NT; t++) s16[m][t] = _mm256_setzero_si256();
-    for (uint64_t j = j0; j < j1; j += 2) {  // inputs 2j .. 2j + 3
-      for (int t = 0; t < NT; t++) {
-        const uint8_t *b = block[t] + j * 16;
-        ahead(b);
-        const __m256i v = _mm256_loadu_si256((const __m256i *)b);
-        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        for (int m = 0; m < MR; m++) {
-          s16[m][t] = _mm256_add_epi16(s16[m][t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(row[m][j])));
-          s16[m][t] = _mm256_add_epi16(s16[m][t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(row[m][j + 1])));
-        }
-      }
-    }
-  };
-  if (k1 - k0 == 32) {
-    __m256i s16[MR][NT];
-    sum16(s16, (uint64_t)k0 / 2, (uint64_t)k1 / 2);
-    for (int m = 0; m < MR; m++) {
-      const int32_t eight = 8 * total[m * groups];
-      const __m256i e16 = _mm256_set1_epi16((int16_t)(uint16_t)eight), e32 = _mm256_set1_epi32(eight);
-      for (int t = 0; t < NT; t++) {
-        const __m256i s = _mm256_sub_epi16(s16[m][t], e16);
-        _mm256_storeu_si256((__m256i *)sums[m][t], _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(s)), e32));
-        _mm256_storeu_si256((__m256i *)(sums[m][t] + 8),
-                            _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(s, 1)), e32));
-      }
-    }
-    return;
-  }
   __m256i lo32[MR][NT], hi32[MR][NT];
   for (int m = 0; m < MR; m++)
     for (int t = 0; t < NT; t++) lo32[m][t] = hi32[m][t] = _mm256_setzero_si256();
   for (int64_t c0 = k0; c0 < k1; c0 += 16) {
     __m256i s16[MR][NT];
-    sum16(s16, (uint64_t)c0 / 2, (uint64_t)(c0 + 16 < k1 ? c0 + 16 : k1) / 2);
+    q8_sum16<MR, NT>(row, block, (uint64_t)c0 / 2, (uint64_t)(c0 + 16 < k1 ? c0 + 16 : k1) / 2, s16);
     for (int m = 0; m < MR; m++)
       for (int t = 0; t < NT; t++) {
         lo32[m][t] = _mm256_add_epi32(lo32[m][t], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16[m][t])));
@@ -790,20 +777,47 @@ void int4q8_tile(const int32_t *pairs, int64_t K, const float *d, const float *x
                  int64_t groups, int64_t G, const uint8_t *codes, const uint16_t *sb, int64_t nb, uint16_t *out,
                  int64_t N) {
   alignas(64) float acc[MR][NT][16];
-  alignas(64) int32_t sums[MR][NT][16];
   for (int m = 0; m < MR; m++)
     for (int t = 0; t < NT; t++) store_f32(acc[m][t], zero());
-  for (int64_t g = 0; g < groups; g++) {
-    q8_sums<MR, NT>(pairs, K, codes, nb, g * G, (g + 1) * G, total + g, groups, sums);
+  // acc[m][t] += S · (scale · d) + xsum · bias for the group's integer sums S[i] (sum(i))
+  auto scaled = [&](int64_t g, auto sum) {
     for (int t = 0; t < NT; t++) {
       const uint16_t *s = sb + ((nb + t) * groups + g) * 32;
       const vec scale = load_f16(s), bias = load_f16(s + 16);
       for (int m = 0; m < MR; m++) {
         vec a = load_f32(acc[m][t]);
-        a = fmadd(load_i32(sums[m][t]), mul(scale, set1(d[m * groups + g])), a);
+        a = fmadd(sum(m, t), mul(scale, set1(d[m * groups + g])), a);
         a = fmadd(set1(xsum[m * groups + g]), bias, a);
         store_f32(acc[m][t], a);
       }
+    }
+  };
+#if !defined(__AVX512BF16__)
+  if (G == 32) {
+    // A group summed in 16 bits whole, wrapping: S - 8 · sum(xq) = sum((q - 8) · xq) lies within 32 · 8 · 127 <
+    // 2^15, so that difference modulo 2^16 is exact, and S is it plus 8 · sum(xq) (total).
+    const int32_t *row[MR];
+    for (int m = 0; m < MR; m++) row[m] = pairs + m * (K / 2);
+    const uint8_t *block[NT];
+    for (int t = 0; t < NT; t++) block[t] = codes + (nb + t) * (K / 4) * 32;
+    for (int64_t g = 0; g < groups; g++) {
+      __m256i s16[MR][NT];
+      q8_sum16<MR, NT>(row, block, (uint64_t)g * 16, (uint64_t)g * 16 + 16, s16);
+      scaled(g, [&](int m, int t) {
+        const int32_t eight = 8 * total[m * groups + g];
+        const __m256i s = _mm256_sub_epi16(s16[m][t], _mm256_set1_epi16((int16_t)(uint16_t)eight));
+        const __m256i e = _mm256_set1_epi32(eight);
+        return vec{_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(s)), e)),
+                   _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(s, 1)), e))};
+      });
+    }
+  } else
+#endif
+  {
+    alignas(64) int32_t sums[MR][NT][16];
+    for (int64_t g = 0; g < groups; g++) {
+      q8_sums<MR, NT>(pairs, K, codes, nb, g * G, (g + 1) * G, sums);
+      scaled(g, [&](int m, int t) { return load_i32(sums[m][t]); });
     }
   }
   for (int m = 0; m < MR; m++)
