@@ -680,12 +680,24 @@ void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int64_t G, int32_t *
     }
 }
 
-// s16[m][t] = sums (16 bits, wrapping) of codes · xq over inputs [2 · j0, 2 · j1) for row m, block t, with
-// vpmaddubsw. Rows and blocks are addressed from their first addresses by an unsigned offset: no address
-// arithmetic a row in the loop.
+// Rows [0, MR) of packed activations and NT blocks of codes from block nb, by their first addresses: the loops
+// index them by an unsigned offset, with no address arithmetic a row.
 template <int MR, int NT>
-inline void q8_sum16(const int32_t *const (&row)[MR], const uint8_t *const (&block)[NT], uint64_t j0, uint64_t j1,
-                     __m256i (&s16)[MR][NT]) {
+struct q8_operands {
+  const int32_t *row[MR];
+  const uint8_t *block[NT];
+  q8_operands(const int32_t *pairs, int64_t K, const uint8_t *codes, int64_t nb) {
+    for (int m = 0; m < MR; m++) row[m] = pairs + m * (K / 2);
+    for (int t = 0; t < NT; t++) block[t] = codes + (nb + t) * (K / 4) * 32;
+  }
+};
+
+// s16[m][t] = sums (16 bits, wrapping) of codes · xq over inputs [2 · j0, 2 · j1) for row m, block t, with
+// vpmaddubsw.
+template <int MR, int NT>
+inline void q8_sum16(const q8_operands<MR, NT> &op, uint64_t j0, uint64_t j1, __m256i (&s16)[MR][NT]) {
+  const int32_t *const(&row)[MR] = op.row;
+  const uint8_t *const(&block)[NT] = op.block;
   const __m256i low = _mm256_set1_epi8(0x0f);
   for (int m = 0; m < MR; m++)
     for (int t = 0; t < NT; t++) s16[m][t] = _mm256_setzero_si256();
@@ -748,16 +760,13 @@ void q8_sums(const int32_t *pairs, int64_t K, const uint8_t *codes, int64_t nb, 
     return;
   }
 #endif
-  const int32_t *row[MR];
-  for (int m = 0; m < MR; m++) row[m] = pairs + m * (K / 2);
-  const uint8_t *block[NT];
-  for (int t = 0; t < NT; t++) block[t] = codes + (nb + t) * (K / 4) * 32;
+  const q8_operands<MR, NT> op(pairs, K, codes, nb);
   __m256i lo32[MR][NT], hi32[MR][NT];
   for (int m = 0; m < MR; m++)
     for (int t = 0; t < NT; t++) lo32[m][t] = hi32[m][t] = _mm256_setzero_si256();
   for (int64_t c0 = k0; c0 < k1; c0 += 16) {
     __m256i s16[MR][NT];
-    q8_sum16<MR, NT>(row, block, (uint64_t)c0 / 2, (uint64_t)(c0 + 16 < k1 ? c0 + 16 : k1) / 2, s16);
+    q8_sum16(op, (uint64_t)c0 / 2, (uint64_t)(c0 + 16 < k1 ? c0 + 16 : k1) / 2, s16);
     for (int m = 0; m < MR; m++)
       for (int t = 0; t < NT; t++) {
         lo32[m][t] = _mm256_add_epi32(lo32[m][t], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16[m][t])));
@@ -796,13 +805,10 @@ void int4q8_tile(const int32_t *pairs, int64_t K, const float *d, const float *x
   if (G == 32) {
     // A group summed in 16 bits whole, wrapping: S - 8 · sum(xq) = sum((q - 8) · xq) lies within 32 · 8 · 127 <
     // 2^15, so that difference modulo 2^16 is exact, and S is it plus 8 · sum(xq) (total).
-    const int32_t *row[MR];
-    for (int m = 0; m < MR; m++) row[m] = pairs + m * (K / 2);
-    const uint8_t *block[NT];
-    for (int t = 0; t < NT; t++) block[t] = codes + (nb + t) * (K / 4) * 32;
+    const q8_operands<MR, NT> op(pairs, K, codes, nb);
     for (int64_t g = 0; g < groups; g++) {
       __m256i s16[MR][NT];
-      q8_sum16<MR, NT>(row, block, (uint64_t)g * 16, (uint64_t)g * 16 + 16, s16);
+      q8_sum16(op, (uint64_t)g * 16, (uint64_t)g * 16 + 16, s16);
       scaled(g, [&](int m, int t) {
         const int32_t eight = 8 * total[m * groups + g];
         const __m256i s = _mm256_sub_epi16(s16[m][t], _mm256_set1_epi16((int16_t)(uint16_t)eight));
