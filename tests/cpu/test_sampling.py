@@ -5,7 +5,7 @@ import pytest
 import torch
 from scipy import stats
 
-from specserve.engine.proposers import Proposal, TargetVerifier, judge_many, one_hot_on
+from specserve.engine.proposers import Proposal, TargetVerifier, _rows, judge_many, one_hot_on
 from specserve.speculation import (
     PositionRNG,
     Purpose,
@@ -151,6 +151,46 @@ def test_judge_many_is_judge_per_block(tiny_pair, mode):
             assert (t.n_accepted, t.next_token, t.logprobs) == (a.n_accepted, a.next_token, a.logprobs)
             np.testing.assert_allclose(t.accept_probs, a.accept_probs, rtol=1e-6)
             assert len(b[0].seq.tokens) == b[2] + t.n_accepted
+
+
+def test_greedy_blocks_of_one_step_are_judged_in_place(tiny_pair):
+    """The scheduler hands a step's blocks consecutive rows of one logits tensor (a head wider than the
+    vocabulary): greedy blocks are judged from a view of it, not a copy, and tied maxima (and a NaN) go to the
+    first index as argmax sends them; blocks out of order are copied, with the same verdicts."""
+    target = tiny_pair[0]
+    vocab = target.config.vocab_size
+    gen = torch.Generator().manual_seed(3)
+    lengths = [1, 3, 2, 1, 4]
+    step = torch.randn(sum(lengths), vocab + 5, generator=gen)
+    step[:, vocab:] = 100.0  # beyond the vocabulary: never chosen
+    step[1, [7, 2, 9]] = 50.0  # a tie: the first index wins
+    step[4, 5] = float("nan")  # NaN counts as the maximum
+    firsts = [int(np.argmax(np.where(np.isnan(r), np.inf, r))) for r in step[:, :vocab].numpy()]
+    assert firsts[1] == 2 and firsts[4] == 5
+    rows, at = [], 0
+    for n in lengths:
+        rows.append(step[at : at + n])
+        at += n
+    view = _rows(rows, [vocab] * len(rows))
+    assert view.data_ptr() == step.data_ptr() and view.shape == (sum(lengths), vocab)
+    copied = _rows(rows[::-1], [vocab] * len(rows))
+    assert copied.data_ptr() != step.data_ptr()
+    torch.testing.assert_close(copied, torch.cat([r[:, :vocab] for r in rows[::-1]]), rtol=0, atol=0, equal_nan=True)
+    context = [1, 2, 3, 4, 5, 6]
+    params = SamplingParams(temperature=0.0, seed=1)
+    for order in (list(range(len(rows))), list(range(len(rows)))[::-1]):
+        blocks, expected, at = [], {}, 0
+        for i, n in enumerate(lengths):
+            want = firsts[at : at + n]
+            tokens = want[:-1] if i % 2 == 0 else [(t + 1) % vocab for t in want[:-1]]  # all kept, or none
+            expected[i] = (len(tokens) if i % 2 == 0 else 0, want[len(tokens) if i % 2 == 0 else 0])
+            at += n
+            verifier = TargetVerifier(target, vocab)
+            verifier.seq.logits_after(context + tokens)
+            blocks.append((i, (verifier, rows[i], len(context), Proposal(tokens, vocab), params, PositionRNG(i))))
+        chosen = [blocks[i] for i in order]
+        for (i, _), verdict in zip(chosen, judge_many([b for _, b in chosen])):
+            assert (verdict.n_accepted, verdict.next_token) == expected[i]
 
 
 def test_greedy_accept_is_argmax_equality():

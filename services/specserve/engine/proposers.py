@@ -320,7 +320,8 @@ def judge_many(blocks: list[Block]) -> list[Verdict]:
         else:
             sampled.setdefault((params.temperature, params.top_k, params.top_p, engine.vocab), []).append(i)
     if greedy:
-        argmax = torch.cat([blocks[i][1][:, : blocks[i][0].vocab] for i in greedy]).argmax(-1).tolist()
+        # max's indices are argmax's (the first maximum; NaN counts as one) and cost a third on a CPU
+        argmax = _rows([blocks[i][1] for i in greedy], [blocks[i][0].vocab for i in greedy]).max(-1).indices.tolist()
         row = 0
         for i in greedy:
             k = len(blocks[i][3])
@@ -347,6 +348,24 @@ def judge_many(blocks: list[Block]) -> list[Verdict]:
             verdict.logprobs = token_logprobs(logits[:, : engine.vocab], emitted, params.logprobs)
         engine.seq.rollback(start + verdict.n_accepted)  # drop rejected positions now
     return verdicts
+
+
+def _rows(logits: list[torch.Tensor], vocabs: list[int]) -> torch.Tensor:
+    """The blocks' logits as one [rows, vocab] tensor: a view where they are consecutive rows of one tensor (as
+    the scheduler hands out a step's), else a copy."""
+    first, vocab = logits[0], vocabs[0]
+    if first.dim() == 2 and first.stride(1) == 1 and all(v == vocab for v in vocabs):
+        storage, step = first.untyped_storage().data_ptr(), first.stride(0) * first.element_size()
+        at, rows = first.data_ptr(), 0
+        for t in logits:
+            if (t.dim() != 2 or t.stride() != first.stride() or t.dtype != first.dtype or t.shape[1] < vocab
+                    or t.data_ptr() != at or t.untyped_storage().data_ptr() != storage):
+                break
+            at += t.shape[0] * step
+            rows += t.shape[0]
+        else:
+            return first.as_strided((rows, vocab), first.stride())
+    return torch.cat([t[:, :v] for t, v in zip(logits, vocabs)])
 
 
 def _chunk(logits: torch.Tensor) -> int:
