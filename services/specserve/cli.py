@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--load", action="store_true",
                        help="concurrent streams with the openai client: aggregate tok/s, TTFT, ITL per concurrency "
                        "(load.json/.png; starts a server unless --url)")
-    bench.add_argument("--url", default=None, help="--load: a running server's base URL (e.g. http://127.0.0.1:8000/v1)")
+    bench.add_argument("--url", default=None, help="--load: a running server's base URL (e.g. http://127.0.0.1:8000/v1), "
+                       "or 'inprocess': the target worker in this process, nothing served (batching alone)")
     bench.add_argument("--concurrency", default="1,4,16,32", help="--load: concurrency levels")
     bench.add_argument("--load-requests", type=int, default=2, help="--load: requests per stream and level")
     bench.add_argument("--load-rounds", type=int, default=1,

@@ -96,6 +96,28 @@ def test_bench_served_compares_the_served_path_with_in_process(model_dirs, tmp_p
         assert metrics[name]["rounds"] >= row[name]["rounds"]
 
 
+def test_load_bench_in_process_drives_the_target_worker_from_threads(model_dirs, tmp_path, capsys):
+    """--url inprocess: the load with nothing served (the target worker and its draft in this process, one thread a
+    stream): every request answered in full, γ=0 drafting nothing; what it cannot run is refused with a message."""
+    pair = ["--target", str(model_dirs / "target"), "--draft", str(model_dirs / "draft"), "--dtype", "float32"]
+    args = ["bench", "--load", "--url", "inprocess", "--concurrency", "1,3", "--max-new-tokens", "6",
+            "--load-requests", "2", "--load-configs", "gamma0,auto", "--out", str(tmp_path), *pair]
+    assert main(args) == 0 and (tmp_path / "load.png").stat().st_size > 0
+    report = json.loads((tmp_path / "load.json").read_text())
+    assert report["config"]["url"] == "inprocess"
+    for name in ("gamma0", "auto"):
+        one, three = report["levels"][name]
+        assert (one["requests"], three["requests"], one["errors"], three["errors"]) == (2, 6, 0, 0)
+        assert (one["tokens"], three["tokens"]) == (2 * 6, 6 * 6)  # eos ignored: every answer max_tokens long
+        assert three["aggregate_tokens_per_s"] > 0 and 0 < three["ttft_p50_s"] <= three["wall_s"]
+    assert [level["mean_gamma"] for level in report["levels"]["gamma0"]] == [0, 0]
+    capsys.readouterr()
+    assert main([*args[:-len(pair) - 6], "--load-configs", "unbatched", "--out", str(tmp_path), *pair]) == 2
+    assert "gamma0 and auto" in capsys.readouterr().err
+    assert main([*args[:-len(pair)], "--target", str(model_dirs / "target"), "--draft", "ngram"]) == 2
+    assert "needs a model draft" in capsys.readouterr().err
+
+
 def test_ingress_plan_puts_the_replica_on_the_ports_where_one_application_serves_them(monkeypatch):
     import os
     import socket

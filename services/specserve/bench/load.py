@@ -21,11 +21,17 @@ Without `--url` it starts Ray and one Serve application per server configuration
 `unbatched` (the target worker running one session at a time, as before batching) and `uncached`
 (prefix caching off). With `batched` alone its replica answers HTTP itself, as `specserve serve`'s does
 (`serve.ingress`); several applications share Serve's proxy.
+
+`--url inprocess` measures the same load with nothing served: the target worker `specserve serve` would start
+(`TargetWorkerActor`, its model draft beside it) built in this process, each stream a thread calling its
+`Generate` with the prompt the server would encode. The figures are then those of the worker's batching alone,
+without HTTP, the ingress, gRPC's wire and Ray: what a served figure is to be compared with on the same machine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import pathlib
@@ -120,6 +126,11 @@ async def _level(base_url: str, concurrency: int, requests: int, max_tokens: int
     await asyncio.gather(*(stream(k) for k in range(concurrency)))
     wall = time.perf_counter() - t0
     await client.close()
+    return _row(concurrency, results, errors, wall)
+
+
+def _row(concurrency: int, results: list[dict], errors: list[str], wall: float) -> dict:
+    """A level's figures from its requests (`_stream`'s dicts)."""
     tokens = sum(r["tokens"] for r in results)
     drafted = sum(r["stats"].get("drafted", 0) for r in results)
     accepted = sum(r["stats"].get("accepted", 0) for r in results)
@@ -138,7 +149,8 @@ async def _level(base_url: str, concurrency: int, requests: int, max_tokens: int
         "itl_p50_s": _quantile(itl, 0.5), "itl_p95_s": _quantile(itl, 0.95),
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_gamma": statistics.mean(gammas) if gammas else 0.0,
-        "controllers": sorted({r["stats"].get("controller", "") for r in results}),  # what the server ran
+        "controllers": sorted({r["stats"]["controller"] for r in results if r["stats"].get("controller")}),  # what
+        # the server ran (in process: not reported)
         "tokens_per_round": sum(r["tokens"] for r in results) / max(1, len(gammas)),
     }
 
@@ -189,6 +201,106 @@ async def _prefix_check(base_url: str, system: str, prompts: list[str], max_toke
             "ttft_rest_over_first": rest / singles[0]["ttft"] if singles[0]["ttft"] else 0.0}
 
 
+IN_PROCESS = "inprocess"
+
+
+class _InProcess:
+    """`--url inprocess`: the served target worker in this process, its `Generate` driven from threads."""
+
+    def __init__(self, args):
+        from specserve.engine.prompts import PromptCodec
+        from specserve.models.loading import load_tokenizer
+        from specserve.serve.run import model_args
+        from specserve.workers.actors import TargetWorkerActor
+        from specserve.workers.config import WorkersConfig
+
+        app = model_args(args, "auto")
+        config = WorkersConfig(**{k: v for k, v in app.items() if k in WorkersConfig.model_fields})
+        if not config.colocated():
+            raise ValueError(f"--url {IN_PROCESS}: runs the sessions inside the target worker, so it needs a model "
+                             f"draft there (--draft {config.draft!r} drafts elsewhere)")
+        scheduling = {"batching": config.batching, "kv_cache_tokens": config.kv_cache_tokens,
+                      "max_step_tokens": config.max_step_tokens, "prefill_chunk": config.prefill_chunk,
+                      "prefix_caching": config.prefix_caching, "kv_wait_s": config.kv_wait_s}
+        print(f"  loading the target worker in this process (target={config.target}, draft={config.draft}) ...",
+              flush=True)
+        self.worker = TargetWorkerActor(
+            config.target, config.dtype, config.target_resources.threads(), None, scheduling, config.draft,
+            app["gamma_max"], config.draft_top_k, config.session_idle_s, None, config.quantization,
+            config.draft_quantization)
+        self.vocab = self.worker.info()["vocab"]
+        self.codec = PromptCodec(load_tokenizer(config.target), self.vocab)
+        self.ids = itertools.count()  # next() is atomic: the streams' threads share it
+
+    def stop(self) -> None:
+        self.worker.stop()
+        self.worker.servicer.close()
+
+    def stream(self, prompt: str | list[dict], max_tokens: int, gamma, system: str | None) -> dict:
+        """One request as `_stream` sends it (greedy, eos ignored), on the calling thread."""
+        from specserve.rpc.convert import round_from_wire
+        from specserve.v1 import workers_pb2
+
+        messages = prompt if isinstance(prompt, list) else _messages(prompt, system)
+        request = workers_pb2.SessionRequest(session_id=f"load-{next(self.ids)}", prompt_ids=self.codec.encode(messages),
+                                             max_tokens=max_tokens, gamma=str(gamma if gamma is not None else "auto"))
+        request.sampling.temperature, request.sampling.seed, request.sampling.ignore_eos = 0.0, 0, True
+        t0 = time.perf_counter()
+        first = None
+        tokens = drafted = accepted = 0
+        gammas = []
+        for reply in self.worker.servicer.Generate(request, _Live()):
+            rnd = round_from_wire(reply)
+            first = first or time.perf_counter()
+            tokens += len(rnd.tokens)
+            drafted, accepted = drafted + len(rnd.drafted), accepted + rnd.accepted
+            gammas.append(rnd.gamma)
+        end = time.perf_counter()
+        first = first or end
+        stats = {"drafted": drafted, "accepted": accepted, "gamma_history": gammas}
+        return {"start": t0, "end": end, "ttft": first - t0, "tokens": tokens, "prompt_tokens": len(request.prompt_ids),
+                "itl": (end - first) / (tokens - 1) if tokens > 1 else 0.0, "stats": stats, "text": ""}
+
+
+class _Live:
+    """The gRPC context `Generate` checks between rounds: a client that stays."""
+
+    @staticmethod
+    def is_active() -> bool:
+        return True
+
+    @staticmethod
+    def abort(code, details):
+        raise RuntimeError(f"{code}: {details}")
+
+
+def _level_in_process(target: _InProcess, concurrency: int, requests: int, max_tokens: int, gamma,
+                      prompts: list[str], system: str | None = None) -> dict:
+    """`_level` against the in-process worker: one thread a stream (as the server's gRPC threads)."""
+    import threading
+
+    from specserve.scheduler.steps import one_thread_torch
+
+    results: list[dict] = []
+    errors: list[str] = []
+
+    def stream(k: int) -> None:
+        one_thread_torch()
+        for r in range(requests):
+            try:
+                results.append(target.stream(prompts[(k + r) % len(prompts)], max_tokens, gamma, system))
+            except Exception as exc:  # noqa: BLE001 - counted and reported
+                errors.append(f"{type(exc).__name__}: {exc}"[:200])
+
+    threads = [threading.Thread(target=stream, args=(k,), name=f"load-stream-{k}") for k in range(concurrency)]
+    t0 = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return _row(concurrency, results, errors, time.perf_counter() - t0)
+
+
 def _start_servers(args, apps: set[str]) -> tuple[str, dict[str, str]]:
     import ray
     from ray import serve
@@ -232,14 +344,34 @@ def run_load_bench(args) -> int:
         print(f"specserve bench --load: --load-configs from {sorted(CONFIGS)} (got {unknown or configs}); "
               "--concurrency: positive integers; --load-requests and --load-rounds >= 1", file=sys.stderr)
         return 2
+    in_process = args.url == IN_PROCESS
+    if in_process and ({CONFIGS[c][0] for c in configs} != {"batched"} or args.long_prompt
+                       or getattr(args, "system_prompt", 0)):
+        print(f"specserve bench --load --url {IN_PROCESS}: the gamma0 and auto configurations only, without "
+              "--long-prompt and --system-prompt", file=sys.stderr)
+        return 2
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = SUITE["chat"]
     started = args.url is None
+    target = None
     if started:
         _, urls = _start_servers(args, {CONFIGS[c][0] for c in configs})
+    elif in_process:
+        try:
+            target = _InProcess(args)
+        except ValueError as exc:
+            print(f"specserve bench --load: {exc}", file=sys.stderr)
+            return 2
+        urls = {}
     else:
         urls = {app: args.url.rstrip("/") for app, _ in CONFIGS.values()}
+
+    def level_of(app: str, *rest) -> dict:
+        if target is not None:
+            return _level_in_process(target, *rest)
+        return asyncio.run(_level(urls[app], *rest))
+
     system = system_prompt(args.system_prompt) if getattr(args, "system_prompt", 0) else None
     report = {"config": {"target": args.target, "draft": args.draft, "max_new_tokens": args.max_new_tokens,
                          "quantization": getattr(args, "quantization", "auto"),
@@ -252,7 +384,7 @@ def run_load_bench(args) -> int:
             report["prefix"] = _prefix_checks(urls, configs, system, prompts, args.max_new_tokens)
         for name in configs:  # warm every path once, and the prefix caches with every prompt
             app, gamma = CONFIGS[name]
-            asyncio.run(_level(urls[app], len(prompts), 1, 8, gamma, prompts, system))
+            level_of(app, len(prompts), 1, 8, gamma, prompts, system)
         for level in levels:
             runs: dict[str, list[dict]] = {c: [] for c in configs}
             for r in range(rounds):
@@ -260,8 +392,7 @@ def run_load_bench(args) -> int:
                     app, gamma = CONFIGS[name]
                     label = name if rounds == 1 else f"{name} ({r + 1}/{rounds})"
                     print(f"  concurrency {level:3d}  {label:15s} ...", end="", flush=True)
-                    row = asyncio.run(_level(urls[app], level, args.load_requests, args.max_new_tokens, gamma,
-                                             prompts, system))
+                    row = level_of(app, level, args.load_requests, args.max_new_tokens, gamma, prompts, system)
                     runs[name].append(row)
                     print(f" {row['aggregate_tokens_per_s']:7.1f} tok/s aggregate, "
                           f"{row['per_stream_tokens_per_s']:6.1f} per stream, TTFT p50/p95 {row['ttft_p50_s']:.2f}/"
@@ -293,6 +424,8 @@ def run_load_bench(args) -> int:
                                             if "long_prompt_s" in row else ""), flush=True)
             (out / "load.json").write_text(json.dumps(report, indent=2))
     finally:
+        if target is not None:
+            target.stop()
         if started:
             import ray
             from ray import serve
