@@ -219,13 +219,10 @@ class _InProcess:
         if not config.colocated():
             raise ValueError(f"--url {IN_PROCESS}: runs the sessions inside the target worker, so it needs a model "
                              f"draft there (--draft {config.draft!r} drafts elsewhere)")
-        scheduling = {"batching": config.batching, "kv_cache_tokens": config.kv_cache_tokens,
-                      "max_step_tokens": config.max_step_tokens, "prefill_chunk": config.prefill_chunk,
-                      "prefix_caching": config.prefix_caching, "kv_wait_s": config.kv_wait_s}
         print(f"  loading the target worker in this process (target={config.target}, draft={config.draft}) ...",
               flush=True)
         self.worker = TargetWorkerActor(
-            config.target, config.dtype, config.target_resources.threads(), None, scheduling, config.draft,
+            config.target, config.dtype, config.target_resources.threads(), None, config.scheduling(), config.draft,
             app["gamma_max"], config.draft_top_k, config.session_idle_s, None, config.quantization,
             config.draft_quantization)
         self.vocab = self.worker.info()["vocab"]

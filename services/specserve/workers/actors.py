@@ -321,9 +321,7 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
                 check_model(target_spec, stage.tensor_parallel, f"target_stages[{i}].tensor_parallel")
         stages, groups = start_stages(target_spec, config.dtype, config.quantization, config.target_stages, layers,
                                       config.kv_cache_tokens)
-    scheduling = {"batching": config.batching, "kv_cache_tokens": config.kv_cache_tokens,
-                  "max_step_tokens": config.max_step_tokens, "prefill_chunk": config.prefill_chunk,
-                  "prefix_caching": config.prefix_caching, "kv_wait_s": config.kv_wait_s}
+    scheduling = config.scheduling()
     colocated = draft_spec if config.colocated(draft_spec) else None
     resources, placement = config.target_resources, {}
     if resources.tensor_parallel > 1:

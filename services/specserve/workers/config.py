@@ -177,6 +177,12 @@ class WorkersConfig(BaseModel):
             return False
         return not (isinstance(draft, str) and (draft == "none" or (draft == "ngram" and not self.ngram_worker)))
 
+    def scheduling(self) -> dict[str, Any]:
+        """The target worker's batching arguments (`TargetWorkerServicer`'s scheduling keywords)."""
+        return {"batching": self.batching, "kv_cache_tokens": self.kv_cache_tokens,
+                "max_step_tokens": self.max_step_tokens, "prefill_chunk": self.prefill_chunk,
+                "prefix_caching": self.prefix_caching, "kv_wait_s": self.kv_wait_s}
+
     @model_validator(mode="after")
     def _check_quantization(self) -> WorkersConfig:
         from specserve.models.quant import parse
