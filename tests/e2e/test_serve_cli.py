@@ -19,7 +19,7 @@ from ray.autoscaler._private.constants import AUTOSCALER_METRIC_PORT
 from ray.dashboard.consts import DASHBOARD_METRIC_PORT
 
 from specserve.coordinator.metrics import scrape_until, total
-from specserve.serve.listen import free_port
+from specserve.serve.listen import RAY_DEFAULT_PORTS, free_port
 from specserve.v1 import generator_pb2, generator_pb2_grpc
 from tests.conftest import save_tokenized_pair
 
@@ -198,3 +198,20 @@ def test_serve_command_says_a_port_is_taken():
                                 check=False, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert f"HTTP port 127.0.0.1:{port} is in use" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_free_ports_leave_out_the_ports_a_local_ray_takes(monkeypatch):
+    """A port the OS hands out now but a local Ray binds by default once it starts (the dashboard agent's 52365 is
+    in the ephemeral range) is passed over: a test once got it for the metrics port and Ray refused to start."""
+    from ray._private import ray_constants
+
+    assert {ray_constants.DEFAULT_DASHBOARD_AGENT_LISTEN_PORT, ray_constants.DEFAULT_DASHBOARD_PORT,
+            ray_constants.DEFAULT_PORT, AUTOSCALER_METRIC_PORT, DASHBOARD_METRIC_PORT} <= RAY_DEFAULT_PORTS
+    handed = iter([52365, 44217, 40001])
+
+    class Socket(socket.socket):
+        def getsockname(self):
+            return ("127.0.0.1", next(handed))
+
+    monkeypatch.setattr(socket, "socket", Socket)
+    assert free_port() == 40001

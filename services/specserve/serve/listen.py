@@ -89,8 +89,17 @@ def _rebind(module, name: str, host: str) -> None:
     setattr(module, name, bound)
 
 
+# Ports a local Ray takes by default once it starts (the dashboard agent's HTTP, the dashboard, the GCS, the
+# autoscaler's and dashboard's metrics): free now, they would clash with it then.
+RAY_DEFAULT_PORTS = frozenset({52365, 8265, 6379, 44217, 44227})
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on now (the OS picks it), for servers started next."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port nothing listens on now (the OS picks it) and a local Ray will not take, for servers started
+    next."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in RAY_DEFAULT_PORTS:
+            return port
