@@ -244,19 +244,20 @@ class _InProcess:
         request.sampling.temperature, request.sampling.seed, request.sampling.ignore_eos = 0.0, 0, True
         t0 = time.perf_counter()
         first = None
-        tokens = drafted = accepted = 0
-        gammas = []
+        drafted = accepted = 0
+        ids, gammas = [], []
         for reply in self.worker.servicer.Generate(request, _Live()):
             rnd = round_from_wire(reply)
             first = first or time.perf_counter()
-            tokens += len(rnd.tokens)
+            ids.extend(rnd.tokens)
             drafted, accepted = drafted + len(rnd.drafted), accepted + rnd.accepted
             gammas.append(rnd.gamma)
         end = time.perf_counter()
         first = first or end
-        stats = {"drafted": drafted, "accepted": accepted, "gamma_history": gammas}
+        stats, tokens = {"drafted": drafted, "accepted": accepted, "gamma_history": gammas}, len(ids)
         return {"start": t0, "end": end, "ttft": first - t0, "tokens": tokens, "prompt_tokens": len(request.prompt_ids),
-                "itl": (end - first) / (tokens - 1) if tokens > 1 else 0.0, "stats": stats, "text": ""}
+                "itl": (end - first) / (tokens - 1) if tokens > 1 else 0.0, "stats": stats,
+                "text": self.codec.decode(ids) or ""}  # after the clock: the server's detokenizing is not timed here
 
 
 class _Live:
