@@ -1,6 +1,7 @@
 """A draft colocated with the target: whole sessions run in the target worker, draft steps batched too.
 
-Served through the coordinator and real gRPC (one stream per session, one message per round), each of 16
+Served through the coordinator and real gRPC (one stream per session, a message per round or per the
+rounds within the stream interval), each of 16
 concurrent seeded sessions equals the same request alone and the in-process decoder; the first-two-token
 chi-square runs through the colocated sessions with 16 at a time sharing draft and target steps.
 """
@@ -94,6 +95,37 @@ def test_colocated_adaptive_gamma_keeps_greedy_output_and_reports_rounds(colocat
     assert [t for c in chunks for t in c.tokens] == plain.token_ids
     stats = chunks[-1].stats
     assert stats["rounds"] == len(stats["gamma_history"]) < 40 and stats["drafted"] > 0
+
+
+def test_the_worker_sends_the_rounds_within_its_interval_as_one_message(colocated):
+    """Over real gRPC: with no interval a message a round; with one longer than the session the first round alone
+    (the first token's latency), then every other round in one message with the finish: the same rounds, field
+    for field (tokens, γ, drafts, statistics). Through the coordinator the chunks are the same either way."""
+    stub = workers_pb2_grpc.TargetWorkerStub(grpc.insecure_channel(colocated["address"]))
+
+    def messages(interval: float, sid: str) -> list:
+        request = workers_pb2.SessionRequest(session_id=sid, prompt_ids=PROMPT, max_tokens=24, gamma="2",
+                                             sampling=sampling_to_proto(SamplingParams(temperature=1.0), 9),
+                                             stream_interval_s=interval)
+        return list(stub.Generate(request))
+
+    each, held = messages(0.0, "each"), messages(60.0, "held")
+    assert len(each) > 3 and all(len(m.rounds) == 1 for m in each)
+    assert [len(m.rounds) for m in held] == [1, len(each) - 1] and held[-1].rounds[-1].finish_reason == "length"
+    strip = ("draft_time_s", "verify_time_s", "step_time_s", "prefill_time_s")  # timings differ run to run
+    for a, b in zip([r for m in each for r in m.rounds], [r for m in held for r in m.rounds]):
+        for field in strip:
+            a.ClearField(field), b.ClearField(field)
+        assert a == b
+
+    request = SessionRequest(PROMPT, SamplingParams(temperature=1.0, seed=9, ignore_eos=True), 24, gamma=2)
+    per_round = asyncio.run(_collect(Coordinator(ColocatedRelay(colocated["address"])), request))
+    paced = asyncio.run(_collect(Coordinator(ColocatedRelay(colocated["address"]), stream_interval_s=60.0),
+                                 SessionRequest(request.prompt_ids, request.params, 24, gamma=2)))
+    assert len(per_round) > 3 and [len(c.rounds) for c in paced] == [1, len(per_round) - 1]
+    assert [t for c in paced for t in c.tokens] == [t for c in per_round for t in c.tokens]
+    assert paced[-1].stats["gamma_history"] == per_round[-1].stats["gamma_history"]
+    assert len(colocated["servicer"].sessions) == 0
 
 
 async def _collect(coord, request):

@@ -103,10 +103,10 @@ class _Clocked:
     def __init__(self, clock, arrivals):
         self.clock, self.arrivals = clock, arrivals
 
-    def rounds(self, request, stats):
+    def rounds(self, request, stats, interval):
         for i, t in enumerate(self.arrivals):
             self.clock[0] = t
-            yield Round([i], "length" if i == len(self.arrivals) - 1 else None, 0)
+            yield [Round([i], "length" if i == len(self.arrivals) - 1 else None, 0)]
 
 
 @pytest.mark.parametrize("arrivals,interval,chunks", [
@@ -119,9 +119,10 @@ class _Clocked:
 def test_stream_interval_hold_rule(monkeypatch, arrivals, interval, chunks):
     from specserve.coordinator import core
     from specserve.coordinator.metrics import SessionMetrics
+    from specserve.engine import pacing
 
     clock = [0.0]
-    monkeypatch.setattr(core.time, "perf_counter", lambda: clock[0] / 1000)
+    monkeypatch.setattr(pacing.time, "perf_counter", lambda: clock[0] / 1000)
     emitted = []
     request = SessionRequest([1], SamplingParams(temperature=0.0), len(arrivals))
     session = core._Session(request, _Clocked(clock, arrivals), SessionMetrics(None, 1), emitted.append,

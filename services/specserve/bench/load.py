@@ -246,12 +246,12 @@ class _InProcess:
         first = None
         drafted = accepted = 0
         ids, gammas = [], []
-        for reply in self.worker.servicer.Generate(request, _Live()):
-            rnd = round_from_wire(reply)
+        for reply in self.worker.servicer.Generate(request, _Live()):  # a message a round (no interval)
             first = first or time.perf_counter()
-            ids.extend(rnd.tokens)
-            drafted, accepted = drafted + len(rnd.drafted), accepted + rnd.accepted
-            gammas.append(rnd.gamma)
+            for rnd in map(round_from_wire, reply.rounds):
+                ids.extend(rnd.tokens)
+                drafted, accepted = drafted + len(rnd.drafted), accepted + rnd.accepted
+                gammas.append(rnd.gamma)
         end = time.perf_counter()
         first = first or end
         stats, tokens = {"drafted": drafted, "accepted": accepted, "gamma_history": gammas}, len(ids)

@@ -36,6 +36,7 @@ from specserve.coordinator.drivers import ColocatedRelay, SplitDriver
 from specserve.coordinator.links import resumable
 from specserve.coordinator.metrics import ServingMetrics, SessionMetrics
 from specserve.engine.loop import Round
+from specserve.engine.pacing import Pacer
 from specserve.engine.stats import GenerationStats
 from specserve.scheduler.steps import one_thread_torch
 from specserve.speculation import SamplingParams
@@ -291,15 +292,13 @@ class _Session:
     """One session's thread side: runs its driver's rounds, again on a restarted worker after a loss, records
     each round once and emits `Chunk`s; then None, or the exception that ended it.
 
-    interval: a streamed round is held while the next one, due as long after it as it came after the one before,
-    still falls within this many seconds of the last chunk; so a token waits at most about that long unless the
-    rounds slow down."""
+    interval: streamed rounds are held as `engine.pacing.Pacer` says; a worker that runs the whole session
+    (colocated) holds them the same way before they reach this process."""
 
     def __init__(self, request: SessionRequest, driver, observed: SessionMetrics, emit, recover,
                  interval: float = 0.0):
         self.request, self.driver, self.observed, self.emit, self.recover = request, driver, observed, emit, recover
-        self.interval = interval
-        self.emitted = self.arrived = None  # when the last chunk went, when the last round came
+        self.pacer = Pacer(interval)
         self.cancel = _Cancel()
         self.stats = GenerationStats()
         self.committed: list[int] = []  # every token of the session's finished rounds
@@ -311,7 +310,7 @@ class _Session:
         finish, part = "error", self.request
         try:
             while True:  # one pass per worker incarnation: a lost worker's session goes on on its replacement
-                rounds = self.driver.rounds(part, self.stats)
+                rounds = self.driver.rounds(part, self.stats, self.pacer.interval)
                 try:
                     finish = self._consume(rounds)
                     break
@@ -338,37 +337,28 @@ class _Session:
             self.emit(None)
 
     def _consume(self, rounds) -> str:
-        """Hand over one worker incarnation's rounds; the session's finish reason."""
-        for rnd in rounds:
-            if self.cancel.is_set():  # the consumer is gone: this round is neither delivered nor counted
-                return self.cancel.reason
-            self.committed.extend(rnd.tokens)
-            self.stats.record(rnd)
-            self.observed.round_done(rnd)
-            self.held.append(rnd)
-            if rnd.finish_reason is not None:
-                self.stats.total_time_s = time.perf_counter() - self.t0
-                self.stats.new_tokens = len(self.committed)
-                self.emit(Chunk(list(self.held), rnd.finish_reason, self.stats.to_dict()))
-                return rnd.finish_reason
-            if self.request.stream and not self._hold():
+        """Hand over one worker incarnation's rounds (lists of the rounds that came together); the session's
+        finish reason."""
+        for batch in rounds:
+            for rnd in batch:
+                if self.cancel.is_set():  # the consumer is gone: this round is neither delivered nor counted
+                    return self.cancel.reason
+                self.committed.extend(rnd.tokens)
+                self.stats.record(rnd)
+                self.observed.round_done(rnd)
+                self.held.append(rnd)
+                if rnd.finish_reason is not None:
+                    self.stats.total_time_s = time.perf_counter() - self.t0
+                    self.stats.new_tokens = len(self.committed)
+                    self.emit(Chunk(list(self.held), rnd.finish_reason, self.stats.to_dict()))
+                    return rnd.finish_reason
+            if self.request.stream and not self.pacer.hold():
                 # statistics so far only where the consumer may end the session early (stop strings)
                 self.emit(Chunk(list(self.held), None, self.stats.to_dict() if self.request.params.stop else None))
                 self.held.clear()
             if self.cancel.is_set():
                 return self.cancel.reason
         return self.cancel.reason  # the loop always ends with a reason; only a closed generator gets here
-
-    def _hold(self) -> bool:
-        """Whether the round just in waits for the next (see `interval`); else it goes now."""
-        if not self.interval:
-            return False
-        now = time.perf_counter()
-        gap, self.arrived = (0.0 if self.arrived is None else now - self.arrived), now
-        if self.emitted is not None and now + gap - self.emitted < self.interval:
-            return True
-        self.emitted = now
-        return False
 
 
 async def _handed_over(queue: asyncio.Queue) -> AsyncIterator[Chunk]:

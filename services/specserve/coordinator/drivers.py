@@ -70,7 +70,9 @@ class SplitDriver:
         return {"draft": self.draft, "draft_lookup": self.draft_lookup, "gamma": self.sessions.gamma,
                 "gamma_max": self.gamma_max, "pipelined": self.sessions.pipelined}
 
-    def rounds(self, request: SessionRequest, stats: GenerationStats) -> Iterator[Round]:
+    def rounds(self, request: SessionRequest, stats: GenerationStats, interval: float = 0.0) -> Iterator[list[Round]]:
+        """The session's rounds, each alone in a list (`ColocatedRelay.rounds`'s batches); they are run here, so
+        `interval` is the coordinator's to keep."""
         params, rng, sid = request.params, PositionRNG(request.params.seed), request.request_id
         proposer = None
         if self.draft == "ngram":
@@ -81,8 +83,8 @@ class SplitDriver:
         verifier = RemoteVerifier(self.target.stub, sid, params, rng.seed, self.vocab)
         controller = self.sessions.controller(request.gamma)
         stats.controller = controller.name
-        return self.sessions.rounds(request.prompt_ids, proposer, verifier, controller, params, rng,
-                                    request.max_tokens)
+        return _one_by_one(self.sessions.rounds(request.prompt_ids, proposer, verifier, controller, params, rng,
+                                                request.max_tokens))
 
 
 class ColocatedRelay:
@@ -103,9 +105,21 @@ class ColocatedRelay:
         return {"draft": "colocated", "draft_lookup": self.lookup, "gamma": self.gamma, "gamma_max": self.gamma_max,
                 "pipelined": False}
 
-    def rounds(self, request: SessionRequest, stats: GenerationStats) -> Iterator[Round]:
+    def rounds(self, request: SessionRequest, stats: GenerationStats, interval: float = 0.0) -> Iterator[list[Round]]:
+        """The session's rounds as the worker sends them: the rounds within `interval` of its last message
+        together (`engine.pacing`), so a round costs the worker, the wire and this process less than a message."""
         gamma = self.gamma if request.gamma is None else request.gamma
         stats.controller = str(gamma)
         params = request.params
         return RemoteSession(self.target.stub, request.request_id, request.prompt_ids, params,
-                             PositionRNG(params.seed).seed, request.max_tokens, gamma, self.lookup).rounds()
+                             PositionRNG(params.seed).seed, request.max_tokens, gamma, self.lookup,
+                             interval).rounds()
+
+
+def _one_by_one(rounds: Iterator[Round]) -> Iterator[list[Round]]:
+    """Each round in a list of its own; closing this closes `rounds` (its loop's release)."""
+    try:
+        for rnd in rounds:
+            yield [rnd]
+    finally:
+        rounds.close()

@@ -124,21 +124,22 @@ class RemoteVerifier(_SessionProxy):
 
 
 class RemoteSession:
-    """A whole session on a TargetWorker that holds the draft (colocated): one stream, one message per round.
-    `rounds` yields what `engine.loop.speculate` yields."""
+    """A whole session on a TargetWorker that holds the draft (colocated): one stream, a message per round or,
+    with an interval, per the rounds within it (`engine.pacing`). `rounds` yields each message's rounds, in
+    order, as `engine.loop.speculate` yields them."""
 
     def __init__(self, stub, session_id: str, prompt: list[int], params: SamplingParams, seed: int,
-                 max_tokens: int, gamma: int | str, lookup: bool = True):
+                 max_tokens: int, gamma: int | str, lookup: bool = True, interval: float = 0.0):
         self.stub = stub
         self.request = workers_pb2.SessionRequest(
             session_id=session_id, prompt_ids=prompt, sampling=sampling_to_proto(params, seed),
-            max_tokens=max_tokens, gamma=str(gamma), no_lookup=not lookup,
+            max_tokens=max_tokens, gamma=str(gamma), no_lookup=not lookup, stream_interval_s=interval,
         )
 
-    def rounds(self) -> Iterator[Round]:
+    def rounds(self) -> Iterator[list[Round]]:
         call = self.stub.Generate(self.request)
         try:
             for reply in call:
-                yield round_from_wire(reply)
+                yield [round_from_wire(rnd) for rnd in reply.rounds]
         finally:
             call.cancel()  # a consumer that stops early ends the session on the worker

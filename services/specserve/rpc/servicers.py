@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 
+from specserve.engine.pacing import Pacer
 from specserve.engine.proposers import Proposer, TargetVerifier
 from specserve.models.lean import unsupported_reason
 from specserve.models.pool import KVCacheFull, KVPool
@@ -309,18 +310,23 @@ class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerService
             raise ValueError(f"gamma: {exc}") from None
         if request.max_tokens < 1:
             raise ValueError("max_tokens: must be >= 1")
+        if not request.stream_interval_s >= 0:
+            raise ValueError("stream_interval_s: must be >= 0")
         session = self.on_compute_thread(self.sessions.open, request, self.new_engine())
         session.streaming = True
         rounds = self.colocated.rounds(session.engine, session.tokens, session.params, session.rng,
                                        request.max_tokens, gamma, not request.no_lookup, len(self.sessions))
         last = None
+        pacer, held = Pacer(request.stream_interval_s), []
         try:
             for rnd in rounds:
-                reply = round_to_wire(rnd)
+                held.append(round_to_wire(rnd))
                 if rnd.finish_reason is not None:
-                    last = reply
+                    last = workers_pb2.Rounds(rounds=held)
                     break
-                yield reply
+                if not pacer.hold():
+                    yield workers_pb2.Rounds(rounds=held)
+                    held = []
                 if not context.is_active():
                     break
         finally:

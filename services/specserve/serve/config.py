@@ -59,7 +59,8 @@ class AppConfig(WorkersConfig):
         40.0, ge=0, le=1000,
         description="A stream sends the tokens of rounds that come within this many milliseconds of its last chunk "
         "as one chunk (one SSE event / gRPC message), so a token waits at most about this long; 0: a chunk per "
-        "round. Each chunk costs the relay and the client CPU that a small machine takes from the model.",
+        "round. A target worker that runs whole sessions (colocated draft) holds its messages to the replica the "
+        "same way. Each chunk costs the relay and the client CPU that a small machine takes from the model.",
     )
     api_key: str | None = Field(
         None, repr=False, min_length=1, validate_default=True,

@@ -98,20 +98,28 @@ class VerifyReply(_message.Message):
     def __init__(self, n_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., accept_probs: _Optional[_Iterable[float]] = ..., betas: _Optional[_Iterable[float]] = ..., verify_time_s: _Optional[float] = ..., step_tokens: _Optional[int] = ..., step_sessions: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generator_pb2.TokenLogprob, _Mapping]]] = ..., step_prompt_tokens: _Optional[int] = ..., step_prompt_sessions: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "max_tokens", "gamma", "no_lookup")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "max_tokens", "gamma", "no_lookup", "stream_interval_s")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     NO_LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generator_pb2.SamplingParams
     max_tokens: int
     gamma: str
     no_lookup: bool
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generator_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., gamma: _Optional[str] = ..., no_lookup: _Optional[bool] = ...) -> None: ...
+    stream_interval_s: float
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generator_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., gamma: _Optional[str] = ..., no_lookup: _Optional[bool] = ..., stream_interval_s: _Optional[float] = ...) -> None: ...
+
+class Rounds(_message.Message):
+    __slots__ = ("rounds",)
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    rounds: _containers.RepeatedCompositeFieldContainer[RoundReply]
+    def __init__(self, rounds: _Optional[_Iterable[_Union[RoundReply, _Mapping]]] = ...) -> None: ...
 
 class RoundReply(_message.Message):
     __slots__ = ("tokens", "finish_reason", "gamma", "accepted", "draft_time_s", "verify_time_s", "looked_up", "step_time_s", "logprobs", "drafted_tokens", "prefill_time_s", "cached_tokens")

@@ -210,7 +210,7 @@ class TargetWorkerStub:
         self.Generate = channel.unary_stream(
                 '/specserve.v1.TargetWorker/Generate',
                 request_serializer=specserve_dot_v1_dot_workers__pb2.SessionRequest.SerializeToString,
-                response_deserializer=specserve_dot_v1_dot_workers__pb2.RoundReply.FromString,
+                response_deserializer=specserve_dot_v1_dot_workers__pb2.Rounds.FromString,
                 _registered_method=True)
 
 
@@ -264,7 +264,7 @@ def add_TargetWorkerServicer_to_server(servicer, server):
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=specserve_dot_v1_dot_workers__pb2.SessionRequest.FromString,
-                    response_serializer=specserve_dot_v1_dot_workers__pb2.RoundReply.SerializeToString,
+                    response_serializer=specserve_dot_v1_dot_workers__pb2.Rounds.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -374,7 +374,7 @@ class TargetWorker:
             target,
             '/specserve.v1.TargetWorker/Generate',
             specserve_dot_v1_dot_workers__pb2.SessionRequest.SerializeToString,
-            specserve_dot_v1_dot_workers__pb2.RoundReply.FromString,
+            specserve_dot_v1_dot_workers__pb2.Rounds.FromString,
             options,
             channel_credentials,
             insecure,
