@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from concurrent import futures
+from concurrent.futures import Future
 
 import grpc
 import numpy as np
@@ -25,7 +26,7 @@ from specserve.models import pool as pool_module
 from specserve.models.pool import KVPool
 from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
 from specserve.scheduler.colocated import ScheduledDraft
-from specserve.scheduler.steps import ScheduledVerifier, StepScheduler
+from specserve.scheduler.steps import ScheduledVerifier, StepScheduler, _Work
 from specserve.speculation import PositionRNG, make_controller, rejection
 from specserve.v1 import workers_pb2, workers_pb2_grpc
 from tests.conftest import perturbed_copy, tiny_llama
@@ -68,6 +69,44 @@ def test_first_two_tokens_follow_target_through_batched_steps(tiny_pair, mode, r
         broken = batched_first_two(scheduler, pool, target, draft, mode)
         assert chi_square_pvalue(broken, expected) < 1e-3, "the test cannot tell a missing residual step"
     finally:
+        scheduler.close()
+
+
+def test_work_queued_while_held_work_is_marked_retryable_waits_for_the_queue():
+    """Sessions queue work from their own threads while the compute thread marks held work retryable (after each
+    call it runs, such as a session's release): that pass holds the queue's lock, so a session's append waits
+    for it instead of changing the queue under its iteration (which ended the compute thread with "deque
+    mutated during iteration" and left every session waiting)."""
+    scheduler = StepScheduler()
+    busy, release = threading.Event(), threading.Event()
+    scheduler.call(lambda: busy.set() or release.wait(10))  # the compute thread keeps out of the queue
+    assert busy.wait(10)
+
+    class Meddler:  # a queued piece of work whose retry lets another session queue work, as a thread switch can
+        def __init__(self):
+            self._held = True
+
+        @property
+        def held(self):
+            return self._held
+
+        @held.setter
+        def held(self, value):
+            self._held = value
+            other = threading.Thread(target=lambda: scheduler._submit(_Work(None, None, "feed", [1], Future())))
+            other.start()
+            other.join(0.3)  # with the lock held it waits here; without, it appends now
+
+    meddlers = [Meddler(), Meddler()]
+    try:
+        with scheduler._cond:
+            scheduler._work.extend(meddlers)
+        scheduler._retry_held()
+        assert not any(m.held for m in meddlers)
+    finally:
+        with scheduler._cond:
+            scheduler._work.clear()
+        release.set()
         scheduler.close()
 
 

@@ -221,8 +221,9 @@ class StepScheduler:
             future.set_exception(stopped)
 
     def _retry_held(self) -> None:
-        for work in self._work:
-            work.held = False
+        with self._cond:  # sessions' threads append work meanwhile (the lock is reentrant)
+            for work in self._work:
+                work.held = False
 
     def _gather_locked(self) -> None:
         """Wait (bounded) until every open session has target work queued, so they share the step."""
