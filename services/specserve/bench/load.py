@@ -235,6 +235,7 @@ class _InProcess:
 
     def stream(self, prompt: str | list[dict], max_tokens: int, gamma, system: str | None) -> dict:
         """One request as `_stream` sends it (greedy, eos ignored), on the calling thread."""
+        from specserve.engine.stats import GenerationStats
         from specserve.rpc.convert import round_from_wire
         from specserve.v1 import workers_pb2
 
@@ -244,17 +245,15 @@ class _InProcess:
         request.sampling.temperature, request.sampling.seed, request.sampling.ignore_eos = 0.0, 0, True
         t0 = time.perf_counter()
         first = None
-        drafted = accepted = 0
-        ids, gammas = [], []
+        ids, recorded = [], GenerationStats()
         for reply in self.worker.servicer.Generate(request, _Live()):  # a message a round (no interval)
             first = first or time.perf_counter()
             for rnd in map(round_from_wire, reply.rounds):
                 ids.extend(rnd.tokens)
-                drafted, accepted = drafted + len(rnd.drafted), accepted + rnd.accepted
-                gammas.append(rnd.gamma)
+                recorded.record(rnd)
         end = time.perf_counter()
         first = first or end
-        stats, tokens = {"drafted": drafted, "accepted": accepted, "gamma_history": gammas}, len(ids)
+        stats, tokens = recorded.to_dict(), len(ids)
         return {"start": t0, "end": end, "ttft": first - t0, "tokens": tokens, "prompt_tokens": len(request.prompt_ids),
                 "itl": (end - first) / (tokens - 1) if tokens > 1 else 0.0, "stats": stats,
                 "text": self.codec.decode(ids) or ""}  # after the clock: the server's detokenizing is not timed here
