@@ -47,11 +47,11 @@ def setup():
 
 
 def coordinator(setup, max_sessions: int = 64, max_queued: int = 256, queue_timeout_s: float = 300.0,
-                stream_interval_s: float = 0.0, **kwargs) -> Coordinator:
+                stream_interval_s: float = 0.0, stream_chunks_per_s: float = 0.0, **kwargs) -> Coordinator:
     a = setup["addresses"]
     driver = SplitDriver(a["target"], VOCAB, [], draft="remote", draft_address=a["draft"], gamma=3, **kwargs)
     return Coordinator(driver, max_sessions=max_sessions, max_queued=max_queued, queue_timeout_s=queue_timeout_s,
-                       stream_interval_s=stream_interval_s)
+                       stream_interval_s=stream_interval_s, stream_chunks_per_s=stream_chunks_per_s)
 
 
 async def collect(coord, request):
@@ -97,6 +97,50 @@ def test_a_stream_interval_sends_the_rounds_within_it_as_one_chunk(setup):
     assert held[1].stats["rounds"] == per_round[-1].stats["rounds"] == len(held[0].rounds + held[1].rounds)
 
 
+def test_open_streams_stretch_each_streams_interval(setup):
+    """Over real gRPC workers: with three streams open and a rate of one chunk a second for all of them, each
+    stream's interval is 250 ms (the cap), so a stream sends far fewer chunks than with the rate off; the same
+    tokens; the count of open streams is back at 0 afterwards, a non-streamed request never counted."""
+    requests = [SessionRequest(PROMPT, SamplingParams(temperature=1.0, seed=s, ignore_eos=True), 30, request_id=f"s{s}")
+                for s in (1, 2, 3)]
+    seen: list[float] = []
+
+    async def three(coord):
+        async def watch():
+            while coord._streams < 3:
+                await asyncio.sleep(0)
+            seen.append(coord.stream_interval())
+        watcher = asyncio.ensure_future(watch())
+        chunks = await asyncio.gather(*(collect(coord, r) for r in requests))
+        watcher.cancel()
+        return chunks
+
+    stretched_coord = coordinator(setup, stream_interval_s=0.001, stream_chunks_per_s=1.0)
+    stretched = asyncio.run(three(stretched_coord))
+    per_round = asyncio.run(three(coordinator(setup, stream_interval_s=0.001, stream_chunks_per_s=0.0)))
+    assert seen[0] == 0.25 and seen[1] == 0.001
+    assert stretched_coord._streams == 0 and stretched_coord.stream_interval() == 0.001
+    for held, each in zip(stretched, per_round):
+        assert [t for c in held for t in c.tokens] == [t for c in each for t in c.tokens]
+        assert len(held[0].rounds) == 1 and len(held) < len(each)
+    asyncio.run(collect(stretched_coord, SessionRequest(PROMPT, SamplingParams(temperature=0.0), 5, stream=False)))
+    assert stretched_coord._streams == 0
+
+
+@pytest.mark.parametrize("base,streams,rate,interval", [
+    (0.04, 16, 100.0, 0.16),  # 16 streams at 100 chunks a second: each every 160 ms
+    (0.04, 4, 100.0, 0.04),  # few streams: the base
+    (0.04, 64, 100.0, 0.25),  # many: at most 250 ms
+    (0.5, 64, 100.0, 0.5),  # never below the base
+    (0.04, 64, 0.0, 0.04),  # rate 0: the base whatever the load
+    (0.0, 64, 100.0, 0.0),  # base 0: a chunk per round whatever the load
+])
+def test_stream_interval_under_load(base, streams, rate, interval):
+    from specserve.engine.pacing import stream_interval
+
+    assert stream_interval(base, streams, rate) == pytest.approx(interval)
+
+
 class _Clocked:
     """A driver whose rounds come at set times of a fake clock (the hold rule, not the gRPC path)."""
 
@@ -130,6 +174,24 @@ def test_stream_interval_hold_rule(monkeypatch, arrivals, interval, chunks):
     session.drive()
     assert emitted[-1] is None
     assert [c.tokens for c in emitted[:-1]] == chunks
+
+
+def test_the_hold_rule_asks_for_the_interval_at_every_round(monkeypatch):
+    """A session given the interval as a function (the replica's, stretched by its load) holds by its value
+    now: 35 ms at first, 100 ms from the fifth round on (fake clock, rounds every 10 ms)."""
+    from specserve.coordinator import core
+    from specserve.coordinator.metrics import SessionMetrics
+    from specserve.engine import pacing
+
+    clock = [0.0]
+    monkeypatch.setattr(pacing.time, "perf_counter", lambda: clock[0] / 1000)
+    arrivals = list(range(0, 200, 10))
+    emitted = []
+    session = core._Session(SessionRequest([1], SamplingParams(temperature=0.0), len(arrivals)),
+                            _Clocked(clock, arrivals), SessionMetrics(None, 1), emitted.append, None,
+                            lambda: 0.035 if clock[0] < 40 else 0.1)
+    session.drive()
+    assert [c.tokens for c in emitted[:-1]] == [[0], [1, 2, 3], list(range(4, 13)), list(range(13, 20))]
 
 
 def test_cancel_and_overload(setup):

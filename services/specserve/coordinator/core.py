@@ -12,7 +12,8 @@ consumer going away, ends it after the current round and releases its worker cac
 A streamed session hands over a chunk per round, or, with `stream_interval_s`, the rounds that arrive within
 that time of the last chunk as one (as SGLang's and vLLM's `stream_interval` do in tokens): on a small CPU each
 chunk's relay (the event loop, Serve's stream, the proxy, HTTP, the client's parsing) costs as much as a
-fraction of a step.
+fraction of a step. With many streams open each one's interval stretches so that together they send at most
+`stream_chunks_per_s` chunks a second (`engine.pacing.stream_interval`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -36,7 +37,7 @@ from specserve.coordinator.drivers import ColocatedRelay, SplitDriver
 from specserve.coordinator.links import resumable
 from specserve.coordinator.metrics import ServingMetrics, SessionMetrics
 from specserve.engine.loop import Round
-from specserve.engine.pacing import Pacer
+from specserve.engine.pacing import Pacer, default_chunk_rate, stream_interval
 from specserve.engine.stats import GenerationStats
 from specserve.scheduler.steps import one_thread_torch
 from specserve.speculation import SamplingParams
@@ -117,11 +118,14 @@ class Coordinator:
 
     def __init__(self, driver: SplitDriver | ColocatedRelay, *, max_sessions: int = 64, model_name: str = "",
                  export_metrics: bool = False, restart_timeout_s: float = 120.0, max_queued: int = 256,
-                 queue_timeout_s: float = 300.0, stream_interval_s: float = 0.0):
+                 queue_timeout_s: float = 300.0, stream_interval_s: float = 0.0,
+                 stream_chunks_per_s: float | None = None):
         data_plane_priority()  # on the request path (`workers.quiet`)
         self.driver = driver
         self.restart_timeout_s = restart_timeout_s
         self.stream_interval_s = stream_interval_s
+        self.stream_chunks_per_s = default_chunk_rate() if stream_chunks_per_s is None else stream_chunks_per_s
+        self._streams = 0  # streamed sessions running (read by sessions' threads: an int, no lock)
         self._pool = ThreadPoolExecutor(max_sessions, thread_name_prefix="specserve-session",
                                         initializer=one_thread_torch)
         self._sessions: dict[str, threading.Event] = {}
@@ -169,10 +173,14 @@ class Coordinator:
         return {
             **self.driver.describe(), "active_sessions": self.active_sessions(), "max_sessions": self.max_sessions,
             "queued": self.queued(), "max_queued": self.max_queued, "queue_timeout_s": self.queue_timeout_s,
-            "refused": self.refused,
+            "refused": self.refused, "stream_interval_s": self.stream_interval(),
             # a worker some session found gone, not back yet (Ray is restarting it)
             "workers_down": [link.role for link in self.driver.links() if link.recovering],
         }
+
+    def stream_interval(self) -> float:
+        """A stream's interval now: `stream_interval_s`, stretched by the streams open (`pacing.stream_interval`)."""
+        return stream_interval(self.stream_interval_s, self._streams, self.stream_chunks_per_s)
 
     # -- sessions --------------------------------------------------------------
     async def generate(self, request: SessionRequest) -> AsyncIterator[Chunk]:
@@ -193,9 +201,10 @@ class Coordinator:
             queue: asyncio.Queue = asyncio.Queue()
             session = _Session(request.seeded(), self.driver, SessionMetrics(self._metrics, len(request.prompt_ids)),
                                lambda item: loop.call_soon_threadsafe(queue.put_nowait, item), self._recover,
-                               self.stream_interval_s)
+                               self.stream_interval)
             session.stats.queue_time_s = waited
             self._sessions[request.request_id] = session.cancel
+            self._streams += 1 if request.stream else 0
             self._gauge_sessions()
             self._pool.submit(session.drive)
             async for chunk in _handed_over(queue):
@@ -204,6 +213,7 @@ class Coordinator:
             if session is not None:
                 session.cancel.set()
                 self._sessions.pop(request.request_id, None)
+                self._streams -= 1 if request.stream else 0
             self._free_slot()
             self._gauge_sessions()
 
@@ -292,13 +302,14 @@ class _Session:
     """One session's thread side: runs its driver's rounds, again on a restarted worker after a loss, records
     each round once and emits `Chunk`s; then None, or the exception that ended it.
 
-    interval: streamed rounds are held as `engine.pacing.Pacer` says; a worker that runs the whole session
-    (colocated) holds them the same way before they reach this process."""
+    interval: streamed rounds are held as `engine.pacing.Pacer` says (seconds, or a function of none that gives
+    them now); a worker that runs the whole session (colocated) holds them the same way, for the interval at the
+    time it starts, before they reach this process."""
 
     def __init__(self, request: SessionRequest, driver, observed: SessionMetrics, emit, recover,
-                 interval: float = 0.0):
+                 interval: float | Callable[[], float] = 0.0):
         self.request, self.driver, self.observed, self.emit, self.recover = request, driver, observed, emit, recover
-        self.pacer = Pacer(interval)
+        self.pacer = Pacer(current=interval) if callable(interval) else Pacer(interval)
         self.cancel = _Cancel()
         self.stats = GenerationStats()
         self.committed: list[int] = []  # every token of the session's finished rounds

@@ -100,7 +100,8 @@ def start_coordinator(config, target_actor, draft_actor=None, *, gamma="auto", g
     options = dict(max_sessions=max_sessions, model_name=getattr(config, "model_name", None) or info["name"],
                    export_metrics=True, restart_timeout_s=getattr(config, "restart_timeout_s", 120.0),
                    max_queued=getattr(config, "max_queued", 256), queue_timeout_s=getattr(config, "queue_timeout_s", 300.0),
-                   stream_interval_s=config.stream_interval_ms / 1000)
+                   stream_interval_s=config.stream_interval_ms / 1000,
+                   stream_chunks_per_s=getattr(config, "stream_chunks_per_s", None))
     if info.get("colocated_draft"):  # the worker runs whole sessions and calibrates itself
         relay = ColocatedRelay(target_address, gamma=gamma, gamma_max=gamma_max, lookup=draft_lookup,
                                target_actor=target_actor, worker_token=worker_token)

@@ -62,6 +62,13 @@ class AppConfig(WorkersConfig):
         "round. A target worker that runs whole sessions (colocated draft) holds its messages to the replica the "
         "same way. Each chunk costs the relay and the client CPU that a small machine takes from the model.",
     )
+    stream_chunks_per_s: float | None = Field(
+        None, ge=0,
+        description="The chunks a second all of a replica's streams send together before each stream's interval "
+        "grows past stream_interval_ms: with N streams open it is N / this, at most 250 ms. Default: 50 per core of "
+        "the replica's machine (100 on 2 cores: 16 streams send every 160 ms); 0: stream_interval_ms whatever the "
+        "load.",
+    )
     api_key: str | None = Field(
         None, repr=False, min_length=1, validate_default=True,
         description="Clients must send it (HTTP `Authorization: Bearer KEY`, gRPC metadata `authorization: Bearer "

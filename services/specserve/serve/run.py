@@ -72,6 +72,8 @@ def config_from_flags(args) -> dict[str, Any]:
         app_args["max_sessions"] = args.max_sessions
     if getattr(args, "stream_interval_ms", None) is not None:
         app_args["stream_interval_ms"] = args.stream_interval_ms
+    if getattr(args, "stream_chunks_per_s", None) is not None:
+        app_args["stream_chunks_per_s"] = args.stream_chunks_per_s
     if getattr(args, "tensor_parallel", 1) != 1:
         app_args["target_resources"] = {"tensor_parallel": args.tensor_parallel}
     if getattr(args, "api_key", None):
