@@ -309,7 +309,7 @@ class _Session:
     def __init__(self, request: SessionRequest, driver, observed: SessionMetrics, emit, recover,
                  interval: float | Callable[[], float] = 0.0):
         self.request, self.driver, self.observed, self.emit, self.recover = request, driver, observed, emit, recover
-        self.pacer = Pacer(current=interval) if callable(interval) else Pacer(interval)
+        self.pacer = Pacer(interval)
         self.cancel = _Cancel()
         self.stats = GenerationStats()
         self.committed: list[int] = []  # every token of the session's finished rounds

@@ -18,7 +18,8 @@ CHUNKS_PER_CORE = 50.0  # the default rate: per core of the machine that relays 
 
 def default_chunk_rate() -> float:
     """Chunks a second all of a replica's streams may send together before their intervals stretch: 50 a core."""
-    return CHUNKS_PER_CORE * len(os.sched_getaffinity(0))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return CHUNKS_PER_CORE * cores
 
 
 def stream_interval(base: float, streams: int, rate: float) -> float:
@@ -35,15 +36,15 @@ class Pacer:
     after it as it came after the one before, still falls within `interval` seconds of the last that went, so a
     token waits at most about that long unless the rounds slow down. The first round goes at once (the first
     token's latency); 0: every round goes at once. The caller sends a finishing round whatever this says.
-    current: the interval now, asked at every round (a replica's, stretched by its load); else `interval`."""
+    interval: seconds, or a function that gives them now, asked at every round (a replica's, stretched by its load)."""
 
-    def __init__(self, interval: float = 0.0, current: Callable[[], float] | None = None):
-        self.base, self.current = interval, current
+    def __init__(self, interval: float | Callable[[], float] = 0.0):
+        self._interval = interval
         self.sent = self.arrived = None  # when the last message went, when the last round came
 
     @property
     def interval(self) -> float:
-        return self.base if self.current is None else self.current()
+        return self._interval() if callable(self._interval) else self._interval
 
     def hold(self) -> bool:
         interval = self.interval
