@@ -44,6 +44,22 @@ def test_flags_make_the_same_shape_of_config():
     assert "draft_lookup" not in config_from_flags(build_parser().parse_args(["serve"]))["applications"][0]["args"]
 
 
+def test_stream_pacing_flags_reach_the_config_and_are_checked():
+    from pydantic import ValidationError
+
+    from specserve.serve import AppConfig
+
+    flags = ["serve", "--stream-interval-ms", "60", "--stream-chunks-per-s", "0"]
+    args = config_from_flags(build_parser().parse_args(flags))["applications"][0]["args"]
+    config = AppConfig(**{k: v for k, v in args.items() if k in AppConfig.model_fields})
+    assert config.stream_interval_ms == 60 and config.stream_chunks_per_s == 0
+    assert AppConfig().stream_chunks_per_s is None  # the coordinator's 50 a core
+    defaults = config_from_flags(build_parser().parse_args(["serve"]))["applications"][0]["args"]
+    assert "stream_chunks_per_s" not in defaults
+    with pytest.raises(ValidationError, match="stream_chunks_per_s"):
+        AppConfig(stream_chunks_per_s=-1)
+
+
 def test_pipelining_is_on_by_default_only_when_both_workers_have_gpus():
     from specserve.serve import AppConfig
 
