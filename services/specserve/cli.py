@@ -191,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--stream-chunks-per-s", type=float, default=None, metavar="N",
                      help="chunks a second all streams send before each one's interval grows (default: 50 a core; "
                      "0: never)")
+    srv.add_argument("--compute-lanes", type=int, default=None, metavar="N",
+                     help="with 8+ sessions open, split them among N compute threads of the target worker (default: "
+                     "2 with 2+ threads; 1: one step over all)")
     srv.add_argument("--model-name", default=None, help="model id clients pass (default: the target's name)")
     srv.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 to listen on all interfaces)")
     srv.add_argument("--api-key", default=None,

@@ -237,6 +237,82 @@ def test_a_session_served_beside_others_gets_exactly_its_tokens_alone(served):
     assert len(served["draft_servicer"].sessions) == 0
     if served["step_runner"]:  # the decode and verify steps went through the static-shape runner
         assert served["servicer"].pool.runner.buckets
+    assert not scheduler.lane_steps[1]  # a float64 model's steps: one lane (`KVPool.concurrent_forwards`)
+
+
+def kernel_model(seed: int = 0):
+    """A small int4 bf16 Llama whose steps run on specserve's fused CPU kernels (None where they cannot)."""
+    from specserve.models import cpukernels
+    from specserve.models.loading import load_model
+
+    if cpukernels.library() is None:
+        return None
+    return load_model(tiny_llama(seed, vocab=64, layers=2, hidden=128, heads=4, kv_heads=2, dtype=torch.bfloat16),
+                      quantization="int4").model
+
+
+def test_sessions_split_among_lanes_only_where_the_pools_forwards_may_overlap(tiny_pair):
+    target, _ = tiny_pair
+    model = kernel_model()
+    if model is None:
+        pytest.skip("specserve's CPU kernels do not run here")
+    kernels, runner = (KVPool(model, tokens=256, min_block=8, runner=r) for r in (False, True))
+    float64 = KVPool(target, tokens=256, min_block=8, runner=False)
+    assert kernels.concurrent_forwards
+    assert not runner.concurrent_forwards  # a runner's static buffers are shared
+    assert not float64.concurrent_forwards  # torch's products: their rounding may follow the thread count
+    for pool, lanes, threads, split in ((kernels, None, 2, True), (kernels, None, 1, False), (kernels, 1, 2, False),
+                                        (runner, None, 2, False), (float64, None, 2, False)):
+        scheduler = StepScheduler(pool, threads=threads, lanes=lanes, expected=lambda: 8)
+        try:
+            assert scheduler._wants_split() == split, (lanes, threads)
+            scheduler.expected = lambda: 7  # fewer than lane_sessions: one step over all of them
+            assert not scheduler._wants_split()
+        finally:
+            scheduler.close()
+
+
+def test_sessions_split_between_two_lanes_get_the_tokens_they_get_alone():
+    """12 seeded sessions (greedy, T=1, top-p) on a scheduler that splits them between two compute threads of one
+    thread each: every session's tokens are those it gets alone on one lane of two threads."""
+    model = kernel_model()
+    if model is None:
+        pytest.skip("specserve's CPU kernels do not run here")
+    draft = tiny_llama(3, vocab=64, layers=1, hidden=16, scale=8)
+    sessions = 12
+    modes = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.2, top_p=0.8)]
+
+    def tokens(scheduler, pool, i: int) -> list[int]:
+        params = SamplingParams(**modes[i % 3], seed=50 + i, ignore_eos=True)
+        verifier = ScheduledVerifier(scheduler, TargetVerifier(model, 64, pool.sequence()))
+        try:
+            rounds = speculate([(5 * i + j * j) % 64 for j in range(6 + i % 5)], ModelProposer(draft, 64), verifier,
+                               make_controller(2), params, PositionRNG(50 + i), 20, 64, set())
+            return [t for rnd in rounds for t in rnd.tokens]
+        finally:
+            verifier.release()
+
+    def run(lanes: int, together: bool) -> list[list[int]]:
+        pool = KVPool(model, tokens=sessions * 64, min_block=8, runner=False)
+        scheduler = StepScheduler(pool, threads=2, lanes=lanes, expected=lambda: sessions if together else 1,
+                                  gather=2.0)
+        scheduler.lane_sessions = 4
+        try:
+            if together:
+                with futures.ThreadPoolExecutor(sessions) as threads:
+                    out = list(threads.map(lambda i: tokens(scheduler, pool, i), range(sessions)))
+            else:
+                out = [tokens(scheduler, pool, i) for i in range(sessions)]
+            return out, scheduler
+        finally:
+            scheduler.close()
+
+    split, scheduler = run(2, True)
+    assert scheduler.lane_steps[1] > 0, scheduler.lane_steps  # the second lane stepped sessions of its own
+    assert max(scheduler.sessions_per_step) <= sessions // 2  # each lane its share
+    alone, scheduler = run(1, False)
+    assert not scheduler.lane_steps[1]
+    assert split == alone and all(len(t) >= 20 for t in split)
 
 
 @pytest.mark.parametrize("wait_s", [0.0, 30.0], ids=["refused", "waits"])

@@ -60,6 +60,19 @@ def test_stream_pacing_flags_reach_the_config_and_are_checked():
         AppConfig(stream_chunks_per_s=-1)
 
 
+def test_the_compute_lanes_flag_reaches_the_target_workers_scheduling_and_is_checked():
+    from pydantic import ValidationError
+
+    from specserve.serve import AppConfig
+
+    args = config_from_flags(build_parser().parse_args(["serve", "--compute-lanes", "1"]))["applications"][0]["args"]
+    config = AppConfig(**{k: v for k, v in args.items() if k in AppConfig.model_fields})
+    assert config.scheduling()["compute_lanes"] == 1
+    assert AppConfig().scheduling()["compute_lanes"] is None  # the scheduler's default: 2 with 2+ threads
+    with pytest.raises(ValidationError, match="compute_lanes"):
+        AppConfig(compute_lanes=0)
+
+
 def test_pipelining_is_on_by_default_only_when_both_workers_have_gpus():
     from specserve.serve import AppConfig
 

@@ -55,7 +55,7 @@ def test_slug_matches_githubs_rule():
 
 
 # fields whose default the table describes in words rather than as a literal
-DESCRIBED = {"model_name", "api_key", "target_resources", "draft_resources", "stream_chunks_per_s"}
+DESCRIBED = {"model_name", "api_key", "target_resources", "draft_resources", "stream_chunks_per_s", "compute_lanes"}
 
 
 def _literal(value) -> str:

@@ -155,8 +155,10 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.specserve_silu_mul.argtypes = [p, i, i, p]
     lib.specserve_layer.argtypes = [p, i, i, p, p, ctypes.c_float, p, p, p, p, p, i, p, i, i, i, i,
                                     ctypes.c_float, i, p, p]
+    lib.specserve_layers.argtypes = [p, i, i, i, p, p, ctypes.c_float, p, p, p, p, p, i, i, p, i, i, i, i,
+                                     ctypes.c_float, p, p, p]
     for f in (lib.specserve_int4_mm, lib.specserve_int4q8_mm, lib.specserve_int8_mm, lib.specserve_attend, lib.specserve_rms_norm,
-              lib.specserve_silu_mul, lib.specserve_layer):
+              lib.specserve_silu_mul, lib.specserve_layer, lib.specserve_layers):
         f.restype = None
     lib.specserve_isa.restype = ctypes.c_int
     assert lib.specserve_isa() == (512 if isa == "avx512" else 2), f"{path} is not the {isa} build"
@@ -337,13 +339,24 @@ class _Linear(ctypes.Structure):  # csrc: struct Linear
 
 class FusedLayers:
     """Every decoder layer of a bfloat16 model whose four linear layers all run on these kernels (no biases on
-    the attention's), as one `specserve_layer` call a layer: a decode step's or a short verify block's ~20 torch
+    the attention's), as one `specserve_layers` call a step: a decode step's or a short verify block's ~20 torch
     ops a layer, with their dispatch, took a third of its time (docs/benchmarks.md). The same kernels in the
     same order as the per-op path, so its values are the per-op path's (tests/cpu/test_cpukernels.py)."""
 
     def __init__(self, layers: list, rows_below: int):
-        # (norm_in, norm_post, ctypes array of 4 _Linear, the linears they point into, sliding window or 0)
-        self.layers = layers
+        # (norm_in, norm_post, ctypes array of 4 _Linear, the linears they point into, sliding window or 0); each
+        # layer's 4 structs a view into one array of all of them, for `specserve_layers`
+        n = len(layers)
+        self._linears = (_Linear * (4 * n))()
+        self.layers = []
+        for i, (norm_in, norm_post, structs, linears, window) in enumerate(layers):
+            view = (_Linear * 4).from_buffer(self._linears, 4 * i * ctypes.sizeof(_Linear))
+            for j in range(4):
+                view[j] = structs[j]
+            self.layers.append((norm_in, norm_post, view, linears, window))
+        self._norms_in = (ctypes.c_void_p * n)(*[layer[0].data_ptr() for layer in layers])
+        self._norms_post = (ctypes.c_void_p * n)(*[layer[1].data_ptr() for layer in layers])
+        self._windows = (ctypes.c_int64 * n)(*[layer[4] for layer in layers])
         self.rows_below = rows_below  # steps of fewer rows than this (no layer's dense copy taking over)
         h = layers[0][0].shape[0]
         lin = layers[0][2]
@@ -397,13 +410,8 @@ class FusedLayers:
         xsum = torch.empty(t * self.max_groups, dtype=torch.float32)
         cos, sin = cos.reshape(t, head_dim).contiguous(), sin.reshape(t, head_dim).contiguous()
         k, v = attention.k, attention.v
-        layer_bytes = k.stride(0) * k.element_size()
-        call = library().specserve_layer
-        args = (x.data_ptr(), t, self.hidden)
-        tail = (cos.data_ptr(), sin.data_ptr())
-        info, count, scale = attention.info.data_ptr(), attention.count, attention.scale
-        k0, v0, head_stride = k.data_ptr(), v.data_ptr(), k.stride(1)
-        s0, x0 = scratch.data_ptr(), xsum.data_ptr()
-        for i, (norm_in, norm_post, structs, _, window) in enumerate(self.layers):
-            call(*args, norm_in.data_ptr(), norm_post.data_ptr(), eps, structs, *tail, k0 + i * layer_bytes,
-                 v0 + i * layer_bytes, head_stride, info, count, heads, kv_heads, head_dim, scale, window, s0, x0)
+        library().specserve_layers(
+            x.data_ptr(), t, self.hidden, len(self.layers), self._norms_in, self._norms_post, eps, self._linears,
+            cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
+            attention.info.data_ptr(), attention.count, heads, kv_heads, head_dim, attention.scale, self._windows,
+            scratch.data_ptr(), xsum.data_ptr())

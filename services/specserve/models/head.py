@@ -297,6 +297,8 @@ class HeadPool(KVPool):
     A position below a sequence's `true` count takes the target's feature there, read at the step from the
     target's arena (where its block is then); a drafted one the head's own prediction (`last`)."""
 
+    concurrent_forwards = False  # one compute lane only (`StepScheduler.lanes`)
+
     def __init__(self, head: FeatureHeadForCausalLM, target: KVPool, tokens: int, dtype: torch.dtype | None = None,
                  runner: bool | None = None):
         if target.features is None:

@@ -33,7 +33,8 @@ import threading
 import torch
 
 from specserve.models.kv import TokenSequence
-from specserve.models.lean import lean_forward, lean_weights, widen
+from specserve.models import cpukernels
+from specserve.models.lean import _fused_layers, lean_forward, lean_weights, widen
 from specserve.models.prefix import CHUNK, PrefixCache, common_prefix
 from specserve.models.runner import StepRunner
 from specserve.models.tp import Collective
@@ -136,6 +137,7 @@ class KVPool:
                  layers: tuple[int, int] | None = None, features: bool = False):
         param = next(model.parameters())
         self.tp = tp
+        self.staged = layers is not None
         self.w = lean_weights(model, dtype or param.dtype, None if tp is None else tp.shard, layers)
         self.w.tp = tp
         self._keep_sequences(model.config, tokens, max_length, min_block, prefix_caching, share_running)
@@ -304,6 +306,16 @@ class KVPool:
     @property
     def shares_running(self) -> bool:
         return self._running is not None
+
+    @property
+    def concurrent_forwards(self) -> bool:
+        """Whether two threads may run forwards of different sequences at once, each row's values the same on
+        any number of threads: a CPU pool whose steps run on specserve's fused layer kernels (each output summed
+        by one thread) without a step runner (its static buffers), other ranks or stages."""
+        if self.runner is not None or self.tp is not None or self.staged or self.w.device.type != "cpu":
+            return False
+        return self.w.kernel_attention and cpukernels.step_kernels(self.w.dtype, self.w.device, self.w.head_dim) \
+            and _fused_layers(self.w, 1) is not None
 
     def cached_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens` a new sequence would find now, cached or running (0 without a prefix cache)."""

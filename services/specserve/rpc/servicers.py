@@ -240,7 +240,7 @@ class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerService
     """batching: run targets of `models.arch`'s families through the KV pool, one forward per step over all sessions
     (kv_cache_tokens positions in all; max_step_tokens and prefill_chunk bound a step, see `StepScheduler`;
     prefix_caching: finished sessions' KV kept for new ones with the same prefix, `models.prefix`;
-    kv_wait_s: how long a new session waits for room in a full pool).
+    kv_wait_s: how long a new session waits for room in a full pool; compute_lanes: `StepScheduler.lanes`).
     Other models (`new_sequence`) and batching=False run one session at a time.
     tp: this worker is rank 0 of a tensor-parallel group (`models.tp`): its pool's steps run on every rank.
     pool: the pool to batch on, made by the caller (a staged target's, `workers.stages.StagedPool`).
@@ -250,12 +250,12 @@ class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerService
                  batching: bool = True, kv_cache_tokens: int = 65536, max_step_tokens: int = 512,
                  prefill_chunk: int = 256, scheduler: StepScheduler | None = None, tp: Collective | None = None,
                  prefix_caching: bool = True, kv_wait_s: float = 60.0, pool: KVPool | None = None,
-                 features: bool = False):
+                 features: bool = False, compute_lanes: int | None = None):
         self.model = model
         self.new_sequence = new_sequence
         self.sessions = SessionTable(vocab)
         self._init_compute(threads, scheduler, max_step_tokens=max_step_tokens, prefill_chunk=prefill_chunk,
-                           kv_wait_s=kv_wait_s)
+                           kv_wait_s=kv_wait_s, lanes=compute_lanes)
         self.pool = None
         if pool is not None:
             self.pool = self.scheduler.pool = pool

@@ -37,11 +37,12 @@ time on their own caches (`pool=None`): no batching, same results.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import threading
 import time
 import weakref
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +80,7 @@ class _Work:
     block: DraftBlock | None = None
     started: bool = False  # a prefill: a chunk of it has been fed
     held: bool = False  # waiting for KV memory; skipped until a call (a session's release) or a retry tick
+    busy: bool = False  # in a lane's step (`StepScheduler.lanes`)
     waiting_since: float | None = None
 
 
@@ -92,6 +94,20 @@ def torch_threads(n: int) -> None:
     forwards slow down (docs/benchmarks.md, served against in-process)."""
     torch.get_num_threads()  # the lazy init, now, so the count below is not overwritten later
     torch.set_num_threads(n)
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch ops on one thread meanwhile: ATen splits a long reduction (a sum over the vocabulary) among its
+    threads, rounding with their number, and a session's tokens must not depend on the lane that judged it."""
+    n = torch.get_num_threads()
+    if n > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if n > 1:
+            torch.set_num_threads(n)
 
 
 def one_thread_torch() -> None:
@@ -120,7 +136,7 @@ class StepScheduler:
 
     def __init__(self, pool: KVPool | None = None, *, max_step_tokens: int = 512, prefill_chunk: int = 256,
                  gather: float = 0.1, expected: Callable[[], int] | None = None, threads: int | None = None,
-                 kv_wait_s: float = 60.0):
+                 kv_wait_s: float = 60.0, lanes: int | None = None, lane_sessions: int = 8):
         if max_step_tokens < 1 or prefill_chunk < 1:
             raise ValueError("max_step_tokens and prefill_chunk must be >= 1")
         self.pool = pool
@@ -135,14 +151,33 @@ class StepScheduler:
         self.fused_blocks = 0  # draft steps run as whole blocks (`_draft`)
         self.last_step_s = 0.0
         self.sessions_per_step: Counter[int] = Counter()  # how many sessions shared each target step
+        self.lane_steps: Counter[int] = Counter()  # target steps each lane ran (`lanes`)
         self.sessions_per_draft_step: Counter[int] = Counter()  # and each draft step (a colocated draft)
         self._work: deque[_Work] = deque()
         self._calls: deque[tuple[Callable, tuple, Future]] = deque()
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # the first lane waits on it (for work, calls, other lanes' steps)
+        self._wake = threading.Condition(lock)  # the other lanes wait on it: woken only while split
+        self._select = threading.Lock()  # one lane at a time picks (and claims) its step's work
         self._closed = False
+        # lanes: with lane_sessions or more sessions open (and a pool that allows it), `lanes` compute threads
+        # each step their own share of the sessions on threads / lanes cores, so that another process taking a
+        # core stalls one lane, not every thread of one step at its next barrier (docs/benchmarks.md); None: 2
+        # where there are 2 threads or more
+        self.lanes, self.lane_sessions = lanes, lane_sessions
+        self._split = False
+        self._helpers_busy = 0
+        self._helpers: list[threading.Thread] = []  # started at the first split
         self._thread = threading.Thread(target=self._loop, name="specserve-compute", daemon=True)
         self._thread.start()
         _LIVE.add(self)
+
+    @property
+    def lane_count(self) -> int:
+        """The compute threads the sessions are split among under load (`lanes`, resolved)."""
+        if self.lanes is not None:
+            return max(1, self.lanes)
+        return 2 if (self.threads or 1) >= 2 else 1
 
     # -- submitting ------------------------------------------------------------
     def call(self, fn: Callable[..., Any], *args) -> Future:
@@ -179,16 +214,18 @@ class StepScheduler:
             if self._closed:
                 raise RuntimeError("the step scheduler is stopped")
             self._work.append(work)
-            self._cond.notify()
+            self._notify()
         return work.future
 
     def close(self) -> None:
         """Stop the compute thread (work still queued fails); safe to call twice."""
         with self._cond:
             self._closed = True
-            self._cond.notify()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+            self._cond.notify_all()
+            self._wake.notify_all()
+        for thread in [self._thread, *self._helpers]:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5)
         _LIVE.discard(self)
 
     # -- the compute thread ------------------------------------------------------
@@ -197,44 +234,122 @@ class StepScheduler:
             torch_threads(self.threads)
         while True:
             with self._cond:
-                while not (self._calls or self._closed or any(not w.held for w in self._work)):
+                while not (self._calls or self._closed or self._ready(0)):
                     if not self._cond.wait(1.0 if self._work else None):
                         self._retry_held()  # a tick: deadlines, and room freed other than by a release
                 if self._closed:
                     break
                 if not self._calls:
-                    self._gather_locked()
+                    self._gather_locked(0)
                 calls, self._calls = list(self._calls), deque()
-                blocks = [w for w in self._work if w.kind == "block"]
-                feeds = [w for w in self._work if w.kind == "feed"]
-                batch = feeds or list(self._work)  # draft steps first: they are cheap and lead to verifies
             for fn, args, future in calls:
                 self._settle(future, fn, *args)
             if calls:
                 self._retry_held()  # a released session may have made room
-            if blocks:
-                self._draft(blocks)
-            elif batch:
-                self._step(batch)
+            self._set_split(self._wants_split())
+            self._run_lane(0)
+        with self._cond:
+            self._cond.notify_all()
+            deadline = time.monotonic() + 5.0
+            while self._helpers_busy and time.monotonic() < deadline:  # their steps settle their own work
+                self._cond.wait(0.1)
         stopped = RuntimeError("the step scheduler stopped")
         for future in [w.future for w in self._work] + [call[2] for call in self._calls]:
             future.set_exception(stopped)
+
+    def _helper(self, lane: int) -> None:
+        """A lane past the first: steps while the sessions are split among the lanes (`_set_split`)."""
+        torch_threads(max(1, (self.threads or 1) // self.lane_count))
+        while True:
+            with self._cond:
+                while not (self._closed or (self._split and self._ready(lane))):
+                    self._wake.wait(1.0)
+                if self._closed:
+                    return
+                self._helpers_busy += 1
+                self._gather_locked(lane)
+            try:
+                self._run_lane(lane)
+            finally:
+                with self._cond:
+                    self._helpers_busy -= 1
+                    if not self._split or self._closed:  # the first lane may be waiting for this step
+                        self._cond.notify()
+
+    def _run_lane(self, lane: int) -> None:
+        """One step of lane `lane`: the queued draft blocks, else draft steps, else a target step."""
+        if lane and not self._split:
+            return  # the sessions were joined meanwhile: the first lane steps them all
+        with self._cond:
+            work = [w for w in self._work if self._takes(lane, w)]
+        blocks = [w for w in work if w.kind == "block"]
+        feeds = [w for w in work if w.kind == "feed"]
+        limit = -(-self.expected() // self.lane_count) if self._split else None  # this lane's share
+        if blocks:
+            self._draft(blocks, limit)
+        elif feeds or work:
+            self._step(feeds or work, limit, lane)  # draft steps first: they are cheap and lead to verifies
+
+    def _notify(self) -> None:
+        """Under the lock: work is ready (for the first lane; and the others while split)."""
+        self._cond.notify()
+        if self._split:
+            self._wake.notify_all()
+
+    def _takes(self, lane: int, work: _Work) -> bool:
+        """Whether lane `lane` may take `work` now: not another lane's; past the first lane, no prefills (they
+        share prompts through the pool's running sequences: `_follows`) and only pools that allow it."""
+        if work.busy or work.held:
+            return False
+        return lane == 0 or (work.kind != "prefill" and getattr(work.pool, "concurrent_forwards", False))
+
+    def _ready(self, lane: int) -> bool:
+        return any(self._takes(lane, w) for w in self._work)
+
+    def _wants_split(self) -> bool:
+        return (self.lane_count > 1 and getattr(self.pool, "concurrent_forwards", False)
+                and self.expected() >= self.lane_sessions)
+
+    def _set_split(self, split: bool) -> None:
+        """Split the sessions among the lanes (each on its share of the threads), or join them on the first
+        lane's threads once the other lanes' steps are done: never more threads than cores at once."""
+        if split == self._split:
+            return
+        if split:
+            torch_threads(max(1, (self.threads or 1) // self.lane_count))
+            for lane in range(len(self._helpers) + 1, self.lane_count):
+                helper = threading.Thread(target=self._helper, args=(lane,), name=f"specserve-compute-{lane}",
+                                          daemon=True)
+                helper.start()
+                self._helpers.append(helper)
+        with self._cond:
+            self._split = split
+            self._wake.notify_all()
+            while not split and self._helpers_busy and not self._closed:
+                self._cond.wait(1.0)
+        if not split and self.threads:
+            torch_threads(self.threads)
 
     def _retry_held(self) -> None:
         with self._cond:  # sessions' threads append work meanwhile (the lock is reentrant)
             for work in self._work:
                 work.held = False
 
-    def _gather_locked(self) -> None:
-        """Wait (bounded) until every open session has target work queued, so they share the step."""
+    def _gather_locked(self, lane: int) -> None:
+        """Wait (bounded) until every open session not in another lane's step has target work queued, so they
+        share the step (split among lanes: this lane's share of them)."""
         deadline = time.perf_counter() + self.gather * self.last_step_s
         while not self._calls and not any(w.kind in ("feed", "block") for w in self._work):
-            if len({id(w.seq) for w in self._work}) >= self.expected():
+            busy = {id(w.seq) for w in self._work if w.busy}
+            want = self.expected() - len(busy)
+            if self._split:
+                want = min(want, -(-self.expected() // self.lane_count))
+            if len({id(w.seq) for w in self._work if self._takes(lane, w)}) >= want:
                 return
             left = deadline - time.perf_counter()
             if left <= 0:
                 return
-            self._cond.wait(left)
+            (self._cond if lane == 0 else self._wake).wait(left)
 
     @staticmethod
     def _settle(future: Future, fn: Callable, *args) -> None:
@@ -243,15 +358,58 @@ class StepScheduler:
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             future.set_exception(exc)
 
-    def _step(self, queued: list[_Work]) -> None:
+    def _step(self, queued: list[_Work], limit: int | None = None, lane: int = 0) -> None:
         t0 = time.perf_counter()
-        taken: list[tuple[_Work, list[int], bool]] = []  # (work, tokens fed this step, finishes this step)
+        with self._select:
+            taken = self._take(queued, limit)
+        if not taken:
+            return
+        try:
+            logits = self._forward([(w.seq, w.pool, chunk, w.keep if done else 0) for w, chunk, done in taken],
+                                   host=taken[0][0].kind == "feed")  # a verify's logits are judged on the device
+        except BaseException as exc:  # noqa: BLE001 - every session in the step sees it
+            for work, _, _ in taken:
+                self._drop(work, exc)
+            return
+        prompts = [len(c) for w, c, _ in taken if w.kind == "prefill"]
+        info = StepInfo(sum(len(c) for _, c, _ in taken), len(taken), time.perf_counter() - t0, sum(prompts),
+                        len(prompts))
+        verifies: list[tuple[_Work, torch.Tensor]] = []
+        for (work, _, done), rows in zip(taken, logits):
+            with self._cond:
+                work.busy = False
+                if not done:
+                    self._notify()
+                    continue  # a prefill with chunks to go stays queued
+                self._work.remove(work)
+            if work.kind == "feed":
+                work.future.set_result(rows)
+            elif work.kind == "prefill":
+                work.future.set_result(None)
+            else:
+                verifies.append((work, rows))
+        if verifies:
+            with one_torch_thread():
+                self._judge(verifies, info)
+        if taken[0][0].kind == "feed":
+            self.draft_steps += 1
+            self.sessions_per_draft_step[len(taken)] += 1
+            return
+        self.steps += 1
+        self.lane_steps[lane] += 1
+        self.sessions_per_step[len(taken)] += 1
+        self.last_step_s = time.perf_counter() - t0
+
+    def _take(self, queued: list[_Work], limit: int | None) -> list[tuple[_Work, list[int], bool]]:
+        """The step's work, claimed (`busy`) from `queued` in order: (work, tokens fed this step, finishes this
+        step); at most `limit` pieces (a lane's share)."""
+        taken: list[tuple[_Work, list[int], bool]] = []
         budget = self.max_step_tokens
         prefills: list[_Work] = []  # prefills ahead in the queue (`_follows`)
         for work in queued:
-            if budget <= 0:
+            if budget <= 0 or (limit is not None and len(taken) >= limit):
                 break
-            if work.held:
+            if work.held or work.busy or work.future.done():
                 continue
             if work.kind == "prefill" and work.pool is not None and work.pool.shares_running:
                 if self._follows(work, prefills):
@@ -279,53 +437,26 @@ class StepScheduler:
                 self._drop(work, exc)
                 continue
             work.started = True
+            work.busy = True
             taken.append((work, chunk, len(chunk) == len(tail)))
             budget -= len(chunk)
-        if not taken:
-            return
-        try:
-            logits = self._forward([(w.seq, w.pool, chunk, w.keep if done else 0) for w, chunk, done in taken],
-                                   host=taken[0][0].kind == "feed")  # a verify's logits are judged on the device
-        except BaseException as exc:  # noqa: BLE001 - every session in the step sees it
-            for work, _, _ in taken:
-                self._drop(work, exc)
-            return
-        prompts = [len(c) for w, c, _ in taken if w.kind == "prefill"]
-        info = StepInfo(sum(len(c) for _, c, _ in taken), len(taken), time.perf_counter() - t0, sum(prompts),
-                        len(prompts))
-        verifies: list[tuple[_Work, torch.Tensor]] = []
-        for (work, _, done), rows in zip(taken, logits):
-            if not done:
-                continue  # a prefill with chunks to go stays queued
-            with self._cond:
-                self._work.remove(work)
-            if work.kind == "feed":
-                work.future.set_result(rows)
-            elif work.kind == "prefill":
-                work.future.set_result(None)
-            else:
-                verifies.append((work, rows))
-        if verifies:
-            self._judge(verifies, info)
-        if taken[0][0].kind == "feed":
-            self.draft_steps += 1
-            self.sessions_per_draft_step[len(taken)] += 1
-            return
-        self.steps += 1
-        self.sessions_per_step[len(taken)] += 1
-        self.last_step_s = time.perf_counter() - t0
+        return taken
 
-    def _draft(self, queued: list[_Work]) -> None:
-        """Every queued block of one draft pool, drafted together (`drafting.draft_blocks`)."""
+    def _draft(self, queued: list[_Work], limit: int | None = None) -> None:
+        """Every queued block of one draft pool (at most `limit`), drafted together (`drafting.draft_blocks`)."""
         pool = queued[0].pool
         works = []
-        for work in (w for w in queued if w.pool is pool):
-            try:
-                pool.reserve(work.seq, room(work.block))
-            except (ValueError, KVCacheFull) as exc:  # this block alone fails
-                self._drop(work, exc)
-                continue
-            works.append(work)
+        with self._select:
+            for work in (w for w in queued if w.pool is pool):
+                if work.busy or work.future.done() or (limit is not None and len(works) >= limit):
+                    continue
+                try:
+                    pool.reserve(work.seq, room(work.block))
+                except (ValueError, KVCacheFull) as exc:  # this block alone fails
+                    self._drop(work, exc)
+                    continue
+                work.busy = True
+                works.append(work)
         if not works:
             return
         with self._cond:

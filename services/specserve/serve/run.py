@@ -74,6 +74,8 @@ def config_from_flags(args) -> dict[str, Any]:
         app_args["stream_interval_ms"] = args.stream_interval_ms
     if getattr(args, "stream_chunks_per_s", None) is not None:
         app_args["stream_chunks_per_s"] = args.stream_chunks_per_s
+    if getattr(args, "compute_lanes", None) is not None:
+        app_args["compute_lanes"] = args.compute_lanes
     if getattr(args, "tensor_parallel", 1) != 1:
         app_args["target_resources"] = {"tensor_parallel": args.tensor_parallel}
     if getattr(args, "api_key", None):

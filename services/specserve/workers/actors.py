@@ -257,6 +257,7 @@ class TargetWorkerActor(_GrpcActor):
         steps = {"steps": scheduler.steps, "draft_steps": scheduler.draft_steps,
                  # how many sessions shared each target (draft) step so far: {sessions: steps}
                  "sessions_per_step": dict(sorted(scheduler.sessions_per_step.items())),
+                 "lane_steps": dict(sorted(scheduler.lane_steps.items())),  # target steps per compute lane
                  "sessions_per_draft_step": dict(sorted(scheduler.sessions_per_draft_step.items()))}
         draft = self._draft_pool()
         return {**self._info, "batching": pool is not None, **(pool.describe() if pool is not None else {}), **steps,

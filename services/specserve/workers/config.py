@@ -120,6 +120,13 @@ class WorkersConfig(BaseModel):
         "turns of a chat), prefilling only the rest; evicted least recently used when the pool needs room. The "
         "output is the same with it off.",
     )
+    compute_lanes: int | None = Field(
+        None, ge=1,
+        description="A CPU target worker with this many sessions open or more (8) splits them among N compute "
+        "threads, each stepping its share on its share of the cores: another process taking a core then stalls "
+        "one of them instead of every thread of one step. Default: 2 where the worker has 2 threads or more; 1: "
+        "one step over all sessions. The output is the same either way.",
+    )
     max_step_tokens: int = Field(
         512, ge=16, description="New tokens one batched target step may carry (verify blocks and prefill chunks)."
     )
@@ -181,7 +188,8 @@ class WorkersConfig(BaseModel):
         """The target worker's batching arguments (`TargetWorkerServicer`'s scheduling keywords)."""
         return {"batching": self.batching, "kv_cache_tokens": self.kv_cache_tokens,
                 "max_step_tokens": self.max_step_tokens, "prefill_chunk": self.prefill_chunk,
-                "prefix_caching": self.prefix_caching, "kv_wait_s": self.kv_wait_s}
+                "prefix_caching": self.prefix_caching, "kv_wait_s": self.kv_wait_s,
+                "compute_lanes": self.compute_lanes}
 
     @model_validator(mode="after")
     def _check_quantization(self) -> WorkersConfig:

@@ -93,6 +93,8 @@ class StagedPool(KVPool):
     """The sequences of a target whose layers live in stage actors: a `KVPool`'s allocator, prefix cache and
     batching, each step run by the stages (see the module docstring). `config`: the target's HF config."""
 
+    concurrent_forwards = False  # one compute lane only (`StepScheduler.lanes`)
+
     def __init__(self, stages: list, config, tokens: int, prefix_caching: bool = False, share_running: bool = False):
         self.tp, self.runner, self.k, self.v = None, None, None, None
         self.stages = stages

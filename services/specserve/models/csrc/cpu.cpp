@@ -1044,4 +1044,17 @@ void specserve_layer(uint16_t *x, int64_t T, int64_t H, const uint16_t *norm_in,
   residual_add(x, o, T * H);
 }
 
+// specserve_layer for layers [0, n) in one call (a caller's thread is off its interpreter's lock once a step, not
+// once a layer): layer i's norms norm_in[i], norm_post[i], linears lin[4i..4i+3], sliding window window[i], keys
+// and values at k, v + i · layer_stride.
+void specserve_layers(uint16_t *x, int64_t T, int64_t H, int64_t n, const uint16_t *const *norm_in,
+                      const uint16_t *const *norm_post, float eps, const Linear *lin, const uint16_t *cos,
+                      const uint16_t *sin, uint16_t *k, uint16_t *v, int64_t layer_stride, int64_t head_stride,
+                      const int64_t *info, int64_t nseq, int64_t heads, int64_t kv_heads, int64_t D, float scale,
+                      const int64_t *window, uint16_t *scratch, float *xsum) {
+  for (int64_t i = 0; i < n; i++)
+    specserve_layer(x, T, H, norm_in[i], norm_post[i], eps, lin + 4 * i, cos, sin, k + i * layer_stride,
+                    v + i * layer_stride, head_stride, info, nseq, heads, kv_heads, D, scale, window[i], scratch, xsum);
+}
+
 }  // extern "C"
