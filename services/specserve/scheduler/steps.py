@@ -174,10 +174,9 @@ class StepScheduler:
 
     @property
     def lane_count(self) -> int:
-        """The compute threads the sessions are split among under load (`lanes`, resolved)."""
-        if self.lanes is not None:
-            return max(1, self.lanes)
-        return 2 if (self.threads or 1) >= 2 else 1
+        """The compute threads the sessions are split among under load (`lanes`, resolved; at most one a thread)."""
+        threads = max(1, self.threads or 1)
+        return min(max(1, self.lanes), threads) if self.lanes is not None else min(2, threads)
 
     # -- submitting ------------------------------------------------------------
     def call(self, fn: Callable[..., Any], *args) -> Future:
