@@ -32,8 +32,8 @@ import threading
 
 import torch
 
-from specserve.models.kv import TokenSequence
 from specserve.models import cpukernels
+from specserve.models.kv import TokenSequence
 from specserve.models.lean import _fused_layers, lean_forward, lean_weights, widen
 from specserve.models.prefix import CHUNK, PrefixCache, common_prefix
 from specserve.models.runner import StepRunner
@@ -138,6 +138,7 @@ class KVPool:
         param = next(model.parameters())
         self.tp = tp
         self.staged = layers is not None
+        self._concurrent: bool | None = None  # `concurrent_forwards`
         self.w = lean_weights(model, dtype or param.dtype, None if tp is None else tp.shard, layers)
         self.w.tp = tp
         self._keep_sequences(model.config, tokens, max_length, min_block, prefix_caching, share_running)
@@ -312,10 +313,12 @@ class KVPool:
         """Whether two threads may run forwards of different sequences at once, each row's values the same on
         any number of threads: a CPU pool whose steps run on specserve's fused layer kernels (each output summed
         by one thread) without a step runner (its static buffers), other ranks or stages."""
-        if self.runner is not None or self.tp is not None or self.staged or self.w.device.type != "cpu":
-            return False
-        return self.w.kernel_attention and cpukernels.step_kernels(self.w.dtype, self.w.device, self.w.head_dim) \
-            and _fused_layers(self.w, 1) is not None
+        if self._concurrent is None:  # (asked for every queued piece of work: decided once)
+            self._concurrent = bool(
+                self.runner is None and self.tp is None and not self.staged and self.w.device.type == "cpu"
+                and self.w.kernel_attention and cpukernels.step_kernels(self.w.dtype, self.w.device, self.w.head_dim)
+                and _fused_layers(self.w, 1) is not None)
+        return self._concurrent
 
     def cached_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens` a new sequence would find now, cached or running (0 without a prefix cache)."""
