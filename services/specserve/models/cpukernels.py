@@ -153,12 +153,10 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.specserve_attend.argtypes = [p, i, p, i, p, i, p, p, i, p, i, i, i, i, ctypes.c_float, i, p]
     lib.specserve_rms_norm.argtypes = [p, i, p, i, i, ctypes.c_float, p]
     lib.specserve_silu_mul.argtypes = [p, i, i, p]
-    lib.specserve_layer.argtypes = [p, i, i, p, p, ctypes.c_float, p, p, p, p, p, i, p, i, i, i, i,
-                                    ctypes.c_float, i, p, p]
     lib.specserve_layers.argtypes = [p, i, i, i, p, p, ctypes.c_float, p, p, p, p, p, i, i, p, i, i, i, i,
                                      ctypes.c_float, p, p, p]
     for f in (lib.specserve_int4_mm, lib.specserve_int4q8_mm, lib.specserve_int8_mm, lib.specserve_attend, lib.specserve_rms_norm,
-              lib.specserve_silu_mul, lib.specserve_layer, lib.specserve_layers):
+              lib.specserve_silu_mul, lib.specserve_layers):
         f.restype = None
     lib.specserve_isa.restype = ctypes.c_int
     assert lib.specserve_isa() == (512 if isa == "avx512" else 2), f"{path} is not the {isa} build"

@@ -178,6 +178,15 @@ class StepScheduler:
         threads = max(1, self.threads or 1)
         return min(max(1, self.lanes), threads) if self.lanes is not None else min(2, threads)
 
+    @property
+    def _lane_threads(self) -> int:
+        return max(1, (self.threads or 1) // self.lane_count)
+
+    @property
+    def _share(self) -> int:
+        """The most sessions a lane's step takes while split."""
+        return -(-self.expected() // self.lane_count)
+
     # -- submitting ------------------------------------------------------------
     def call(self, fn: Callable[..., Any], *args) -> Future:
         """Run fn(*args) on the compute thread between steps (every torch op of a worker goes through here)."""
@@ -258,7 +267,7 @@ class StepScheduler:
 
     def _helper(self, lane: int) -> None:
         """A lane past the first: steps while the sessions are split among the lanes (`_set_split`)."""
-        torch_threads(max(1, (self.threads or 1) // self.lane_count))
+        torch_threads(self._lane_threads)
         while True:
             with self._cond:
                 while not (self._closed or (self._split and self._ready(lane))):
@@ -283,7 +292,7 @@ class StepScheduler:
             work = [w for w in self._work if self._takes(lane, w)]
         blocks = [w for w in work if w.kind == "block"]
         feeds = [w for w in work if w.kind == "feed"]
-        limit = -(-self.expected() // self.lane_count) if self._split else None  # this lane's share
+        limit = self._share if self._split else None
         if blocks:
             self._draft(blocks, limit)
         elif feeds or work:
@@ -315,7 +324,7 @@ class StepScheduler:
         if split == self._split:
             return
         if split:
-            torch_threads(max(1, (self.threads or 1) // self.lane_count))
+            torch_threads(self._lane_threads)
             for lane in range(len(self._helpers) + 1, self.lane_count):
                 helper = threading.Thread(target=self._helper, args=(lane,), name=f"specserve-compute-{lane}",
                                           daemon=True)
@@ -342,7 +351,7 @@ class StepScheduler:
             busy = {id(w.seq) for w in self._work if w.busy}
             want = self.expected() - len(busy)
             if self._split:
-                want = min(want, -(-self.expected() // self.lane_count))
+                want = min(want, self._share)
             if len({id(w.seq) for w in self._work if self._takes(lane, w)}) >= want:
                 return
             left = deadline - time.perf_counter()
