@@ -594,7 +594,8 @@ void attend_heads(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64
     }
     inv[h] = 1.0f / reduce_add(sum);
   }
-  constexpr int CB = GH == 1 ? 4 : GH <= 3 ? 2 : 1;  // value chunks a pass: the sums stay in registers
+  // value chunks a pass: the sums, a value row and a weight stay in registers (AVX2: 16 of 8 lanes, so fewer)
+  constexpr int CB = kIsa == 512 ? (GH == 1 ? 4 : GH <= 3 ? 2 : 1) : (GH == 1 ? 3 : GH == 2 ? 2 : 1);
   for (int64_t c0 = 0; c0 < chunks; c0 += CB) {
     const int64_t cb = chunks - c0 < CB ? chunks - c0 : CB;
     vec acc[GH][CB];
