@@ -104,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--concurrency", default="1,4,16,32", help="--load: concurrency levels")
     bench.add_argument("--load-requests", type=int, default=2, help="--load: requests per stream and level")
     bench.add_argument("--load-rounds", type=int, default=1,
-                       help="--load: run each level's configurations this many times, ABBA order; reports the median "
-                       "run and the median paired ratio to the first configuration (this machine's speed drifts)")
+                       help="--load: rounds of every level and configuration, each round in the reverse order of the "
+                       "last (ABBA); reports the median run, the median paired ratio to the first configuration and "
+                       "of each level to the first level (this machine's speed drifts)")
     bench.add_argument("--long-prompt", type=int, default=0,
                        help="--load: also measure short streams' TTFT while a prompt of this many tokens is prefilled")
     bench.add_argument("--load-configs", default="gamma0,auto",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import statistics
 import time
 
 import grpc
@@ -459,6 +460,11 @@ def test_load_bench_drives_concurrent_streams_and_writes_its_report(server, tmp_
         assert report["levels"]["auto"][i]["aggregate_tokens_per_s"] == min(runs["auto"])  # lower middle of two
         ratio = report["ratio_to_first"]["auto"][i]
         assert ratio["concurrency"] == level and ratio["runs"] == [a / b for a, b in zip(runs["auto"], runs["gamma0"])]
+    # and each level against the first, paired by round (the rounds interleave the levels)
+    for name in ("gamma0", "auto"):
+        one, six = (level["runs_aggregate_tokens_per_s"] for level in report["levels"][name])
+        scaling = [a / b for a, b in zip(six, one)]
+        assert report["scaling"][name] == [{"concurrency": 6, "median": statistics.median(scaling), "runs": scaling}]
     assert main(["bench", "--load", "--url", url, "--load-configs", "nope", "--out", str(tmp_path)]) == 2
 
 

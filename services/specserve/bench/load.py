@@ -382,28 +382,24 @@ def run_load_bench(args) -> int:
         for name in configs:  # warm every path once, and the prefix caches with every prompt
             app, gamma = CONFIGS[name]
             level_of(app, len(prompts), 1, 8, gamma, prompts, system)
-        for level in levels:
-            runs: dict[str, list[dict]] = {c: [] for c in configs}
-            for r in range(rounds):
-                for name in configs if r % 2 == 0 else configs[::-1]:  # ABBA: drift hits every config alike
+        # rounds outermost, levels and configurations in ABBA order within them: a drift of the machine's speed
+        # hits every level and configuration alike, so a round's ratios between them compare like with like
+        runs: dict[int, dict[str, list[dict]]] = {level: {c: [] for c in configs} for level in levels}
+        for r in range(rounds):
+            for level in levels if r % 2 == 0 else levels[::-1]:
+                for name in configs if r % 2 == 0 else configs[::-1]:
                     app, gamma = CONFIGS[name]
                     label = name if rounds == 1 else f"{name} ({r + 1}/{rounds})"
                     print(f"  concurrency {level:3d}  {label:15s} ...", end="", flush=True)
                     row = level_of(app, level, args.load_requests, args.max_new_tokens, gamma, prompts, system)
-                    runs[name].append(row)
+                    runs[level][name].append(row)
                     print(f" {row['aggregate_tokens_per_s']:7.1f} tok/s aggregate, "
                           f"{row['per_stream_tokens_per_s']:6.1f} per stream, TTFT p50/p95 {row['ttft_p50_s']:.2f}/"
                           f"{row['ttft_p95_s']:.2f} s (queue p50/p95 {row['queue_p50_s']:.2f}/"
                           f"{row['queue_p95_s']:.2f} s), ITL p50 {1000 * row['itl_p50_s']:.0f} ms, γ "
                           f"{row['mean_gamma']:.2f}, acceptance {row['acceptance_rate']:.2f}, errors {row['errors']}",
                           flush=True)
-            for name in configs:
-                report["levels"][name].append(_median_run(runs[name]))
-            for name in configs[1:]:
-                ratios = [a["aggregate_tokens_per_s"] / b["aggregate_tokens_per_s"]
-                          for a, b in zip(runs[name], runs[configs[0]]) if b["aggregate_tokens_per_s"]]
-                report["ratio_to_first"][name].append(
-                    {"concurrency": level, "median": statistics.median(ratios) if ratios else 0.0, "runs": ratios})
+            _tabulate(report, runs, configs, levels)
             (out / "load.json").write_text(json.dumps(report, indent=2))
         if args.long_prompt:
             app, gamma = CONFIGS[configs[0]]
@@ -434,6 +430,23 @@ def run_load_bench(args) -> int:
     _plot(report, out / "load.png")
     print(f"\nwrote {out / 'load.json'} and {out / 'load.png'}")
     return 0
+
+
+def _tabulate(report: dict, runs: dict[int, dict[str, list[dict]]], configs: list[str], levels: list[int]) -> None:
+    """report's levels (the median run of each), ratio_to_first (the median of the rounds' paired ratios to the
+    first configuration) and scaling (of each level's aggregate to the first level's, paired by round), from the
+    rounds run so far."""
+    def paired(a: list[dict], b: list[dict]) -> dict:
+        ratios = [x["aggregate_tokens_per_s"] / y["aggregate_tokens_per_s"] for x, y in zip(a, b)
+                  if y["aggregate_tokens_per_s"]]
+        return {"median": statistics.median(ratios) if ratios else 0.0, "runs": ratios}
+
+    done = [level for level in levels if runs[level][configs[0]]]
+    report["levels"] = {c: [_median_run(runs[level][c]) for level in done] for c in configs}
+    report["ratio_to_first"] = {c: [{"concurrency": level, **paired(runs[level][c], runs[level][configs[0]])}
+                                    for level in done] for c in configs[1:]}
+    report["scaling"] = {c: [{"concurrency": level, **paired(runs[level][c], runs[levels[0]][c])}
+                             for level in done[1:]] for c in configs} if len(done) > 1 else {}
 
 
 def _prefix_checks(urls: dict[str, str], configs: list[str], system: str, prompts: list[str], max_tokens: int
@@ -477,6 +490,10 @@ def _summary(report: dict) -> None:
     for i, level in enumerate(report["config"]["concurrency"]):
         print(f"{level:11d} " + " ".join([f"{report['levels'][c][i]['aggregate_tokens_per_s']:15.1f}" for c in configs]
                                          + [f"{report['ratio_to_first'][c][i]['median']:15.2f}" for c in configs[1:]]))
+    first = report["config"]["concurrency"][0]
+    for c, rows in report.get("scaling", {}).items():
+        print(f"{c}: " + "; ".join(f"{r['concurrency']} streams / {first}: {r['median']:.2f}x" + (
+            " (rounds " + ", ".join(f"{x:.2f}" for x in r["runs"]) + ")" if many else "") for r in rows))
 
 
 def _plot(report: dict, path: pathlib.Path) -> None:
