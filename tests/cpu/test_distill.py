@@ -89,6 +89,54 @@ def test_write_batch_matches_one_sequence_at_a_time_greedy_decoding():
     assert len(records[1].ids) < len(prompts[1]) + 12
 
 
+def test_the_pooled_writer_writes_what_write_batch_writes_and_keeps_every_position_s_features():
+    """The pool's writer (`distill` on a CPU): two answers at a time, each ending one admitting the next prompt,
+    greedy answers and teachers equal write_batch's, and each record carries the target's features at every
+    position (its last token's too) as a teacher-forced pass computes them."""
+    from specserve.distill.corpus import write_batch_pooled
+    from specserve.models.pool import KVPool
+
+    target = tiny_llama(0, vocab=64, layers=2, hidden=32, scale=8, dtype=torch.float32)
+    prompts = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8], [40], [11, 12, 13, 14, 15], [7, 7]]
+    eos = write_batch(target, prompts[1:2], [0.0], 12, set(), 0, 1, torch.Generator())[0].ids[8 + 4]
+    reference = write_batch(target, prompts, [0.0] * 5, 12, {eos}, 0, 5, torch.Generator().manual_seed(0))
+    pool = KVPool(target, 512, dtype=torch.float32, runner=False, features=True)
+    records = write_batch_pooled(pool, prompts, [0.0] * 5, 12, {eos}, 5, torch.Generator().manual_seed(0), 2)
+    assert len(records) == 5 and pool.used_tokens == 0  # every sequence given back
+    assert len(records[1].ids) < len(prompts[1]) + 12  # one row stopped at eos
+    with torch.inference_mode():
+        for ref, record in zip(reference, records):
+            assert record.ids == ref.ids and record.prompt_len == ref.prompt_len
+            assert torch.equal(record.top_ids, ref.top_ids)
+            torch.testing.assert_close(record.top_logprobs, ref.top_logprobs, atol=2e-3, rtol=0)
+            hidden = target.model(input_ids=torch.tensor([record.ids])).last_hidden_state[0]
+            assert record.features.shape == hidden.shape
+            torch.testing.assert_close(record.features.float(), hidden.to(torch.bfloat16).float(), atol=0.05,
+                                       rtol=0.02)
+
+
+def test_the_pooled_writer_samples_the_target_s_distribution_at_its_temperature():
+    """The writer's inverse-CDF sampler: 6,000 first tokens of one prompt at T=0.7 against softmax(logits / 0.7)."""
+    from scipy import stats
+    from specserve.distill.corpus import write_batch_pooled
+    from specserve.models.pool import KVPool
+
+    target = tiny_llama(1, vocab=64, layers=1, hidden=32, scale=8, dtype=torch.float32)
+    prompt = [3, 1, 4]
+    with torch.inference_mode():
+        logits = target(input_ids=torch.tensor([prompt])).logits[0, -1].double()
+    p = torch.softmax(logits / 0.7, -1).numpy()
+    pool = KVPool(target, 1000 * 64, dtype=torch.float32, runner=False)
+    records = write_batch_pooled(pool, [prompt] * 6000, [0.7] * 6000, 1, set(), 3, torch.Generator().manual_seed(3),
+                                 1000)
+    counts = torch.bincount(torch.tensor([r.ids[-1] for r in records]), minlength=64).numpy()
+    keep = p * 6000 >= 5
+    expected = p[keep] * 6000
+    assert stats.chisquare(counts[keep], expected * counts[keep].sum() / expected.sum()).pvalue > 1e-3
+    assert counts[~keep].sum() <= max(20, 3 * p[~keep].sum() * 6000)
+    assert p.max() < 0.5  # the test means something: the distribution is spread out
+
+
 def test_held_out_prompts_share_no_subject_with_training_prompts():
     train, held = set(prompt_set(3000)), set(prompt_set(50, held_out=True))
     assert len(train) > 2500 and not train & held
@@ -284,7 +332,11 @@ def test_distill_head_trains_a_feature_head_the_decoder_drafts_with(tmp_path, ca
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
     got = spec.generate("Hello there", greedy, 20)
     assert got.token_ids == plain.generate("Hello there", greedy, 20).token_ids and got.stats.drafted > 0
-    assert (out / "corpus" / "features-48.pt").is_file()  # kept for the next run on this corpus
+    # on a CPU the pooled forward wrote the corpus and kept its features with it (no second pass over it)
+    assert json.loads((out / "corpus" / "manifest.json").read_text())["writer"] == "pool"
+    shard = torch.load(next((out / "corpus").glob("shard-*.pt")))
+    assert all(r["features"].shape == (len(r["ids"]), 32) for r in shard)
+    assert not list((out / "corpus").glob("features-*"))
     live = tmp_path / "live"  # the features of each batch at its step instead (a 7B's corpus outgrows memory)
     assert main(args[:5] + [str(live)] + args[6:] + ["--live-features", "--steps", "3", "--checkpoint-every", "3"]) == 0
     assert not list((live / "corpus").glob("features-*")) and (live / "model.safetensors").is_file()

@@ -105,22 +105,45 @@ def _check_manifest(directory: pathlib.Path, settings: dict) -> None:
         manifest.write_text(json.dumps(settings, indent=2))
 
 
-def load_corpus(target: LoadedModel, cfg: DistillConfig, directory: pathlib.Path) -> list[Record]:
-    """Templated prompts' answers, self-written requests' answers and scored text files (all resumable)."""
-    model, tokenizer, eos = target.model, target.tokenizer, target.eos_ids
+def load_corpus(target: LoadedModel, cfg: DistillConfig, directory: pathlib.Path, pool=None) -> list[Record]:
+    """Templated prompts' answers, self-written requests' answers and scored text files (all resumable).
+    pool: a `KVPool` over the target as it serves (`writer_pool`): it writes the answers instead of the float32
+    model."""
+    model, tokenizer, eos = target.model if pool is None else pool, target.tokenizer, target.eos_ids
     temps = list(cfg.gen_temperatures)
-    _check_manifest(directory, cfg.corpus_settings("prompts"))
+    _check_manifest(directory, cfg.corpus_settings("prompts") | ({"writer": "pool"} if pool is not None else {}))
     records = build_corpus(model, tokenizer, eos, directory, prompt_set(cfg.prompts, cfg.seed), temps,
                            cfg.gen_tokens, cfg.gen_batch, cfg.top_k, cfg.seed) if cfg.prompts else []
     if cfg.self_prompts:
         own = directory / "self"
-        _check_manifest(own, cfg.corpus_settings("self_prompts"))
+        _check_manifest(own, cfg.corpus_settings("self_prompts") | ({"writer": "pool"} if pool is not None else {}))
         requests = write_requests(model, tokenizer, eos, own, cfg.self_prompts, cfg.gen_batch, cfg.seed)
         records += build_corpus(model, tokenizer, eos, own, requests, temps, cfg.gen_tokens, cfg.gen_batch,
                                 cfg.top_k, cfg.seed + 1)
     if cfg.texts:
-        records += score_texts(model, tokenizer, directory, cfg.texts, cfg.seq_len, cfg.top_k)
+        records += score_texts(target.model, tokenizer, directory, cfg.texts, cfg.seq_len, cfg.top_k)
     return records
+
+
+def writer_pool(cfg: DistillConfig, target: LoadedModel, log=print):
+    """On a CPU, a `KVPool` over the target in its serving dtype (its quantized kernels where it has them) to write
+    the corpus (and for a head, keep its features): several times the answers a second of the float32 model's
+    batched generate, and the numbers a served head reads. None on a GPU (the float32 teacher is fast there) or
+    for a family the pool does not run."""
+    from specserve.models.arch import Unsupported, arch_of
+    from specserve.models.pool import KVPool
+
+    if target.device.type != "cpu":
+        return None
+    try:
+        arch_of(target.model.config)
+    except Unsupported as exc:
+        log(f"corpus: the float32 model writes it (the pooled forward does not run this family: {exc})")
+        return None
+    fast = load_model(cfg.target)
+    width = 1 << (max(cfg.seq_len, 512 + cfg.gen_tokens) - 1).bit_length()  # a prompt and answer, or a window
+    log(f"corpus: written by the pooled forward in {str(fast.dtype).removeprefix('torch.')}")
+    return KVPool(fast.model, cfg.gen_batch * width, max_length=width, runner=False, features=cfg.head)
 
 
 def choose_subset(records: list[Record], vocab: int, size: int, always: set[int]) -> torch.Tensor:
@@ -290,17 +313,48 @@ def corpus_features(target_model, corpus: PackedCorpus, batch: int, log=print) -
     return out
 
 
+@torch.inference_mode()
+def pooled_features(pool, corpus: PackedCorpus, batch: int, log=print) -> torch.Tensor:
+    """`corpus_features` from a `writer_pool`'s forward: the features as the served target computes them."""
+    out = torch.empty(len(corpus), corpus.ids.shape[1], pool.features.shape[-1], dtype=torch.bfloat16)
+    for start in tqdm(range(0, len(corpus), batch), desc="target features", unit="batch"):
+        rows = corpus.ids[start : start + batch].tolist()
+        seqs = [pool.sequence() for _ in rows]
+        try:
+            pool.forward(seqs, rows, [1] * len(rows))
+            for j, seq in enumerate(seqs):
+                out[start + j] = pool.features[seq.block[0] : seq.block[0] + len(rows[j])]
+        finally:
+            for seq in seqs:
+                seq.release()
+    log(f"target features: {tuple(out.shape)}, {out.numel() * 2 / 2**20:.0f} MiB")
+    return out.to(corpus.ids.device)
+
+
+def window_features(records: list[Record], corpus: PackedCorpus, log=print) -> torch.Tensor:
+    """The features the corpus's writer kept with its records, cut to the packed windows (zeros past a record)."""
+    out = torch.zeros(len(corpus), corpus.ids.shape[1], records[0].features.shape[-1], dtype=torch.bfloat16)
+    for row, (record, start) in enumerate(zip(records, corpus.starts)):
+        part = record.features[start : start + corpus.ids.shape[1]]
+        out[row, : len(part)] = part
+    log(f"target features: kept by the corpus's writer, {tuple(out.shape)}, {out.numel() * 2 / 2**20:.0f} MiB")
+    return out.to(corpus.ids.device)
+
+
 def cached_features(target_model, corpus: PackedCorpus, cfg: DistillConfig, directory: pathlib.Path,
-                    log=print) -> torch.Tensor:
+                    log=print, pool=None, records: list[Record] | None = None) -> torch.Tensor:
     """`corpus_features`, kept beside the corpus (`features-<seq_len>.pt`, keyed by the packed ids) so that a
     second run on the same corpus (another head, other steps) skips the target's pass over it."""
+    if records and all(r.features is not None for r in records):  # the writer kept them (`write_batch_pooled`)
+        return window_features(records, corpus, log)
     path = directory / f"features-{cfg.seq_len}.pt"
     if path.is_file():
         stored = torch.load(path)
         if torch.equal(stored["ids"], corpus.ids.cpu()):
             log(f"target features: from {path}")
             return stored["features"].to(corpus.ids.device)
-    features = corpus_features(target_model, corpus, cfg.gen_batch, log)
+    features = corpus_features(target_model, corpus, cfg.gen_batch, log) if pool is None else \
+        pooled_features(pool, corpus, cfg.gen_batch, log)
     tmp = path.with_suffix(".tmp")
     torch.save({"ids": corpus.ids.cpu(), "features": features.cpu()}, tmp)
     tmp.replace(path)
@@ -373,6 +427,7 @@ class PackedCorpus:
     def __init__(self, records: list[Record], seq_len: int, pad_id: int, lookup: torch.Tensor,
                  device: torch.device | str = "cpu"):
         starts = [max(0, min(r.prompt_len - seq_len // 2, len(r.ids) - seq_len)) for r in records]
+        self.starts = starts
         windows = [r.ids[s : s + seq_len] for r, s in zip(records, starts)]
         self.width = torch.tensor([len(w) for w in windows])  # CPU: a batch's width and size need no device sync
         self.answers = torch.tensor([len(w) - (r.prompt_len - s) for w, r, s in zip(windows, records, starts)])
@@ -485,7 +540,8 @@ def distill(cfg: DistillConfig, log=print) -> dict:
     if start_from is not None:  # the draft's own shape, recorded in distill.json
         cfg = replace(cfg, layers=start_from.config.num_hidden_layers, hidden=None,
                       subset=start_from.config.token_subset_size)
-    records = load_corpus(target, cfg, out / "corpus")
+    pool = writer_pool(cfg, target, log)
+    records = load_corpus(target, cfg, out / "corpus", pool)
     if not records:
         raise ValueError("the corpus is empty: pass --prompts, --self-prompts or --text")
     log(f"corpus: {len(records)} sequences, {sum(len(r.top_ids) for r in records)} answer tokens")
@@ -513,8 +569,9 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         start = state["step"]
         log(f"resuming from step {start}")
     corpus = PackedCorpus(records, cfg.seq_len, pad_id(target.tokenizer, target.eos_ids), lookup, target.device)
-    features = cached_features(target.model, corpus, cfg, out / "corpus", log) \
+    features = cached_features(target.model, corpus, cfg, out / "corpus", log, pool, records) \
         if cfg.head and not cfg.live_features else None
+    pool = None  # its arena's memory back before training
     rng = random.Random(cfg.seed + start)
     losses: list[float] = []
     pending: list[torch.Tensor] = []  # losses still on the device: read every few steps, not synced every step

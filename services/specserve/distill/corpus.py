@@ -1,7 +1,8 @@
 """Training data for a draft: the target answers a varied prompt set, and we keep its distributions.
 
-The target writes the answers itself (batched, with left padding), at a
-cycle of temperatures (greedy text and sampled text differ in style, and a
+The target writes the answers itself (batched: on a CPU through the pooled
+forward it serves with, `write_batch_pooled`; else the float32 model with
+left padding, `write_batch`), at a cycle of temperatures (greedy text and sampled text differ in style, and a
 draft serves both). At every answer position we keep the target's top-k
 log-probabilities, so training needs no teacher forward: distillation
 becomes cheap enough to run on a CPU. Records go to numbered shards
@@ -137,10 +138,12 @@ class Record:
     prompt_len: int
     top_ids: torch.Tensor  # [answer_len, k] int32
     top_logprobs: torch.Tensor  # [answer_len, k] float16, log-softmax at T=1 over the full vocabulary
+    # [len(ids), hidden] bfloat16: the target's features (normed final hidden states) where the writer kept them
+    features: torch.Tensor | None = None
 
     def as_dict(self) -> dict:
         return {"ids": self.ids, "prompt_len": self.prompt_len, "top_ids": self.top_ids,
-                "top_logprobs": self.top_logprobs}
+                "top_logprobs": self.top_logprobs} | ({"features": self.features} if self.features is not None else {})
 
 
 @torch.inference_mode()
@@ -195,6 +198,91 @@ def write_batch(model, prompts: list[list[int]], temperatures: list[float], max_
     ]
 
 
+@torch.inference_mode()
+def write_batch_pooled(pool, prompts: list[list[int]], temperatures: list[float], max_new: int, eos_ids: set[int],
+                       top_k: int, generator: torch.Generator, concurrency: int | None = None,
+                       finished=None) -> list[Record]:
+    """`write_batch` on specserve's own pooled forward (`models.pool.KVPool`): the target as it serves, its CPU
+    kernels and all. At most `concurrency` answers are written at once (default: all); each one that ends makes
+    room for the next prompt, whose prompt rides in the same forward as the others' next tokens. A pool with
+    features (`KVPool(features=True)`) also gives each record the target's features at every position: an
+    answer's last token is fed once more for its own. finished(): called as each answer ends (progress)."""
+    concurrency = concurrency or len(prompts)
+    seqs = [pool.sequence() for _ in prompts]
+    keep_features = pool.features is not None
+    features: list[torch.Tensor | None] = [None] * len(prompts)
+    try:
+        answers: list[list[int]] = [[] for _ in prompts]
+        tops: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
+        alive = list(range(min(concurrency, len(prompts))))
+        step = [list(prompts[r]) for r in alive]
+        admitted, ending = len(alive), set()  # ending: fed their last token for its feature; nothing to sample
+        while alive:
+            logits = pool.forward([seqs[r] for r in alive], step, [1] * len(alive)).float()
+            writing = [j for j, row in enumerate(alive) if row not in ending]
+            logits = logits[writing]
+            top_v, top_i = torch.log_softmax(logits, dim=-1).topk(top_k, dim=-1)
+            t = torch.tensor([temperatures[alive[j]] for j in writing], dtype=torch.float32)
+            # inverse CDF: torch.multinomial takes ~30x as long over a 49k vocabulary on a CPU
+            cdf = torch.softmax(logits / t.clamp_min(1e-5)[:, None], dim=-1).cumsum(-1)
+            u = torch.rand(len(writing), 1, generator=generator) * cdf[:, -1:]
+            sampled = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_max(cdf.shape[1] - 1)
+            chosen = torch.where(t > 0, sampled, logits.argmax(-1)).tolist()
+            top_i, top_v = top_i.to(torch.int32), top_v.to(torch.float16)
+            still, step = [], []
+            for row in (alive[j] for j in range(len(alive)) if alive[j] in ending):
+                seq = seqs[row]
+                features[row] = pool.features[seq.block[0] : seq.block[0] + len(seq.tokens)].clone()
+                seq.release()
+            for i, j in enumerate(writing):
+                row = alive[j]
+                answers[row].append(chosen[i])
+                tops[row].append((top_i[i], top_v[i]))
+                ends = chosen[i] in eos_ids or len(answers[row]) == max_new
+                if ends and finished is not None:
+                    finished()
+                if ends and not keep_features:
+                    seqs[row].release()
+                    continue
+                if ends:
+                    ending.add(row)
+                still.append(row)
+                step.append([chosen[i]])
+            while len(still) < concurrency and admitted < len(prompts):
+                still.append(admitted)
+                step.append(list(prompts[admitted]))
+                admitted += 1
+            alive = still
+    finally:
+        for seq in seqs:
+            seq.release()
+    return [
+        Record(prompt + answer, len(prompt), torch.stack([t[0] for t in top]), torch.stack([t[1] for t in top]),
+               feature)
+        for prompt, answer, top, feature in zip(prompts, answers, tops, features)
+        if answer
+    ]
+
+
+def _write(model, prompts, temperatures, max_new, eos_ids, pad, top_k, generator, batch=None,
+           finished=None) -> list[Record]:
+    """model: the target's Hugging Face model, or a `KVPool` over it (then the pool's forward writes, `batch`
+    answers at a time, calling finished() as each ends)."""
+    if _pooled(model):
+        return write_batch_pooled(model, prompts, temperatures, max_new, eos_ids, top_k, generator, batch, finished)
+    return write_batch(model, prompts, temperatures, max_new, eos_ids, pad, top_k, generator)
+
+
+def _pooled(model) -> bool:
+    from specserve.models.pool import KVPool
+
+    return isinstance(model, KVPool)
+
+
+# a pool keeps `batch` answers going across a shard: shards of this many batches (fewer batches' tails)
+POOLED_SHARD = 8
+
+
 def build_corpus(model, tokenizer, eos_ids: set[int], out: pathlib.Path, prompts: list[str],
                  temperatures: list[float], max_new: int, batch: int = 32, top_k: int = 32, seed: int = 0,
                  ) -> list[Record]:
@@ -204,22 +292,23 @@ def build_corpus(model, tokenizer, eos_ids: set[int], out: pathlib.Path, prompts
     # sort by length so a batch pads little; shards follow that order
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     encoded = {i: encode_chat(tokenizer, prompts[i]) for i in order}
-    shards = [order[k : k + batch] for k in range(0, len(order), batch)]
+    size = batch * POOLED_SHARD if _pooled(model) else batch
+    shards = [order[k : k + size] for k in range(0, len(order), size)]
     records: list[Record] = []
     bar = tqdm(total=len(prompts), desc="target writes training data", unit="answer")
     for n, shard in enumerate(shards):
-        path = out / f"shard-{n:05d}.pt"
+        path, before = out / f"shard-{n:05d}.pt", bar.n
         if path.is_file():
             records += [Record(**r) for r in torch.load(path)]
         else:
             gen = torch.Generator().manual_seed(seed * 1_000_003 + n)
-            new = write_batch(model, [encoded[i] for i in shard], [temperatures[i % len(temperatures)] for i in shard],
-                              max_new, eos_ids, pad, top_k, gen)
+            new = _write(model, [encoded[i] for i in shard], [temperatures[i % len(temperatures)] for i in shard],
+                         max_new, eos_ids, pad, top_k, gen, batch, lambda: bar.update(1))
             tmp = path.with_suffix(".tmp")
             torch.save([r.as_dict() for r in new], tmp)
             tmp.replace(path)
             records += new
-        bar.update(len(shard))
+        bar.update(before + len(shard) - bar.n)  # the pool's writer counted its answers as they ended
         bar.set_postfix(tokens=sum(len(r.top_ids) for r in records))
     bar.close()
     return records
@@ -305,7 +394,7 @@ def write_requests(model, tokenizer, eos_ids: set[int], out: pathlib.Path, n: in
     requests: list[str] = []
     for k in tqdm(range(0, n, batch), desc="target writes requests", unit="batch"):
         group = seeds[k : k + batch]
-        for record in write_batch(model, group, [1.0] * len(group), 48, eos_ids, pad, 1, gen):
+        for record in _write(model, group, [1.0] * len(group), 48, eos_ids, pad, 1, gen, batch):
             text = clean_request(tokenizer.decode(record.ids[record.prompt_len :], skip_special_tokens=True))
             if text:
                 requests.append(text)
