@@ -103,6 +103,9 @@ def test_the_pooled_writer_writes_what_write_batch_writes_and_keeps_every_positi
     pool = KVPool(target, 512, dtype=torch.float32, runner=False, features=True)
     records = write_batch_pooled(pool, prompts, [0.0] * 5, 12, {eos}, 5, torch.Generator().manual_seed(0), 2)
     assert len(records) == 5 and pool.used_tokens == 0  # every sequence given back
+    small = KVPool(target, 64, dtype=torch.float32, runner=False)  # two sequences of up to 32 positions at once
+    assert [r.ids for r in write_batch_pooled(small, prompts, [0.0] * 5, 12, {eos}, 5, torch.Generator())] == \
+        [r.ids for r in reference]  # as many at once as the arena holds, not all five
     assert len(records[1].ids) < len(prompts[1]) + 12  # one row stopped at eos
     with torch.inference_mode():
         for ref, record in zip(reference, records):

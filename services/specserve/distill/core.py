@@ -125,6 +125,9 @@ def load_corpus(target: LoadedModel, cfg: DistillConfig, directory: pathlib.Path
     return records
 
 
+WRITER_ARENA_BYTES = 4 << 30  # the writer's keys and values: a GPU run's --gen-batch 1024 would want 24 GiB
+
+
 def writer_pool(cfg: DistillConfig, target: LoadedModel, log=print):
     """On a CPU, a `KVPool` over the target in its serving dtype (its quantized kernels where it has them) to write
     the corpus (and for a head, keep its features): several times the answers a second of the float32 model's
@@ -142,8 +145,12 @@ def writer_pool(cfg: DistillConfig, target: LoadedModel, log=print):
         return None
     fast = load_model(cfg.target)
     width = 1 << (max(cfg.seq_len, 512 + cfg.gen_tokens) - 1).bit_length()  # a prompt and answer, or a window
-    log(f"corpus: written by the pooled forward in {str(fast.dtype).removeprefix('torch.')}")
-    return KVPool(fast.model, cfg.gen_batch * width, max_length=width, runner=False, features=cfg.head)
+    c = fast.model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2  # bf16 keys and values
+    rows = max(1, min(cfg.gen_batch, WRITER_ARENA_BYTES // (per_token * width)))
+    log(f"corpus: written by the pooled forward in {str(fast.dtype).removeprefix('torch.')}, {rows} answers at once")
+    return KVPool(fast.model, rows * width, max_length=width, runner=False, features=cfg.head)
 
 
 def choose_subset(records: list[Record], vocab: int, size: int, always: set[int]) -> torch.Tensor:

@@ -207,7 +207,9 @@ def write_batch_pooled(pool, prompts: list[list[int]], temperatures: list[float]
     room for the next prompt, whose prompt rides in the same forward as the others' next tokens. A pool with
     features (`KVPool(features=True)`) also gives each record the target's features at every position: an
     answer's last token is fed once more for its own. finished(): called as each answer ends (progress)."""
-    concurrency = concurrency or len(prompts)
+    # no more at once than the arena holds at the longest (a block a sequence, of a power of two positions)
+    longest = pool.allocator.size_for(max(map(len, prompts)) + max_new + 1)
+    concurrency = max(1, min(concurrency or len(prompts), pool.capacity // longest))
     seqs = [pool.sequence() for _ in prompts]
     keep_features = pool.features is not None
     features: list[torch.Tensor | None] = [None] * len(prompts)
