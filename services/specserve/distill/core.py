@@ -540,7 +540,8 @@ def distill(cfg: DistillConfig, log=print) -> dict:
     out = pathlib.Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    target = load_model(cfg.target, "float32")  # the teacher in fp32: its distributions should not be rounded
+    # the teacher in fp32: its distributions should not be rounded (a CPU's corpus: the served target, `writer_pool`)
+    target = load_model(cfg.target, "float32")
     if target.tokenizer is None:
         raise ValueError("the target needs a tokenizer (its prompts are chat-templated)")
     start_from = initial_draft(cfg.init, target) if cfg.init else None

@@ -2,10 +2,10 @@
 
 The target writes the answers itself (batched: on a CPU through the pooled
 forward it serves with, `write_batch_pooled`; else the float32 model with
-left padding, `write_batch`), at a cycle of temperatures (greedy text and sampled text differ in style, and a
-draft serves both). At every answer position we keep the target's top-k
-log-probabilities, so training needs no teacher forward: distillation
-becomes cheap enough to run on a CPU. Records go to numbered shards
+left padding, `write_batch`), at a cycle of temperatures (greedy text and
+sampled text differ in style, and a draft serves both). At every answer
+position we keep the target's top-k log-probabilities, so training needs no
+teacher forward: distillation becomes cheap enough to run on a CPU. Records go to numbered shards
 (`OUT/corpus/shard-00000.pt`, ...) written atomically, so an interrupted run
 resumes at the first missing shard.
 """
