@@ -103,6 +103,15 @@ def test_the_pooled_writer_writes_what_write_batch_writes_and_keeps_every_positi
     pool = KVPool(target, 512, dtype=torch.float32, runner=False, features=True)
     records = write_batch_pooled(pool, prompts, [0.0] * 5, 12, {eos}, 5, torch.Generator().manual_seed(0), 2)
     assert len(records) == 5 and pool.used_tokens == 0  # every sequence given back
+    # a corpus whose records lack them (e.g. --text): the pool's pass over the packed windows gives the same
+    from specserve.distill.core import pooled_features, window_features
+
+    corpus = PackedCorpus(records, 32, 0, torch.arange(64))
+    kept, computed = window_features(records, corpus), pooled_features(pool, corpus, 2)
+    for row, record in enumerate(records):
+        torch.testing.assert_close(computed[row, : len(record.ids)].float(), kept[row, : len(record.ids)].float(),
+                                   atol=0.05, rtol=0.02)
+    assert pool.used_tokens == 0
     small = KVPool(target, 64, dtype=torch.float32, runner=False)  # two sequences of up to 32 positions at once
     assert [r.ids for r in write_batch_pooled(small, prompts, [0.0] * 5, 12, {eos}, 5, torch.Generator())] == \
         [r.ids for r in reference]  # as many at once as the arena holds, not all five

@@ -111,12 +111,13 @@ def load_corpus(target: LoadedModel, cfg: DistillConfig, directory: pathlib.Path
     model."""
     model, tokenizer, eos = target.model if pool is None else pool, target.tokenizer, target.eos_ids
     temps = list(cfg.gen_temperatures)
-    _check_manifest(directory, cfg.corpus_settings("prompts") | ({"writer": "pool"} if pool is not None else {}))
+    writer = {"writer": "pool"} if pool is not None else {}  # absent: the float32 model (corpora from before)
+    _check_manifest(directory, cfg.corpus_settings("prompts") | writer)
     records = build_corpus(model, tokenizer, eos, directory, prompt_set(cfg.prompts, cfg.seed), temps,
                            cfg.gen_tokens, cfg.gen_batch, cfg.top_k, cfg.seed) if cfg.prompts else []
     if cfg.self_prompts:
         own = directory / "self"
-        _check_manifest(own, cfg.corpus_settings("self_prompts") | ({"writer": "pool"} if pool is not None else {}))
+        _check_manifest(own, cfg.corpus_settings("self_prompts") | writer)
         requests = write_requests(model, tokenizer, eos, own, cfg.self_prompts, cfg.gen_batch, cfg.seed)
         records += build_corpus(model, tokenizer, eos, own, requests, temps, cfg.gen_tokens, cfg.gen_batch,
                                 cfg.top_k, cfg.seed + 1)
@@ -139,15 +140,14 @@ def writer_pool(cfg: DistillConfig, target: LoadedModel, log=print):
     if target.device.type != "cpu":
         return None
     try:
-        arch_of(target.model.config)
+        a = arch_of(target.model.config)
     except Unsupported as exc:
         log(f"corpus: the float32 model writes it (the pooled forward does not run this family: {exc})")
         return None
     fast = load_model(cfg.target)
     width = 1 << (max(cfg.seq_len, 512 + cfg.gen_tokens) - 1).bit_length()  # a prompt and answer, or a window
     c = fast.model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2  # bf16 keys and values
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * a.head_dim * 2  # bf16 keys and values
     rows = max(1, min(cfg.gen_batch, WRITER_ARENA_BYTES // (per_token * width)))
     log(f"corpus: written by the pooled forward in {str(fast.dtype).removeprefix('torch.')}, {rows} answers at once")
     return KVPool(fast.model, rows * width, max_length=width, runner=False, features=cfg.head)
