@@ -100,7 +100,7 @@ def test_int8_activation_products_are_exact_integer_sums(isa, monkeypatch, group
     scale times d, then one FMA for the sum and one for the bias times d · sum(xq)), every row as if alone."""
     monkeypatch.setattr(cpukernels, "ACTIVATIONS", "int8")
     torch.manual_seed(1)
-    m, n, k = 11, 48, 128  # two passes of rows (8 + 3)
+    m, n, k = 11, 80, 128  # two passes of rows (8 + 3); tiles of 4 and of 2 blocks, and one block left over
     x = (torch.randn(m, k) * 3).bfloat16()
     x[1, :group] = 0  # a group of zeros: d = 0
     x[2, 5] = 2.0**30  # one input dwarfs its group: the others round to 0

@@ -34,8 +34,8 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu.cpp"
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp"]
 # the builds, best first: (compiler flags, /proc/cpuinfo flags they need, name in messages)
 ISAS = {
-    "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"],
-               {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}, "AVX-512 bf16"),
+    "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma"],
+               {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}, "AVX-512 bf16+VNNI"),
     "avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}, "AVX2+FMA"),
 }
 ISA: str = os.environ.get("SPECSERVE_CPU_ISA", "auto")  # a build of ISAS, or auto: the best this CPU runs

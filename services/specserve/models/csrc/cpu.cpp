@@ -2,11 +2,12 @@
 // products, attention over the pool's arena, RMS norm, a whole decoder layer. Each row of a result is computed
 // the same way whatever else is computed with it, so a verify block's rows equal decode steps' bit for bit.
 //
-// One source, two instruction sets, chosen when it is compiled: AVX-512 with bfloat16 dot products
-// (__AVX512BF16__) or AVX2 + FMA + F16C. The kernels are written once over `vec`, 16 float32 lanes (one register
-// on AVX-512, two on AVX2); every operation of that layer rounds each lane as the AVX-512 instruction does
-// (vdpbf16ps: the odd product, then the even one, each added with one rounding; vcvtneps2bf16: nearest even,
-// subnormals to zero), so both builds compute the same bits, bfloat16 subnormal inputs aside.
+// One source, two instruction sets, chosen when it is compiled: AVX-512 with bfloat16 and int8 (VNNI) dot
+// products (__AVX512BF16__, __AVX512VNNI__) or AVX2 + FMA + F16C. The kernels are written once over `vec`, 16
+// float32 lanes (one register on AVX-512, two on AVX2); every operation of that layer rounds each lane as the
+// AVX-512 instruction does (vdpbf16ps: the odd product, then the even one, each added with one rounding;
+// vcvtneps2bf16: nearest even, subnormals to zero), so both builds compute the same bits, bfloat16 subnormal
+// inputs aside.
 //
 // Quantized products (models/quant.py):
 // y[m, n] = sum_k x[m, k] * w[n, k] for bfloat16 activations x and int4 or int8 weights w, a tile of weights
@@ -781,11 +782,81 @@ void q8_sums(const int32_t *pairs, int64_t K, const uint8_t *codes, int64_t nb, 
     }
 }
 
+#if defined(__AVX512VNNI__)
+// int4q8_tile for an even NT with vpdpbusd, which adds 4 products into a 32-bit lane: half the instructions a row of
+// vpmaddubsw and its 16-bit adds, and the sums kept in registers. The codes' pairs (lo: inputs 4t, 4t + 1; hi:
+// 4t + 2, 4t + 3) interleaved by 16 bits make a lane one output's four inputs, the outputs of each 128-bit lane in
+// the order 0-3 (a) and 4-7 (b); the scales are read in that order and the results put back in order at the end.
+// The same integer sums, and per lane the same float operations in the same order, as the other passes.
+template <int MR, int NT>
+void int4q8_tile_vnni(const int32_t *pairs, int64_t K, const float *d, const float *xsum, int64_t groups, int64_t G,
+                      const uint8_t *codes, const uint16_t *sb, int64_t nb, uint16_t *out, int64_t N) {
+  constexpr int P = NT / 2;
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  const __m512i in_a = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
+  const __m512i in_b = _mm512_set_epi32(31, 30, 29, 28, 23, 22, 21, 20, 15, 14, 13, 12, 7, 6, 5, 4);
+  __m512 acc_a[MR][P], acc_b[MR][P];
+  for (int m = 0; m < MR; m++)
+    for (int q = 0; q < P; q++) acc_a[m][q] = acc_b[m][q] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    __m512i a[MR][P], b[MR][P];
+    for (int m = 0; m < MR; m++)
+      for (int q = 0; q < P; q++) a[m][q] = b[m][q] = _mm512_setzero_si512();
+    for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
+      for (int q = 0; q < P; q++) {
+        const uint8_t *c = codes + ((nb + 2 * q) * (K / 4) + k / 4) * 32;
+        ahead(c);
+        ahead(c + (K / 4) * 32);
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)c)),
+                                             _mm256_loadu_si256((const __m256i *)(c + (K / 4) * 32)), 1);
+        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        const __m512i wa = _mm512_unpacklo_epi16(lo, hi), wb = _mm512_unpackhi_epi16(lo, hi);
+        for (int m = 0; m < MR; m++) {
+          int32_t quad;  // inputs k .. k + 3: the pairs' words hold [x0 x1 x0 x1] [x2 x3 x2 x3], so bytes 2-5
+          memcpy(&quad, (const char *)(pairs + (m * K + k) / 2) + 2, 4);
+          const __m512i x = _mm512_set1_epi32(quad);
+          a[m][q] = _mm512_dpbusd_epi32(a[m][q], wa, x);
+          b[m][q] = _mm512_dpbusd_epi32(b[m][q], wb, x);
+        }
+      }
+    }
+    for (int q = 0; q < P; q++) {
+      const uint16_t *s0 = sb + ((nb + 2 * q) * groups + g) * 32, *s1 = sb + ((nb + 2 * q + 1) * groups + g) * 32;
+      const __m512 scale0 = load_f16(s0), bias0 = load_f16(s0 + 16), scale1 = load_f16(s1), bias1 = load_f16(s1 + 16);
+      const __m512 scale_a = _mm512_permutex2var_ps(scale0, in_a, scale1);
+      const __m512 bias_a = _mm512_permutex2var_ps(bias0, in_a, bias1);
+      const __m512 scale_b = _mm512_permutex2var_ps(scale0, in_b, scale1);
+      const __m512 bias_b = _mm512_permutex2var_ps(bias0, in_b, bias1);
+      for (int m = 0; m < MR; m++) {  // as int4q8_tile's `scaled`
+        const __m512 dm = _mm512_set1_ps(d[m * groups + g]), xs = _mm512_set1_ps(xsum[m * groups + g]);
+        acc_a[m][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][q]), _mm512_mul_ps(scale_a, dm), acc_a[m][q]);
+        acc_a[m][q] = _mm512_fmadd_ps(xs, bias_a, acc_a[m][q]);
+        acc_b[m][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b[m][q]), _mm512_mul_ps(scale_b, dm), acc_b[m][q]);
+        acc_b[m][q] = _mm512_fmadd_ps(xs, bias_b, acc_b[m][q]);
+      }
+    }
+  }
+  const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  for (int m = 0; m < MR; m++)
+    for (int q = 0; q < P; q++) {
+      store_bf16(out + m * N + (nb + 2 * q) * 16, _mm512_permutex2var_ps(acc_a[m][q], first, acc_b[m][q]));
+      store_bf16(out + m * N + (nb + 2 * q + 1) * 16, _mm512_permutex2var_ps(acc_a[m][q], second, acc_b[m][q]));
+    }
+}
+#endif
+
 // Rows [0, MR) against NT blocks of 16 outputs from block nb.
 template <int MR, int NT>
 void int4q8_tile(const int32_t *pairs, int64_t K, const float *d, const float *xsum, const int32_t *total,
                  int64_t groups, int64_t G, const uint8_t *codes, const uint16_t *sb, int64_t nb, uint16_t *out,
                  int64_t N) {
+#if defined(__AVX512VNNI__)
+  if constexpr (NT % 2 == 0) {
+    int4q8_tile_vnni<MR, NT>(pairs, K, d, xsum, groups, G, codes, sb, nb, out, N);
+    return;
+  }
+#endif
   alignas(64) float acc[MR][NT][16];
   for (int m = 0; m < MR; m++)
     for (int t = 0; t < NT; t++) store_f32(acc[m][t], zero());
