@@ -402,9 +402,11 @@ def test_a_session_resumed_by_prefill_goes_on_with_the_same_logits(method, monke
 def test_quantized_embedded_greedy_speculation_equals_target_only_in_bf16(gamma):
     """The shipped Q4_1 target in bfloat16: every verify row is computed as the decode step's would be, so greedy
     speculation is target-only decoding token for token (prefix caching off: a prompt fed whole and one fed
-    after a cached prefix are different shapes, which may round apart)."""
+    after a cached prefix are different shapes, which may round apart). The int8 draft drafts on a pool of its own,
+    each of its layers one kernel call, and gives every sequence back."""
     decoder = SpeculativeDecoder(load_model("embedded", device="cpu"), "embedded-draft", gamma="auto",
                                  prefix_caching=False)
+    assert decoder.draft_pool is not None and decoder.draft_pool.fuses_layers
     greedy = SamplingParams(temperature=0.0)
     for prompt in ("What are three practical tips for staying focused while working from home?",
                    "Write a python function that reverses a linked list."):
@@ -413,6 +415,7 @@ def test_quantized_embedded_greedy_speculation_equals_target_only_in_bf16(gamma)
         spec = decoder.generate(chat, greedy, max_new_tokens=64, gamma=gamma)
         assert spec.token_ids == plain.token_ids
         assert spec.stats.accepted > 0 and spec.stats.rounds < len(spec.token_ids)
+    assert decoder.draft_pool.allocator.used == 0
 
 
 def test_compiled_code_takes_torchs_ops():

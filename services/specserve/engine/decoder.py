@@ -141,13 +141,17 @@ class SpeculativeDecoder:
             raise ValueError(f"a feature head drafts from the pooled forward's features; the target has "
                              f"{unsupported_reason(self.target.model)}")
         # a model draft drafts on a pool of its own where that pool's step runner replays CUDA graphs (its private
-        # cache's eager steps are launch-bound there: 13 ms per token of a 135M draft on an H200, 2.6 ms replayed)
+        # cache's eager steps are launch-bound there: 13 ms per token of a 135M draft on an H200, 2.6 ms replayed),
+        # or where the pool runs each layer as one call of the CPU kernels (the private cache goes op by op)
         self.draft_pool: KVPool | None = None
         if self.draft is not None and unsupported_reason(self.draft.model) is None:
             device = next(self.draft.model.parameters()).device
+            tokens = kv_cache_tokens or 2 * (self.draft.max_positions or 4096)
             if wants_runner(device, None):
-                self.draft_pool = KVPool(self.draft.model, kv_cache_tokens or 2 * (self.draft.max_positions or 4096),
-                                         draft_dtype(self.draft.model), max_width=gamma_max + 1)
+                self.draft_pool = KVPool(self.draft.model, tokens, draft_dtype(self.draft.model), max_width=gamma_max + 1)
+            elif device.type == "cpu":
+                pool = KVPool(self.draft.model, tokens, draft_dtype(self.draft.model), runner=False)
+                self.draft_pool = pool if pool.fuses_layers else None
         # a head drafts through a pool beside the target's where that pool has a step runner (its steps then run
         # as the target's: captured, compiled), else on a cache of its own
         self.head_pool: HeadPool | None = None

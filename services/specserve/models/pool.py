@@ -180,6 +180,13 @@ class KVPool:
         return self.allocator.capacity
 
     @property
+    def fuses_layers(self) -> bool:
+        """Whether a one-token step runs each decoder layer as one call of specserve's CPU kernels."""
+        w = self.w
+        return (self.tp is None and w.kernel_attention and cpukernels.step_kernels(w.dtype, w.device, w.head_dim)
+                and _fused_layers(w, 1) is not None)
+
+    @property
     def bytes_per_token(self) -> int:
         return 2 * len(self.w.layers) * self.w.kv_heads * self.w.head_dim * self.k.element_size()
 
