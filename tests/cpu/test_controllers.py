@@ -95,8 +95,38 @@ def test_a_draft_s_catch_up_does_not_teach_auto_the_cost_of_a_draft_step():
     auto, chosen = run(True)
     assert auto.draft_step_s == pytest.approx(0.0018)
     assert min(chosen[-40:]) >= 2
-    misled, chosen = run(False)  # as before rounds reported their draft's catch-up: off, and no more probes
-    assert misled.draft_step_s > 0.005 and chosen[-100:] == [0] * 100
+    misled, chosen = run(False)  # as before rounds reported their draft's catch-up: priced out, probes alone
+    assert misled.draft_step_s > 0.005 and set(chosen[-100:]) <= {0, 1} and chosen[-100:].count(1) <= 10
+
+
+def test_one_held_up_draft_step_does_not_price_the_draft_out_and_a_slowdown_passes():
+    """One draft step held up 40 ms (a thread descheduled on a shared machine) moved the draft's cost estimate
+    from 0.5 to 6.4 ms: then no draft could pay, auto stopped probing, and it never drafted again in that process
+    (warm starts hand the estimate on). A round now moves the estimate at most to DRAFT_OUTLIER times its value;
+    and a slowdown long enough to price the draft out passes: rounds that give no draft cost bring the estimate
+    back toward the profile, until auto drafts again."""
+    verify = {1: 0.0050, 2: 0.0054, 3: 0.0059, 4: 0.0067, 5: 0.0074}
+    auto = AutoGamma(gamma_max=4, verify_profile=verify, draft_step_s=0.0005, prior_acceptance=0.6)
+    auto.update(RoundObservation(1, 1, 1, [1.0], 0.040, 0.0054, 0.046, draft_fed=1))
+    assert auto.draft_step_s < 0.001 and all(auto.choose() > 0 for _ in range(50))
+
+    for _ in range(30):  # the draft really slow for a while (20 ms a token): auto follows it and stops
+        g = max(1, auto.choose())
+        auto.update(RoundObservation(g, g, g, [0.6] * g, 0.020 * g, verify[g + 1], 0.020 * g + verify[g + 1],
+                                     draft_fed=1))
+    assert auto.draft_step_s > 0.010 and auto.choose() == 0
+    chosen = []
+    for _ in range(400):  # the slowdown over: rounds at γ=0 (nothing drafted) until auto drafts again
+        g = auto.choose()
+        chosen.append(g)
+        auto.update(RoundObservation(g, g, 0, [], 0.0, verify[g + 1], verify[g + 1]))
+    assert chosen[0] == 0 and any(chosen)
+    assert auto.draft_step_s < 0.005
+
+    slow = AutoGamma(gamma_max=4, verify_profile=verify, draft_step_s=0.030)  # slow in its profile too: stays out
+    for _ in range(400):
+        slow.update(RoundObservation(0, 0, 0, [], 0.0, verify[1], verify[1]))
+    assert slow.draft_step_s == pytest.approx(0.030) and slow.choose(open_ended=True) == 0
 
 
 def test_make_controller_specs():

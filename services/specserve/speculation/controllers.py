@@ -215,6 +215,12 @@ class AutoGamma(GammaController):
     # catch-up over the tokens of rounds that did not draft, and a draft step holding the target step back.
     # Without the margin auto fell below γ=0 at 4 streams (docs/benchmarks.md, batched serving under load).
     LOADED_MARGIN = 0.1
+    # One round moves the draft's cost estimate at most to this many times its value: one step held up (a thread
+    # descheduled on a shared machine) priced the draft out for good, as no draft could pay and auto stopped probing
+    DRAFT_OUTLIER = 4.0
+    # A round that gives no draft cost brings the estimate back toward the measured profile (the prior) by this
+    # share, so a slowdown that priced the draft out passes; a draft that is slow in its profile stays out
+    DRAFT_RELAX = 0.01
 
     def __init__(
         self,
@@ -234,7 +240,7 @@ class AutoGamma(GammaController):
         self.tables: dict[str | None, _AcceptanceTable] = {}
         self.by_confidence: dict[str | None, _ConfidenceTable] = {}
         self.verify_s: dict[int, float] = dict(verify_profile or {})
-        self.draft_step_s = draft_step_s
+        self.draft_step_s = self.profile_draft_step_s = draft_step_s
         self.overhead_s = 0.0
         self._rounds_at_zero = 0
         self.step_cost: _StepCost | None = None  # learned once batched steps report themselves
@@ -312,6 +318,7 @@ class AutoGamma(GammaController):
         self.by_confidence = copy.deepcopy(previous.by_confidence)
         self.verify_s = dict(previous.verify_s)
         self.draft_step_s = previous.draft_step_s
+        self.profile_draft_step_s = previous.profile_draft_step_s
         self.overhead_s = previous.overhead_s
         self.step_cost = copy.deepcopy(previous.step_cost)
         self.load_sessions, self.load_tokens = previous.load_sessions, previous.load_tokens
@@ -440,7 +447,10 @@ class AutoGamma(GammaController):
         # the step's cost it kept auto at γ=0 where γ=3 paid 1.54x (docs/benchmarks.md)
         if steps > 0 and obs.draft_time_s > 0 and obs.draft_fed <= 2:
             step = obs.draft_time_s / steps
-            self.draft_step_s = step if self.draft_step_s is None else self.draft_step_s + w * (step - self.draft_step_s)
+            self.draft_step_s = step if self.draft_step_s is None else \
+                self.draft_step_s + w * (min(step, self.DRAFT_OUTLIER * self.draft_step_s) - self.draft_step_s)
+        elif steps == 0 and None not in (self.draft_step_s, self.profile_draft_step_s):
+            self.draft_step_s += self.DRAFT_RELAX * (self.profile_draft_step_s - self.draft_step_s)
         if obs.round_time_s > 0:
             # under load the step's compute is priced by `_StepCost`; waiting for a step is overhead
             verify = obs.step_time_s if self.loaded and obs.step_time_s > 0 else obs.verify_time_s
