@@ -149,7 +149,7 @@ class SpeculativeDecoder:
             tokens = kv_cache_tokens or 2 * (self.draft.max_positions or 4096)
             if wants_runner(device, None):
                 self.draft_pool = KVPool(self.draft.model, tokens, draft_dtype(self.draft.model), max_width=gamma_max + 1)
-            elif device.type == "cpu":
+            elif device.type == "cpu" and getattr(self.draft.model, "specserve_quant", None) is not None:
                 pool = KVPool(self.draft.model, tokens, draft_dtype(self.draft.model), runner=False)
                 self.draft_pool = pool if pool.fuses_layers else None
         # a head drafts through a pool beside the target's where that pool has a step runner (its steps then run

@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -717,6 +718,19 @@ inline void q8_sum16(const q8_operands<MR, NT> &op, uint64_t j0, uint64_t j1, __
   }
 }
 
+#if defined(__AVX512BF16__)
+// The int4 codes of inputs k .. k + 3 for blocks nb and nb + 1 (a 256-bit half each), as bytes 0-15: lo holds each
+// output's inputs k, k + 1 (a 16-bit pair), hi its inputs k + 2, k + 3. low: 0x0f in every byte.
+inline std::pair<__m512i, __m512i> two_blocks(const uint8_t *codes, int64_t K, int64_t nb, int64_t k, __m512i low) {
+  const uint8_t *c = codes + (nb * (K / 4) + k / 4) * 32;
+  ahead(c);
+  ahead(c + (K / 4) * 32);
+  const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)c)),
+                                       _mm256_loadu_si256((const __m256i *)(c + (K / 4) * 32)), 1);
+  return {_mm512_and_si512(v, low), _mm512_and_si512(_mm512_srli_epi16(v, 4), low)};
+}
+#endif
+
 // sums[m][t][i] = sum over inputs [k0, k1) of codes · xq for row m, output i of block nb + t: 16-bit sums of 16
 // inputs (|sum| <= 16 · 15 · 127 < 2^15) with vpmaddubsw, widened to 32 bits. 256-bit registers hold a block's
 // 16 outputs; on AVX-512, 512-bit ones hold two blocks where NT is even (the same integers either way).
@@ -737,12 +751,7 @@ void q8_sums(const int32_t *pairs, int64_t K, const uint8_t *codes, int64_t nb, 
         for (int q = 0; q < P; q++) s16[m][q] = _mm512_setzero_si512();
       for (int64_t k = c0; k < c1; k += 4) {
         for (int q = 0; q < P; q++) {
-          const uint8_t *b = codes + ((nb + 2 * q) * (K / 4) + k / 4) * 32;
-          ahead(b);
-          ahead(b + (K / 4) * 32);
-          const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)b)),
-                                               _mm256_loadu_si256((const __m256i *)(b + (K / 4) * 32)), 1);
-          const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          const auto [lo, hi] = two_blocks(codes, K, nb + 2 * q, k, low);
           for (int m = 0; m < MR; m++) {
             const int32_t *p = pairs + (m * K + k) / 2;
             s16[m][q] = _mm512_add_epi16(s16[m][q], _mm512_maddubs_epi16(lo, _mm512_set1_epi32(p[0])));
@@ -804,12 +813,7 @@ void int4q8_tile_vnni(const int32_t *pairs, int64_t K, const float *d, const flo
       for (int q = 0; q < P; q++) a[m][q] = b[m][q] = _mm512_setzero_si512();
     for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
       for (int q = 0; q < P; q++) {
-        const uint8_t *c = codes + ((nb + 2 * q) * (K / 4) + k / 4) * 32;
-        ahead(c);
-        ahead(c + (K / 4) * 32);
-        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)c)),
-                                             _mm256_loadu_si256((const __m256i *)(c + (K / 4) * 32)), 1);
-        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        const auto [lo, hi] = two_blocks(codes, K, nb + 2 * q, k, low);
         const __m512i wa = _mm512_unpacklo_epi16(lo, hi), wb = _mm512_unpackhi_epi16(lo, hi);
         for (int m = 0; m < MR; m++) {
           int32_t quad;  // inputs k .. k + 3: the pairs' words hold [x0 x1 x0 x1] [x2 x3 x2 x3], so bytes 2-5
