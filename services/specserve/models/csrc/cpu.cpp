@@ -719,8 +719,8 @@ inline void q8_sum16(const q8_operands<MR, NT> &op, uint64_t j0, uint64_t j1, __
 }
 
 #if defined(__AVX512BF16__)
-// The int4 codes of inputs k .. k + 3 for blocks nb and nb + 1 (a 256-bit half each), as bytes 0-15: lo holds each
-// output's inputs k, k + 1 (a 16-bit pair), hi its inputs k + 2, k + 3. low: 0x0f in every byte.
+// The int4 codes of inputs k .. k + 3 for blocks nb and nb + 1 (a 256-bit half each), one code (0-15) a byte: lo
+// holds each output's inputs k, k + 1 (a 16-bit pair), hi its inputs k + 2, k + 3. low: 0x0f in every byte.
 inline std::pair<__m512i, __m512i> two_blocks(const uint8_t *codes, int64_t K, int64_t nb, int64_t k, __m512i low) {
   const uint8_t *c = codes + (nb * (K / 4) + k / 4) * 32;
   ahead(c);
