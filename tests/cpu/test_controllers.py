@@ -198,6 +198,27 @@ def test_open_ended_speculation_is_not_started_when_even_a_sure_token_would_not_
     assert auto.choose(open_ended=True) == 0
 
 
+def _starting(sure_every: int, blocks: int = 60) -> AutoGamma:
+    """An AutoGamma alone whose draft was sure of its block's first token (0.95, accepted 0.95 of the time) in one
+    block of every `sure_every`, unsure (0.15, accepted 0.05 of the time) in the others."""
+    auto = AutoGamma(gamma_max=8, verify_profile=MID, draft_step_s=0.004)
+    for i in range(blocks):
+        confidence, beta = (0.95, 0.95) if i % sure_every == 0 else (0.15, 0.05)
+        auto.update(RoundObservation(1, 1, int(beta > 0.5), [beta], 0.004, MID[2], 0.004 + MID[2], None, [confidence]))
+    return auto
+
+
+def test_open_ended_drafting_starts_where_the_draft_is_often_sure_of_its_first_token_not_just_sometimes():
+    """A block whose first token is unsure is dropped with its draft step paid: a draft seldom sure at its start
+    costs more in those steps than its sure blocks return (auto once started every block where a sure first token
+    would pay, and ran below γ=0 on prompts the draft could not follow)."""
+    seldom, often = _starting(20), _starting(2)
+    assert seldom.choose(open_ended=True) == 0 and often.choose(open_ended=True) == 8
+    assert max(seldom.calibration().acceptance) == max(often.calibration().acceptance)  # the same sure bin
+    few = _starting(20, blocks=AutoGamma.FIRST_BLOCKS - 1)  # until then: as if sure, as before
+    assert few.choose(open_ended=True) == 8
+
+
 def test_fixed_gamma_ignores_the_draft_s_confidence():
     fixed = FixedGamma(3)
     assert fixed.choose(open_ended=True) == 3

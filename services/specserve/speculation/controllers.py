@@ -155,6 +155,8 @@ class _ConfidenceTable:
 
     def __init__(self):
         self.acceptance = [(b + 0.5) / self.BINS for b in range(self.BINS)]
+        self.first = [1.0 / self.BINS] * self.BINS  # EWMA of the share of blocks whose first token is in each bin
+        self.firsts = 0  # blocks seen
 
     def _bin(self, confidence: float) -> int:
         return min(self.BINS - 1, max(0, int(confidence * self.BINS)))
@@ -166,6 +168,10 @@ class _ConfidenceTable:
         for confidence, beta in zip(confidences, betas):
             b = self._bin(confidence)
             self.acceptance[b] += weight * (beta - self.acceptance[b])
+        first = self._bin(confidences[0])
+        for b in range(self.BINS):
+            self.first[b] += weight * ((b == first) - self.first[b])
+        self.firsts += 1
 
 
 class _StepCost:
@@ -221,6 +227,8 @@ class AutoGamma(GammaController):
     # A round that gives no draft cost brings the estimate back toward the measured profile (the prior) by this
     # share, so a slowdown that priced the draft out passes; a draft that is slow in its profile stays out
     DRAFT_RELAX = 0.01
+    # Blocks a draft that stops early starts before auto weighs how sure it usually is of a block's first token
+    FIRST_BLOCKS = 8
 
     def __init__(
         self,
@@ -378,13 +386,37 @@ class AutoGamma(GammaController):
             every = self.probe_every * (max(1, round(self.load_sessions)) ** 2 if self.loaded else 1)
             if self._rounds_at_zero % every == 0:
                 return 1
-        if open_ended and limit > 0:  # worth starting if a confident first token would pay
-            # under load, if the first token pays at its average acceptance: the start of every session's
-            # block holds the shared step back, and the best confidence bin is the exception there
-            first = self.table(key).at(1) if self.loaded else max(self.calibration(key).acceptance)
-            if self._beats_zero(1.0 + first, self.round_time(1)):
-                return limit
+        if open_ended and limit > 0 and self._start_pays(key, limit, base_s):
+            return limit
         return best
+
+    def _start_pays(self, key: str | None, limit: int, base_s: float) -> bool:
+        """Whether to start a block that the draft ends where it is unsure. Alone: if the blocks' expected tokens
+        per second beat γ=0's over how sure the draft has been of its first tokens (each bin's block verified as
+        far as pays, or dropped with its first draft step paid), or, before FIRST_BLOCKS blocks, if a sure first
+        token would pay. Under load, if the first token pays at its average acceptance: the start of every
+        session's block holds the shared step back, and the best confidence bin is the exception there."""
+        if self.loaded:
+            return self._beats_zero(1.0 + self.table(key).at(1), self.round_time(1))
+        calibrated = self.calibration(key)
+        if calibrated.firsts < self.FIRST_BLOCKS:
+            return self._beats_zero(1.0 + max(calibrated.acceptance), self.round_time(1), base_s=base_s)
+        table, dropped_s = self.table(key), base_s + (self.draft_step_s or 0.0)
+        later = [table.at(g) for g in range(2, limit + 1)]
+        times = [self.round_time(g) for g in range(1, limit + 1)]
+        tokens = seconds = 0.0
+        for share, accepted in zip(calibrated.first, calibrated.acceptance):
+            best_tokens, best_s = 1.0, dropped_s
+            expected, survive = 1.0 + accepted, accepted
+            for g, s in enumerate(times, 1):
+                if g > 1:
+                    survive *= later[g - 2]
+                    expected += survive
+                if expected * best_s > best_tokens * s:
+                    best_tokens, best_s = expected, s
+            tokens += share * best_tokens
+            seconds += share * best_s
+        return self._beats_zero(tokens, seconds, base_s=base_s)
 
     def keep_drafting(self, confidences: list[float], key: str | None = None) -> bool:
         """Go on if drafting some more tokens raises the round's expected tokens per second.
