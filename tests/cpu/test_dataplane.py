@@ -174,3 +174,52 @@ def test_the_head_draft_kind_runs_in_process_and_in_a_target_worker(tmp_path):
     assert all(r["draft"] == "head" and r["wrong_tokens"] == 0 and r["tokens"] == 48 * r["streams"]
                for r in served.values())
     assert served[(3, 3)]["acceptance"] > 0.6  # the worker's head drafted, and was accepted as set
+
+
+def _dataplane_json(path, **records):
+    path.mkdir(parents=True)
+    (path / "dataplane.json").write_text(json.dumps(records))
+
+
+def test_the_gpu_check_judges_each_goal_from_the_parts_files(tmp_path):
+    """`bench.gpucheck`'s verdicts: each goal of issue 49 from the data-plane JSON its parts wrote, split over two
+    calls' directories; a goal whose part did not run has no figure rather than a pass."""
+    from specserve.bench.gpucheck import verdicts
+
+    first, second = tmp_path / "call1", tmp_path / "call2"
+    load = [{"streams": s, "gamma": g, "tok_s": t} for s, g, t in
+            [(1, 0, 100.0), (1, "auto", 230.0), (16, 0, 600.0), (16, "auto", 590.0), (16, 0, 610.0),
+             (16, "auto", 640.0), (64, 0, 900.0), (64, "auto", 860.0)]]
+    _dataplane_json(first / "cold", load=load, startup=[{"start_s": 236.0}])
+    _dataplane_json(first / "warm", load=[], startup=[{"start_s": 48.0}])
+    _dataplane_json(second / "steps", steps=[{"sequences": 1, "width": 1, "step_ms": 4.5, "floor_ms": 3.39,
+                                              "of_floor": 4.5 / 3.39}],
+                    gammas=[{"gamma": 0, "streams": 1, "tok_s": 180.0, "draft_ms_per_round": 0.0,
+                             "verify_ms_per_round": 5.0},
+                            {"gamma": 3, "streams": 1, "tok_s": 330.0, "draft_ms_per_round": 1.2,
+                             "verify_ms_per_round": 5.5},
+                            {"gamma": "auto", "streams": 1, "tok_s": 370.0, "draft_ms_per_round": 1.0,
+                             "verify_ms_per_round": 5.4}])
+    goals = {g["goal"]: g for g in verdicts(first, second)}
+    assert goals["gamma=0 step / bandwidth floor"]["holds"] is True  # 1.33x
+    assert goals["head draft step / verify step"]["value"] == round(0.4 / 5.5, 3)
+    assert goals["auto / gamma=0, one stream in process"]["holds"] is True  # 370 / 180
+    assert goals["load: auto / gamma=0 at 1 streams"]["holds"] is True
+    assert goals["load: auto / gamma=0 at 16 streams"]["value"] == round(640 / 610, 3)  # best of each
+    assert goals["load: auto / gamma=0 at 64 streams"]["holds"] is False  # 0.956 < 0.97
+    assert goals["cold start, s"]["value"] == 236.0 and goals["warm start, s"]["holds"] is True
+    alone = {g["goal"]: g["holds"] for g in verdicts(first)}  # the steps part's call not there: no figure
+    assert alone["gamma=0 step / bandwidth floor"] is None and alone["auto / gamma=0, one stream in process"] is None
+
+
+def test_the_gpu_check_keeps_each_part_in_its_limit_and_skips_what_the_budget_cannot_hold(tmp_path):
+    from specserve.bench.gpucheck import run_parts
+
+    parts = [("quick", 1, 30, ["json.tool", "--help"]),
+             ("slow", 1, 1, ["timeit", "-n", "1", "import time; time.sleep(30)"]),
+             ("late", 60, 60, ["json.tool", "--help"])]
+    said = []
+    results = {r["part"]: r for r in run_parts(parts, tmp_path, 20.0, {"PATH": "/usr/bin:/bin"}, log=said.append)}
+    assert results["quick"]["returncode"] == 0 and (tmp_path / "quick.log").exists()
+    assert results["slow"]["returncode"] is None and results["slow"]["seconds"] < 10  # stopped at its own limit
+    assert results["late"]["skipped"] and any("late: skipped" in line for line in said)
