@@ -386,29 +386,29 @@ class AutoGamma(GammaController):
             every = self.probe_every * (max(1, round(self.load_sessions)) ** 2 if self.loaded else 1)
             if self._rounds_at_zero % every == 0:
                 return 1
-        if open_ended and limit > 0 and self._start_pays(key, limit, base_s):
+        if open_ended and limit > 0 and self._start_pays(key, round_times, base_s):
             return limit
         return best
 
-    def _start_pays(self, key: str | None, limit: int, base_s: float) -> bool:
+    def _start_pays(self, key: str | None, round_times: list[float], base_s: float) -> bool:
         """Whether to start a block that the draft ends where it is unsure. Alone: if the blocks' expected tokens
         per second beat γ=0's over how sure the draft has been of its first tokens (each bin's block verified as
         far as pays, or dropped with its first draft step paid), or, before FIRST_BLOCKS blocks, if a sure first
         token would pay. Under load, if the first token pays at its average acceptance: the start of every
-        session's block holds the shared step back, and the best confidence bin is the exception there."""
+        session's block holds the shared step back, and the best confidence bin is the exception there.
+        round_times[g - 1]: γ=g's round, g = 1..the ceiling (as `choose` has them)."""
+        table = self.table(key)
         if self.loaded:
-            return self._beats_zero(1.0 + self.table(key).at(1), self.round_time(1))
+            return self._beats_zero(1.0 + table.at(1), round_times[0])
         calibrated = self.calibration(key)
         if calibrated.firsts < self.FIRST_BLOCKS:
-            return self._beats_zero(1.0 + max(calibrated.acceptance), self.round_time(1), base_s=base_s)
-        table, dropped_s = self.table(key), base_s + (self.draft_step_s or 0.0)
-        later = [table.at(g) for g in range(2, limit + 1)]
-        times = [self.round_time(g) for g in range(1, limit + 1)]
-        tokens = seconds = 0.0
+            return self._beats_zero(1.0 + max(calibrated.acceptance), round_times[0], base_s=base_s)
+        later = [table.at(g) for g in range(2, len(round_times) + 1)]  # given the first accepted
+        dropped_s, tokens, seconds = base_s + (self.draft_step_s or 0.0), 0.0, 0.0
         for share, accepted in zip(calibrated.first, calibrated.acceptance):
             best_tokens, best_s = 1.0, dropped_s
             expected, survive = 1.0 + accepted, accepted
-            for g, s in enumerate(times, 1):
+            for g, s in enumerate(round_times, 1):
                 if g > 1:
                     survive *= later[g - 2]
                     expected += survive
