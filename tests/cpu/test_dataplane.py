@@ -192,8 +192,11 @@ def test_the_gpu_check_judges_each_goal_from_the_parts_files(tmp_path):
              (16, "auto", 640.0), (64, 0, 900.0), (64, "auto", 860.0)]]
     _dataplane_json(first / "cold", load=load, startup=[{"start_s": 236.0}])
     _dataplane_json(first / "warm", load=[], startup=[{"start_s": 48.0}])
-    _dataplane_json(second / "steps", steps=[{"sequences": 1, "width": 1, "step_ms": 4.5, "floor_ms": 3.39,
-                                              "of_floor": 4.5 / 3.39}],
+    _dataplane_json(second / "steps", args={"targets": ["7b"]},
+                    steps=[{"shape": "135m", "sequences": 1, "width": 1, "step_ms": 1.3, "floor_ms": 0.07,
+                            "of_floor": 1.3 / 0.07},  # the draft's shape: not the goal's step
+                           {"shape": "7b", "sequences": 1, "width": 1, "step_ms": 4.5, "floor_ms": 3.39,
+                            "of_floor": 4.5 / 3.39}],
                     gammas=[{"gamma": 0, "streams": 1, "tok_s": 180.0, "draft_ms_per_round": 0.0,
                              "verify_ms_per_round": 5.0},
                             {"gamma": 3, "streams": 1, "tok_s": 330.0, "draft_ms_per_round": 1.2,

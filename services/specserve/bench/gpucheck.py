@@ -102,13 +102,17 @@ def run_parts(parts, out: pathlib.Path, budget_s: float, env: dict[str, str], lo
     return results
 
 
-def _rows(outs: list[pathlib.Path], part: str, key: str) -> list[dict[str, Any]]:
-    """The `key` records of `part`'s dataplane.json in the first of `outs` that has one."""
+def _written(outs: list[pathlib.Path], part: str) -> dict[str, Any]:
+    """`part`'s dataplane.json in the first of `outs` that has one ({} where none does)."""
     for out in outs:
         path = out / part / "dataplane.json"
         if path.exists():
-            return json.loads(path.read_text()).get(key, [])
-    return []
+            return json.loads(path.read_text())
+    return {}
+
+
+def _rows(outs: list[pathlib.Path], part: str, key: str) -> list[dict[str, Any]]:
+    return _written(outs, part).get(key, [])
 
 
 def _goal(name: str, value: float | None, target: float, at_most: bool, detail: str = "") -> dict[str, Any]:
@@ -121,7 +125,10 @@ def verdicts(*outs: pathlib.Path) -> list[dict[str, Any]]:
     """The goals from the parts' dataplane.json under `outs` (one call's --out, or several calls' together; a goal
     whose part did not run or write its figure: holds None)."""
     goals = []
-    steps = [r for r in _rows(outs, "steps", "steps") if r.get("sequences") == 1 and r.get("width") == 1]
+    written = _written(outs, "steps")
+    target = (written.get("args", {}).get("targets") or [None])[0]  # its steps part times the draft's shape too
+    steps = [r for r in written.get("steps", []) if r.get("sequences") == 1 and r.get("width") == 1
+             and r.get("shape") in (target, None)]
     goals.append(_goal("gamma=0 step / bandwidth floor", steps[0]["of_floor"] if steps else None, STEP_OF_FLOOR,
                        True, f"{steps[0]['step_ms']:.2f} ms, floor {steps[0]['floor_ms']:.2f} ms" if steps else ""))
     gammas = {r["gamma"]: r for r in _rows(outs, "steps", "gammas") if r.get("streams", 1) == 1}
