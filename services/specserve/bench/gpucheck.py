@@ -63,16 +63,18 @@ SMOKE = [
 STEP_OF_FLOOR, HEAD_OF_VERIFY, AUTO_SPEEDUP, LOAD_FLOOR, LOAD_ABOVE_AT, WARM_START_S = 1.4, 0.1, 2.0, 0.97, 16, 60.0
 
 
-def install_wheels(root: pathlib.Path, site: pathlib.Path) -> str | None:
-    """Install `.whl/*.whl` (carried from the CPU machine) into `site`; a line saying what happened, or None."""
+def install_wheels(root: pathlib.Path, site: pathlib.Path) -> bool:
+    """Install `.whl/*.whl` (carried from the CPU machine) into `site`, saying what happened; whether `site` has
+    them now (False where there are none)."""
     wheels = sorted((root / ".whl").glob("*.whl"))
     if not wheels:
-        return None
+        return False
     done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                            "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, wheels)],
                           check=False, capture_output=True, text=True)
-    return f"installed {len(wheels)} wheels into {site}" if done.returncode == 0 else \
-        f"installing the wheels failed: {done.stderr.strip()[-500:]}"
+    print(f"[gpucheck] installed {len(wheels)} wheels into {site}" if done.returncode == 0 else
+          f"[gpucheck] installing the wheels failed: {done.stderr.strip()[-500:]}")
+    return done.returncode == 0
 
 
 def run_parts(parts, out: pathlib.Path, budget_s: float, env: dict[str, str], log=print) -> list[dict[str, Any]]:
@@ -189,10 +191,7 @@ def main(argv=None) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("SPECSERVE_CACHE", "/tmp/sscache")  # not under --out: compile caches are ~300 MB
     site = pathlib.Path("/tmp/site")
-    said = install_wheels(root, site)
-    if said:
-        print(f"[gpucheck] {said}")
-    paths = [str(site)] if said and "failed" not in said else []
+    paths = [str(site)] if install_wheels(root, site) else []
     env["PYTHONPATH"] = os.pathsep.join([*paths, str(root / "services"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     wanted = {w.strip() for w in args.parts.split(",") if w.strip()}
     unknown = wanted - {part[0] for part in FULL}
