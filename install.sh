@@ -17,7 +17,7 @@ if [ "${1:-}" = "--dev" ]; then
 else
   "$PY" -m pip install --quiet -e .
 fi
-# specserve compiles its CPU kernels on first use (models/cpukernels.py); without g++ it uses torch's, slower
+# specserve compiles its CPU kernels on first use (models/kernels/cpu.py); without g++ it uses torch's, slower
 if ! command -v g++ >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++) >/dev/null \
     || echo "install.sh: could not install g++; quantized layers will use torch's slower CPU kernels" >&2

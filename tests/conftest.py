@@ -54,9 +54,8 @@ def save_tokenized_pair(root, noise: float = 0.3, kv_heads: int = 1):
 
     Real tokenizer and chat template, millisecond forwards: what the CLI and serving tests need.
     """
+    from specserve.models.formats import embedded
     from transformers import AutoTokenizer
-
-    from specserve.models import embedded
 
     tokenizer = AutoTokenizer.from_pretrained(str(embedded.converted_dir(embedded.embedded_gguf_path())))
     target = tiny_llama(0, vocab=len(tokenizer), layers=2, hidden=32, scale=8, dtype=torch.float32,
@@ -76,8 +75,7 @@ def start_local_serve(**ray_init) -> dict:
     Returns their addresses; `stop_local_serve` ends both."""
     import ray
     from ray import serve
-    from ray.serve.config import gRPCOptions, HTTPOptions
-
+    from ray.serve.config import HTTPOptions, gRPCOptions
     from specserve.serve import GRPC_SERVICER_FUNCTION
     from specserve.serve.listen import free_port
 

@@ -1,4 +1,4 @@
-"""Tiny random-weight models of every family the lean forward runs (`specserve.models.arch`), made by
+"""Tiny random-weight models of every family the lean forward runs (`specserve.models.families.arch`), made by
 transformers' own classes: milliseconds to build and run, sliding windows shorter than the test prompts,
 rope scalings that change every frequency within a few positions."""
 
@@ -46,7 +46,7 @@ CAUSAL_LM = {"Gemma3TextConfig": "Gemma3ForCausalLM"}
 SPREAD = {"gemma3": 0.1}  # wider, its greedy output repeats one token
 
 
-# heads of 32 channels, what specserve's CPU kernels take (`cpukernels.step_kernels`)
+# heads of 32 channels, what specserve's CPU kernels take (`kernels.cpu.step_kernels`)
 WIDE = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 32}
 
 

@@ -17,20 +17,20 @@ import grpc
 import numpy as np
 import pytest
 import torch
-
 from specserve import SamplingParams, SpeculativeDecoder
 from specserve.coordinator import Coordinator, SessionRequest, SplitDriver
 from specserve.engine.loop import speculate
 from specserve.engine.proposers import ModelProposer, Proposal, TargetVerifier
-from specserve.models import pool as pool_module
-from specserve.models.pool import KVPool
+from specserve.models.memory import pool as pool_module
+from specserve.models.memory.pool import KVPool
 from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
 from specserve.scheduler.colocated import ScheduledDraft
 from specserve.scheduler.steps import ScheduledVerifier, StepScheduler, _Work
 from specserve.speculation import PositionRNG, make_controller, rejection
 from specserve.v1 import workers_pb2, workers_pb2_grpc
+
 from tests.conftest import perturbed_copy, tiny_llama
-from tests.cpu.test_exactness import N, PROMPT, chi_square_pvalue, target_joint
+from tests.cpu.test_exactness import PROMPT, N, chi_square_pvalue, target_joint
 
 CONCURRENT = 16
 
@@ -242,10 +242,10 @@ def test_a_session_served_beside_others_gets_exactly_its_tokens_alone(served):
 
 def kernel_model(seed: int = 0):
     """A small int4 bf16 Llama whose steps run on specserve's fused CPU kernels (None where they cannot)."""
-    from specserve.models import cpukernels
-    from specserve.models.loading import load_model
+    from specserve.models.formats.loading import load_model
+    from specserve.models.kernels import cpu
 
-    if cpukernels.library() is None:
+    if cpu.library() is None:
         return None
     return load_model(tiny_llama(seed, vocab=64, layers=2, hidden=128, heads=4, kv_heads=2, dtype=torch.bfloat16),
                       quantization="int4").model

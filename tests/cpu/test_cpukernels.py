@@ -1,4 +1,4 @@
-"""specserve's CPU kernels (`models.cpukernels`, csrc/cpu.cpp): attention straight from the pool's arena and RMS
+"""specserve's CPU kernels (`models.kernels.cpu`, csrc/cpu.cpp): attention straight from the pool's arena and RMS
 norm compute what torch's ops do up to bf16 rounding; every row is computed as if alone, so in bfloat16 a
 verify block's logits equal decode steps' and greedy speculation equals target-only decoding exactly.
 
@@ -12,20 +12,23 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from specserve import SamplingParams, SpeculativeDecoder
-from specserve.models import cpukernels, lean, load_model
-from specserve.models.pool import KVPool
+from specserve.models import load_model
+from specserve.models.families import lean
+from specserve.models.kernels import cpu
+from specserve.models.kernels.fused import FusedLayers
+from specserve.models.memory.pool import KVPool
+
 from tests.conftest import tiny_llama
 
-pytestmark = pytest.mark.skipif(not cpukernels.available(),
+pytestmark = pytest.mark.skipif(not cpu.available(),
                                 reason="specserve's CPU kernels need AVX-512 bf16 or AVX2+FMA+F16C, and g++")
-ISAS_HERE = [isa for isa in cpukernels.ISAS if cpukernels.runs_here(isa)]
+ISAS_HERE = [isa for isa in cpu.ISAS if cpu.runs_here(isa)]
 
 
 @pytest.fixture(autouse=True, params=ISAS_HERE)
 def isa(request, monkeypatch):
-    monkeypatch.setattr(cpukernels, "ISA", request.param)
+    monkeypatch.setattr(cpu, "ISA", request.param)
     return request.param
 
 
@@ -46,7 +49,7 @@ def _int4_weight(n: int, k: int, group: int, codes: torch.Tensor | None = None):
     codes = torch.randint(0, 16, (n, k)) if codes is None else codes
     scale = (torch.rand(n, k // group) * 0.05).half().float()
     bias = (torch.randn(n, k // group) * 0.1).half().float()
-    return codes, scale, bias, *cpukernels.pack_int4(codes, scale, bias + 8 * scale, group)
+    return codes, scale, bias, *cpu.pack_int4(codes, scale, bias + 8 * scale, group)
 
 
 def _fma(a, b, c):
@@ -57,7 +60,7 @@ def _fma(a, b, c):
 def test_quantized_products_round_as_the_dot_product_instruction_defines(isa, monkeypatch):
     """int4 and int8 products equal a float32 reference of the kernels' arithmetic bit for bit: pairs summed odd
     then even (vdpbf16ps's definition), int4 groups scaled and biased by one FMA each, bfloat16 out."""
-    monkeypatch.setattr(cpukernels, "ACTIVATIONS", "bf16")  # (SPECSERVE_CPU_ACTIVATIONS=int8: the test below)
+    monkeypatch.setattr(cpu, "ACTIVATIONS", "bf16")  # (SPECSERVE_CPU_ACTIVATIONS=int8: the test below)
     torch.manual_seed(0)
     m, n, k, group = 13, 48, 128, 32  # two passes of rows over each tile of weights (8 + 5)
     x = (torch.randn(m, k) * 2).bfloat16()
@@ -71,7 +74,7 @@ def test_quantized_products_round_as_the_dot_product_instruction_defines(isa, mo
     codes4 = torch.randint(0, 16, (n, k))
     codes4[0, :8] = 1
     _, scale, bias, packed, sb = _int4_weight(n, k, group, codes4)
-    ours = cpukernels.int4_mm(x, packed, sb, group)
+    ours = cpu.int4_mm(x, packed, sb, group)
     acc = torch.zeros(m, n)
     for g in range(k // group):
         cols = slice(g * group, (g + 1) * group)
@@ -85,11 +88,11 @@ def test_quantized_products_round_as_the_dot_product_instruction_defines(isa, mo
     codes8 = torch.randint(-127, 128, (n, k))
     codes8[0, :8] = 1
     scales8 = torch.rand(n) * 0.01
-    ours = cpukernels.int8_mm(x, cpukernels.pack_int8(codes8), scales8)
+    ours = cpu.int8_mm(x, cpu.pack_int8(codes8), scales8)
     assert torch.equal(ours, (_bf16_products_reference(x, codes8, (1, 0)) * scales8).bfloat16())
     # and each row as if alone
     for row in (2, 12):
-        assert torch.equal(cpukernels.int8_mm(x[row:row + 1], cpukernels.pack_int8(codes8), scales8),
+        assert torch.equal(cpu.int8_mm(x[row:row + 1], cpu.pack_int8(codes8), scales8),
                            ours[row:row + 1])
 
 
@@ -98,7 +101,7 @@ def test_int8_activation_products_are_exact_integer_sums(isa, monkeypatch, group
     """With SPECSERVE_CPU_ACTIVATIONS=int8 an int4 product quantizes each row's group of inputs to int8 (d = max|x|
     / 127, nearest even) and sums codes · xq exactly: it equals a reference of that arithmetic bit for bit (the
     scale times d, then one FMA for the sum and one for the bias times d · sum(xq)), every row as if alone."""
-    monkeypatch.setattr(cpukernels, "ACTIVATIONS", "int8")
+    monkeypatch.setattr(cpu, "ACTIVATIONS", "int8")
     torch.manual_seed(1)
     m, n, k = 11, 80, 128  # two passes of rows (8 + 3); tiles of 4 and of 2 blocks, and one block left over
     x = (torch.randn(m, k) * 3).bfloat16()
@@ -111,7 +114,7 @@ def test_int8_activation_products_are_exact_integer_sums(isa, monkeypatch, group
     codes = torch.randint(0, 16, (n, k))
     codes[1, :group], codes[2, :group] = 15, 0
     codes, scale, bias, packed, sb = _int4_weight(n, k, group, codes)
-    ours = cpukernels.int4_mm(x, packed, sb, group)
+    ours = cpu.int4_mm(x, packed, sb, group)
     acc = torch.zeros(m, n)
     for g in range(k // group):
         xg = x[:, g * group:(g + 1) * group].float()
@@ -125,15 +128,15 @@ def test_int8_activation_products_are_exact_integer_sums(isa, monkeypatch, group
         acc = _fma(total[:, None].expand(m, n), bias[:, g][None], acc)
     assert torch.equal(ours, acc.bfloat16())
     for row in (2, 4, 10):
-        assert torch.equal(cpukernels.int4_mm(x[row:row + 1], packed, sb, group), ours[row:row + 1])
+        assert torch.equal(cpu.int4_mm(x[row:row + 1], packed, sb, group), ours[row:row + 1])
     # further from the float product than bf16 activations, as llama.cpp's Q8 activations are
     exact = x.float() @ ((codes - 8).float() * scale.repeat_interleave(group, 1) + (bias + 8 * scale).repeat_interleave(
         group, 1)).t()
     err = ((ours.float() - exact).norm(dim=1) / exact.norm(dim=1))[[0, 6, 7]]
     assert (err < 0.02).all(), err
-    monkeypatch.setattr(cpukernels, "ACTIVATIONS", "fp8")
+    monkeypatch.setattr(cpu, "ACTIVATIONS", "fp8")
     with pytest.raises(ValueError, match="SPECSERVE_CPU_ACTIVATIONS"):
-        cpukernels.int4_mm(x, packed, sb, group)
+        cpu.int4_mm(x, packed, sb, group)
 
 
 @pytest.mark.skipif(len(ISAS_HERE) < 2, reason="one build runs on this CPU")
@@ -144,7 +147,7 @@ def test_both_builds_compute_the_same_values(monkeypatch):
                        quantization="int4").model
 
     def logits(isa):
-        monkeypatch.setattr(cpukernels, "ISA", isa)
+        monkeypatch.setattr(cpu, "ISA", isa)
         pool = KVPool(model, 1024)
         a, b = pool.sequence(), pool.sequence()
         with torch.inference_mode():
@@ -157,22 +160,22 @@ def test_both_builds_compute_the_same_values(monkeypatch):
 
 
 def test_the_build_is_chosen_from_the_cpu_and_the_switch(monkeypatch):
-    monkeypatch.setattr(cpukernels, "ISA", "auto")
-    assert cpukernels.chosen_isa() == ISAS_HERE[0]
-    assert "specserve's CPU kernels" in cpukernels.describe() and "dense" not in cpukernels.describe()
-    monkeypatch.setattr(cpukernels, "ISA", "avx3")
+    monkeypatch.setattr(cpu, "ISA", "auto")
+    assert cpu.chosen_isa() == ISAS_HERE[0]
+    assert "specserve's CPU kernels" in cpu.describe() and "dense" not in cpu.describe()
+    monkeypatch.setattr(cpu, "ISA", "avx3")
     with pytest.raises(ValueError, match="SPECSERVE_CPU_ISA"):
-        cpukernels.available()
-    monkeypatch.setattr(cpukernels, "cpu_flags", lambda: frozenset({"sse2", "avx"}))
-    cpukernels._choose.cache_clear()
+        cpu.available()
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"sse2", "avx"}))
+    cpu._choose.cache_clear()
     try:
         for forced in ("auto", "avx2"):
-            monkeypatch.setattr(cpukernels, "ISA", forced)
-            assert not cpukernels.available() and "lacks" in cpukernels.describe()
+            monkeypatch.setattr(cpu, "ISA", forced)
+            assert not cpu.available() and "lacks" in cpu.describe()
     finally:
-        cpukernels._choose.cache_clear()
-    monkeypatch.setattr(cpukernels, "ENABLED", False)
-    assert "SPECSERVE_CPU_KERNELS=0" in cpukernels.describe()
+        cpu._choose.cache_clear()
+    monkeypatch.setattr(cpu, "ENABLED", False)
+    assert "SPECSERVE_CPU_KERNELS=0" in cpu.describe()
 
 
 def _reference_attention(q, arena_k, arena_v, new_k, new_v, base, start, group, scale, window=None):
@@ -200,7 +203,7 @@ def _step(arena, seqs, heads, kv_heads, d, seed, window=None):
     offsets = [0]
     for _, _, n in seqs:
         offsets.append(offsets[-1] + n)
-    attention = cpukernels.Attention(arena[0], arena[1], [b for b, _, _ in seqs], [s for _, s, _ in seqs],
+    attention = cpu.Attention(arena[0], arena[1], [b for b, _, _ in seqs], [s for _, s, _ in seqs],
                                      [n for _, _, n in seqs], offsets, heads, d**-0.5)
     out = torch.empty(total, heads * d, dtype=torch.bfloat16)
     attention(1, q, k, v, out, window)
@@ -243,7 +246,7 @@ def test_attention_rows_do_not_depend_on_the_rest_of_the_step(heads, kv_heads, d
     arena_k, arena_v = arena[0].clone(), arena[1].clone()
     q, k, v = together[0][4:5], together[1][4:5], together[2][4:5]
     out = torch.empty(1, heads * d, dtype=torch.bfloat16)
-    cpukernels.Attention(arena_k, arena_v, [100], [7], [1], [0, 1], heads, d**-0.5)(1, q, k, v, out)
+    cpu.Attention(arena_k, arena_v, [100], [7], [1], [0, 1], heads, d**-0.5)(1, q, k, v, out)
     assert torch.equal(out, together[4][4:5])
     # a verify block's row i equals the decode step that feeds the same token after rows 0..i-1
     arena_k, arena_v = arena[0].clone(), arena[1].clone()
@@ -252,7 +255,7 @@ def test_attention_rows_do_not_depend_on_the_rest_of_the_step(heads, kv_heads, d
         step_k, step_v = arena[0].clone(), arena[1].clone()
         step_k[1, :, 40 : 40 + i], step_v[1, :, 40 : 40 + i] = arena_k[1, :, 40 : 40 + i], arena_v[1, :, 40 : 40 + i]
         row = torch.empty(1, heads * d, dtype=torch.bfloat16)
-        cpukernels.Attention(step_k, step_v, [0], [40 + i], [1], [0, 1], heads, d**-0.5)(
+        cpu.Attention(step_k, step_v, [0], [40 + i], [1], [0, 1], heads, d**-0.5)(
             1, q[i : i + 1], k[i : i + 1], v[i : i + 1], row)
         assert torch.equal(row, block[i : i + 1]), i
 
@@ -272,7 +275,7 @@ def test_attention_scores_sum_pairs_as_the_dot_product_instruction_defines(isa, 
     q = torch.ones(rows, heads, d).bfloat16()
     k, v = torch.zeros(rows, kv_heads, d).bfloat16(), torch.zeros(rows, kv_heads, d).bfloat16()
     out = torch.empty(rows, heads * d, dtype=torch.bfloat16)
-    cpukernels.Attention(k_arena, v_arena, [64 * j for j in range(rows)], [cached] * rows, [1] * rows,
+    cpu.Attention(k_arena, v_arena, [64 * j for j in range(rows)], [cached] * rows, [1] * rows,
                          list(range(rows + 1)), heads, 1.0)(1, q, k, v, out)
     e = math.exp(2.0**-5)
     assert torch.equal(out, torch.full_like(out, e / (e + cached)))
@@ -282,17 +285,17 @@ def test_rms_norm_as_torch_up_to_rounding():
     torch.manual_seed(0)
     x = (torch.randn(37, 576) * 3).bfloat16()
     weight = torch.randn(576).bfloat16()
-    ours = cpukernels.rms_norm(x, weight, 1e-5)
+    ours = cpu.rms_norm(x, weight, 1e-5)
     ref = weight * F.rms_norm(x.float(), (576,), eps=1e-5).to(torch.bfloat16)
     assert ours.dtype == torch.bfloat16 and ours.shape == ref.shape
     # the same up to a bf16 step where float32 sums round apart
     assert (ours.float() - ref.float()).abs().max() <= 2**-7 * ref.float().abs().max()
     assert (ours == ref).float().mean() > 0.99
-    assert torch.equal(cpukernels.rms_norm(x[5:6], weight, 1e-5), ours[5:6])  # a row as if alone
+    assert torch.equal(cpu.rms_norm(x[5:6], weight, 1e-5), ours[5:6])  # a row as if alone
     # a view's rows (a stride over the hidden size) are read where they are
     wide = torch.randn(4, 1000).bfloat16()
-    assert torch.equal(cpukernels.rms_norm(wide[:, :576], weight, 1e-5),
-                       cpukernels.rms_norm(wide[:, :576].contiguous(), weight, 1e-5))
+    assert torch.equal(cpu.rms_norm(wide[:, :576], weight, 1e-5),
+                       cpu.rms_norm(wide[:, :576].contiguous(), weight, 1e-5))
 
 
 def test_pooled_bf16_steps_with_the_kernels_match_torchs_ops(monkeypatch):
@@ -301,7 +304,7 @@ def test_pooled_bf16_steps_with_the_kernels_match_torchs_ops(monkeypatch):
     model = tiny_llama(0, vocab=64, layers=2, hidden=128, heads=4, kv_heads=2, dtype=torch.bfloat16)
 
     def run(enabled: bool):
-        monkeypatch.setattr(cpukernels, "ENABLED", enabled)
+        monkeypatch.setattr(cpu, "ENABLED", enabled)
         pool = KVPool(model, 1024)
         a, b = pool.sequence(), pool.sequence()
         with torch.inference_mode():
@@ -312,7 +315,7 @@ def test_pooled_bf16_steps_with_the_kernels_match_torchs_ops(monkeypatch):
         return block, steps
 
     spy = []
-    monkeypatch.setattr(cpukernels, "rms_norm", lambda *a, _f=cpukernels.rms_norm: spy.append(1) or _f(*a))
+    monkeypatch.setattr(cpu, "rms_norm", lambda *a, _f=cpu.rms_norm: spy.append(1) or _f(*a))
     block, steps = run(True)
     assert spy, "the kernels were not used"
     assert torch.equal(block[:4], steps)
@@ -326,17 +329,17 @@ def test_silu_mul_is_silu_times_up():
     t = 9
     gate_up = (torch.randn(t, 2 * 96) * 3).bfloat16()
     gate, up = gate_up.chunk(2, -1)
-    ours, ref = cpukernels.silu_mul(gate_up), F.silu(gate) * up
+    ours, ref = cpu.silu_mul(gate_up), F.silu(gate) * up
     assert ours.shape == ref.shape and ours.dtype == torch.bfloat16
     assert (ours.float() - ref.float()).abs().max() <= 2**-7 * ref.float().abs().max()
     assert (ours == ref).float().mean() > 0.95
-    assert torch.equal(cpukernels.silu_mul(gate_up[4:5]), ours[4:5])  # a row as if alone
+    assert torch.equal(cpu.silu_mul(gate_up[4:5]), ours[4:5])  # a row as if alone
 
 
 def _quantization(method: str, monkeypatch) -> str:
     """"int4-q8": int4 weights, int8 activations (SPECSERVE_CPU_ACTIVATIONS=int8)."""
     if method == "int4-q8":
-        monkeypatch.setattr(cpukernels, "ACTIVATIONS", "int8")
+        monkeypatch.setattr(cpu, "ACTIVATIONS", "int8")
         return "int4"
     return method
 
@@ -350,11 +353,11 @@ def test_fused_layers_equal_the_per_op_path(monkeypatch, method):
     model = load_model(tiny_llama(0, vocab=64, layers=2, hidden=128, heads=4, kv_heads=2, dtype=torch.bfloat16),
                        quantization=method).model
     runs = []
-    monkeypatch.setattr(cpukernels.FusedLayers, "run", lambda *a, _f=cpukernels.FusedLayers.run: runs.append(1)
+    monkeypatch.setattr(FusedLayers, "run", lambda *a, _f=FusedLayers.run: runs.append(1)
                         or _f(*a))
 
     def run(fused: bool):
-        monkeypatch.setattr(cpukernels, "FUSED", fused)
+        monkeypatch.setattr(cpu, "FUSED", fused)
         pool = KVPool(model, 1024)
         a, b = pool.sequence(), pool.sequence()
         with torch.inference_mode():
@@ -421,7 +424,7 @@ def test_quantized_embedded_greedy_speculation_equals_target_only_in_bf16(gamma)
 def test_compiled_code_takes_torchs_ops():
     """Under torch.compile the ctypes calls cannot be traced: the step's RMS norm falls back to torch's op."""
     x = torch.randn(2, 64).bfloat16()
-    assert cpukernels.rms_ok(x)
+    assert cpu.rms_ok(x)
     torch._dynamo.reset()
     compiled = torch.compile(lambda t, w: lean._rms(t, w, 1e-6), backend="eager", fullgraph=True)
     weight = torch.ones(64).bfloat16()
@@ -429,7 +432,7 @@ def test_compiled_code_takes_torchs_ops():
 
 
 def test_a_dense_draft_named_for_a_cpu_is_int8_by_default():
-    from specserve.models.loading import draft_quantization
+    from specserve.models.formats.loading import draft_quantization
 
     assert draft_quantization(None, "embedded-draft", None, "cpu") == "int8"
     assert draft_quantization("auto", "some/draft", "bfloat16", "cpu") == "int8"

@@ -114,7 +114,7 @@ def test_public_shapes_have_the_public_models_parameter_counts(shape, family, pa
     """The bench's shapes of the pairs users compare with are those models' (counted on the meta device, no
     memory), and the pooled forward takes them."""
     from specserve.bench.dataplane import shape_config
-    from specserve.models.lean import unsupported_config
+    from specserve.models.families.lean import unsupported_config
     from transformers import AutoModelForCausalLM
 
     config = shape_config(shape)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from specserve import SamplingParams, SpeculativeDecoder
-from specserve.models.lean import LeanSequence
-from specserve.models.pool import KVPool
+from specserve.models.families.lean import LeanSequence
+from specserve.models.memory.pool import KVPool
+
 from tests.conftest import perturbed_copy, tiny_llama
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]

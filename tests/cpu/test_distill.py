@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from specserve import SamplingParams, SpeculativeDecoder
 from specserve.cli import main
 from specserve.distill import prompt_set
 from specserve.distill.core import PackedCorpus, acceptance, choose_subset, kd_loss
 from specserve.distill.corpus import Record, write_batch
+
 from tests.conftest import perturbed_copy, save_tokenized_pair, tiny_llama
 
 
@@ -94,7 +94,7 @@ def test_the_pooled_writer_writes_what_write_batch_writes_and_keeps_every_positi
     greedy answers and teachers equal write_batch's, and each record carries the target's features at every
     position (its last token's too) as a teacher-forced pass computes them."""
     from specserve.distill.corpus import write_batch_pooled
-    from specserve.models.pool import KVPool
+    from specserve.models.memory.pool import KVPool
 
     target = tiny_llama(0, vocab=64, layers=2, hidden=32, scale=8, dtype=torch.float32)
     prompts = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8], [40], [11, 12, 13, 14, 15], [7, 7]]
@@ -131,7 +131,7 @@ def test_the_pooled_writer_samples_the_target_s_distribution_at_its_temperature(
     """The writer's inverse-CDF sampler: 6,000 first tokens of one prompt at T=0.7 against softmax(logits / 0.7)."""
     from scipy import stats
     from specserve.distill.corpus import write_batch_pooled
-    from specserve.models.pool import KVPool
+    from specserve.models.memory.pool import KVPool
 
     target = tiny_llama(1, vocab=64, layers=1, hidden=32, scale=8, dtype=torch.float32)
     prompt = [3, 1, 4]

@@ -15,12 +15,12 @@ from concurrent import futures
 
 import pytest
 import torch
-
-from specserve.models import pool as pool_module
-from specserve.models.pool import UNKNOWN, KVCacheFull
+from specserve.models.memory import pool as pool_module
+from specserve.models.memory.pool import UNKNOWN, KVCacheFull
 from specserve.scheduler.colocated import ScheduledDraft
 from specserve.scheduler.steps import StepScheduler
 from specserve.speculation import PositionRNG, SamplingParams
+
 from tests.conftest import tiny_llama
 
 VOCAB = 32

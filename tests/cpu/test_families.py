@@ -1,4 +1,4 @@
-"""Every family `models.arch` describes runs through the pooled forward, the step runner and speculation with
+"""Every family `models.families.arch` describes runs through the pooled forward, the step runner and speculation with
 Hugging Face as the oracle: tiny random-weight models saved by transformers' own classes (tests/families.py),
 prompts longer than every sliding window."""
 
@@ -14,12 +14,13 @@ import torch
 from specserve import SamplingParams, SpeculativeDecoder
 from specserve.engine.loop import speculate
 from specserve.engine.proposers import ModelProposer, TargetVerifier
-from specserve.models import cpukernels
-from specserve.models.arch import FAMILIES, arch_of
-from specserve.models.kv import CachedSequence
-from specserve.models.lean import LeanSequence, draft_sequence, unsupported_config
-from specserve.models.loading import load_model
-from specserve.models.pool import KVPool
+from specserve.models.families.arch import FAMILIES, arch_of
+from specserve.models.families.lean import LeanSequence, draft_sequence, unsupported_config
+from specserve.models.families.sequence import CachedSequence
+from specserve.models.formats.loading import load_model
+from specserve.models.kernels import cpu
+from specserve.models.kernels.fused import FusedLayers
+from specserve.models.memory.pool import KVPool
 from specserve.scheduler.steps import ScheduledVerifier, StepScheduler
 from specserve.speculation import PositionRNG, make_controller, rejection
 
@@ -198,20 +199,20 @@ def test_families_outside_the_lean_forward_say_why():
 
 
 def test_the_docs_table_is_the_codes():
-    """docs/serving.md's table of supported architectures is what `python -m specserve.models.arch` prints."""
+    """docs/serving.md's table of supported architectures is what `python -m specserve.models.families.arch` prints."""
     import pathlib
 
-    from specserve.models.arch import table
+    from specserve.models.families.arch import table
 
     docs = (pathlib.Path(__file__).parents[2] / "docs" / "serving.md").read_text()
-    assert table() in docs, "docs/serving.md's table differs from the code's: paste `python -m specserve.models.arch`"
+    assert table() in docs, "docs/serving.md's table differs from the code's: paste `python -m specserve.models.families.arch`"
 
 
 # fused layers (with a sliding window: mistral); attention only for the others (qwen2 and gemma3 with windows)
 KERNEL_FAMILIES = ["llama3", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma3"]
 
 
-@pytest.mark.skipif(not cpukernels.available(), reason="specserve's CPU kernels do not run here")
+@pytest.mark.skipif(not cpu.available(), reason="specserve's CPU kernels do not run here")
 @pytest.mark.parametrize("name", KERNEL_FAMILIES)
 def test_bfloat16_kernel_steps_give_each_row_what_it_gets_alone(name):
     """int8 weights in bfloat16 on specserve's CPU kernels: a batched step's rows are bit for bit each sequence's
@@ -220,8 +221,8 @@ def test_bfloat16_kernel_steps_give_each_row_what_it_gets_alone(name):
     reference = tiny_family(name, dtype=torch.float32, spread=0.08, wide=True)
     loaded = load_model(model, dtype="bfloat16", quantization="int8")
     pool = KVPool(loaded.model, tokens=1024, min_block=8)
-    assert pool.w.kernel_attention and cpukernels.step_kernels(pool.w.dtype, pool.w.device, pool.w.head_dim)
-    assert (cpukernels.FusedLayers.plan(pool.w) is not None) == (name in ("llama3", "mistral"))
+    assert pool.w.kernel_attention and cpu.step_kernels(pool.w.dtype, pool.w.device, pool.w.head_dim)
+    assert (FusedLayers.plan(pool.w) is not None) == (name in ("llama3", "mistral"))
     rng = random.Random(0)
     histories = [[rng.randrange(VOCAB) for _ in range(n)] for n in (13, 7, 2)]
     together = pool.forward([pool.sequence() for _ in histories], histories, [1, 1, 1])
@@ -247,8 +248,8 @@ def test_tensor_parallel_ranks_compute_the_whole_models_logits(name):
 
 
 def test_olmo2_refuses_tensor_parallelism_by_name():
-    from specserve.models.tp import Shard
-    from specserve.models.weights import LeanWeights
+    from specserve.models.families.weights import LeanWeights
+    from specserve.models.kernels.tp import Shard
 
     with pytest.raises(ValueError, match="tensor_parallel: olmo2 has q/k norms over all heads"):
         LeanWeights(tiny_family("olmo2"), torch.float64, Shard(0, 2))
@@ -312,7 +313,7 @@ def test_served_sessions_over_grpc_workers_equal_the_in_process_decoder(name):
 def test_a_cached_prefix_gives_the_logits_of_a_whole_prefill(name):
     """The prefix cache with a sliding window, longrope and partial rotary, soft-capping: a second request that
     shares a released one's prompt copies its rows and goes on with HF's logits."""
-    from specserve.models.prefix import CHUNK
+    from specserve.models.memory.prefix import CHUNK
 
     model = tiny_family(name)
     rng = random.Random(3)
@@ -330,10 +331,9 @@ def test_a_cached_prefix_gives_the_logits_of_a_whole_prefill(name):
 
 
 def test_the_start_up_line_names_each_models_path():
-    from transformers import GPT2Config
-
-    from specserve.models.arch import describe_path
+    from specserve.models.families.arch import describe_path
     from specserve.serve.run import model_paths
+    from transformers import GPT2Config
 
     assert describe_path(GPT2Config()).startswith("one session at a time through the Hugging Face forward")
     assert "'gpt2'" in describe_path(GPT2Config())

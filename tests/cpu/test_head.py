@@ -1,4 +1,4 @@
-"""The draft head on the target's features (`models.head`): the pool keeps the features HF computes, the head's
+"""The draft head on the target's features (`models.drafts.head`): the pool keeps the features HF computes, the head's
 lean steps are its HF forward, and speculation through it is exact."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 from specserve import SamplingParams, SpeculativeDecoder
-from specserve.models.head import FeatureHeadForCausalLM, HeadSequence, drafts_on_zeros, is_head, load_head
-from specserve.models.loading import load_model
-from specserve.models.pool import KVPool
+from specserve.models.drafts.head import FeatureHeadForCausalLM, HeadSequence, drafts_on_zeros, is_head, load_head
+from specserve.models.formats.loading import load_model
+from specserve.models.memory.pool import KVPool
 from specserve.speculation import rejection
 
 from tests.conftest import tiny_llama
@@ -95,8 +95,8 @@ def test_greedy_through_a_head_equals_target_only(target, gamma, runner, monkeyp
     """In process the head drafts on a cache of its own, or, where the target's pool has a step runner (CUDA),
     through a `HeadPool` beside it whose drafted steps take the runner, each block's drafted steps at once where
     they are captured (`HeadPool.drafted_block`)."""
-    from specserve.models import head as head_module
-    from specserve.models import pool as pool_module
+    from specserve.models.drafts import head as head_module
+    from specserve.models.memory import pool as pool_module
 
     monkeypatch.setattr(pool_module, "STEP_RUNNER", bool(runner))
     monkeypatch.setattr(head_module, "WHOLE_BLOCKS", runner == "whole")
@@ -123,7 +123,7 @@ def zero_drafting(head: FeatureHeadForCausalLM) -> FeatureHeadForCausalLM:
 
 @pytest.mark.parametrize("runner", [False, True], ids=["head cache", "head pool with a runner"])
 def test_greedy_through_a_head_drafting_on_zeros_equals_target_only(target, runner, monkeypatch):
-    from specserve.models import pool as pool_module
+    from specserve.models.memory import pool as pool_module
 
     monkeypatch.setattr(pool_module, "STEP_RUNNER", runner)
     head = zero_drafting(FeatureHeadForCausalLM.for_target(target, seed=1))
@@ -152,8 +152,8 @@ MODES = [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 5}, {"temperature":
 def test_first_two_tokens_through_a_head_follow_the_target(mode, monkeypatch):
     """Chi-square against the target's joint distribution of the first two tokens; a missing residual step
     is caught by the same harness."""
-    from specserve.models import head as head_module
-    from specserve.models import pool as pool_module
+    from specserve.models.drafts import head as head_module
+    from specserve.models.memory import pool as pool_module
 
     zero, whole = mode == "zero", mode == "whole"
     if mode in ("runner", "whole"):
@@ -204,7 +204,7 @@ def test_heads_save_load_by_spec_and_refuse_a_target_they_do_not_fit(tmp_path, t
 def test_the_pooled_heads_steps_equal_a_head_cache_of_its_own(target, drafting_on):
     """Three sessions' head steps in one forward (`HeadPool`) give each the logits its own `HeadSequence` gives,
     through true-feature blocks, drafted steps and the next block replacing the drafted positions."""
-    from specserve.models.head import HeadPool
+    from specserve.models.drafts.head import HeadPool
 
     head = FeatureHeadForCausalLM.for_target(target, token_subset=torch.tensor([9, 3, 30, 1, 17, 22, 5, 38]), seed=2)
     head.config.drafted_feature = drafting_on
@@ -242,7 +242,7 @@ def test_the_pooled_heads_steps_equal_a_head_cache_of_its_own(target, drafting_o
 def test_the_head_runners_drafted_steps_equal_its_eager_steps(target, drafted):
     """`HeadStepRunner` (what a head's pool drafts through beside a CUDA target's runner): its drafted steps, tokens
     fed on the device with a padding row in the batch bucket, give the eager `feed_ids` logits and predictions."""
-    from specserve.models.head import HeadPool
+    from specserve.models.drafts.head import HeadPool
 
     head = FeatureHeadForCausalLM.for_target(target, token_subset=torch.tensor([9, 3, 30, 1, 17, 22, 5, 38]), seed=2)
     head.config.drafted_feature = drafted
@@ -277,7 +277,7 @@ def test_a_heads_whole_block_at_once_drafts_what_its_steps_draft(target, mode, d
     uncaptured here) drafts the tokens, q rows and confidences of the step-by-step block (`draft_blocks`), for
     three sessions in a batch bucket with a padding row, over three rounds: the caches it leaves (tokens, last
     predictions, keys and values) serve the next round as the steps' do. A position fed off by one fails it."""
-    from specserve.models.head import HeadPool
+    from specserve.models.drafts.head import HeadPool
     from specserve.scheduler.drafting import DraftBlock, draft_blocks
     from specserve.speculation import PositionRNG
 
@@ -326,8 +326,9 @@ def test_a_heads_whole_block_at_once_drafts_what_its_steps_draft(target, mode, d
 @pytest.fixture(scope="module")
 def served_head(target, tmp_path_factory):
     """A target worker holding a feature head (colocated), served over real gRPC."""
-    from tests.cpu.test_colocated import serve
     from specserve.rpc.servicers import TargetWorkerServicer
+
+    from tests.cpu.test_colocated import serve
 
     head = FeatureHeadForCausalLM.for_target(target, seed=1)
     servicer = TargetWorkerServicer(target, VOCAB, kv_cache_tokens=4096, features=True)
@@ -394,9 +395,10 @@ def test_served_greedy_head_sessions_drafting_whole_blocks_together_equal_target
     import asyncio
 
     from specserve.coordinator import ColocatedRelay, Coordinator, SessionRequest
-    from specserve.models import head as head_module
-    from specserve.models import pool as pool_module
+    from specserve.models.drafts import head as head_module
+    from specserve.models.memory import pool as pool_module
     from specserve.rpc.servicers import TargetWorkerServicer
+
     from tests.cpu.test_colocated import serve
 
     monkeypatch.setattr(pool_module, "STEP_RUNNER", True)
@@ -434,8 +436,9 @@ def test_first_two_tokens_follow_the_target_through_served_head_sessions(monkeyp
     """The chi-square of the first two tokens with 16 head sessions at a time sharing head and target steps; a
     missing residual step is caught. "at once": the block's drafted steps as one call through the head's runner
     (`HeadPool.drafted_block`, one graph on CUDA)."""
-    from specserve.models import pool as pool_module
+    from specserve.models.memory import pool as pool_module
     from specserve.rpc.servicers import TargetWorkerServicer
+
     from tests.cpu.test_colocated import colocated_first_two
 
     monkeypatch.setattr(pool_module, "STEP_RUNNER", fused == "whole")  # the pools get runners, as on CUDA
@@ -529,8 +532,8 @@ def test_a_bfloat16_head_on_a_cpu_drafts_with_int8_weights_unless_told_otherwise
     """`draft_quantization` ("auto" by default) applies to a head as to a model draft: int8 layers, fc and head
     rows for a bfloat16 head named by its path on a CPU that runs specserve's kernels, "none" keeps it dense, as
     does passing it loaded; either way the head only proposes, so greedy stays the target's."""
-    from specserve.models import cpukernels
-    from specserve.models.quant import QuantizedLinear
+    from specserve.models.kernels import cpu
+    from specserve.models.kernels.quant import QuantizedLinear
 
     target = tiny_llama(5, vocab=VOCAB, layers=2, hidden=64, scale=8, dtype=torch.bfloat16)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -541,7 +544,7 @@ def test_a_bfloat16_head_on_a_cpu_drafts_with_int8_weights_unless_told_otherwise
     for asked, loaded in ((None, False), ("none", False), (None, True)):
         head = FeatureHeadForCausalLM.for_target(target, seed=1) if loaded else f"head:{tmp_path / 'head'}"
         decoder = SpeculativeDecoder(target, head, gamma=3, draft_lookup=False, draft_quantization=asked)
-        quantized = asked is None and not loaded and cpukernels.available()
+        quantized = asked is None and not loaded and cpu.available()
         assert (getattr(decoder.head, "specserve_quant", None) is not None) == quantized
         proposer = decoder.new_proposer()
         assert isinstance(proposer.seq.fc, QuantizedLinear) == quantized

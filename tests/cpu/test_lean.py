@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from specserve.engine.proposers import ModelProposer
 from specserve.models import CachedSequence, SubsetDraftConfig, SubsetDraftForCausalLM
-from specserve.models.lean import LeanSequence, draft_sequence, unsupported_reason
+from specserve.models.families.lean import LeanSequence, draft_sequence, unsupported_reason
 from specserve.speculation import PositionRNG, Purpose, SamplingParams, probs_from_logits
 from specserve.speculation.sampling import sample_from_probs
+
 from tests.conftest import tiny_llama
 
 VOCAB = 40

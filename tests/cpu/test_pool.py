@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
+from specserve.models.memory.pool import BuddyAllocator, KVCacheFull, KVPool
 
-from specserve.models.pool import BuddyAllocator, KVCacheFull, KVPool
 from tests.conftest import tiny_llama
 
 VOCAB = 40

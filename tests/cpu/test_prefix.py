@@ -6,9 +6,9 @@ import random
 
 import pytest
 import torch
+from specserve.models.memory.pool import KVCacheFull, KVPool
+from specserve.models.memory.prefix import CHUNK, PrefixCache
 
-from specserve.models.pool import KVCacheFull, KVPool
-from specserve.models.prefix import CHUNK, PrefixCache
 from tests.conftest import tiny_llama
 
 VOCAB = 40

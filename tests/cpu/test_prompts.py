@@ -5,10 +5,9 @@ from __future__ import annotations
 import pickle
 
 import pytest
-from transformers import AutoTokenizer
-
 from specserve.engine.prompts import PromptCodec, PromptError
-from specserve.models import embedded
+from specserve.models.formats import embedded
+from transformers import AutoTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Quantized weights (`models.quant`): the kernels compute the quantized values, a GGUF file is read as stored,
+"""Quantized weights (`models.kernels.quant`): the kernels compute the quantized values, a GGUF file is read as stored,
 and speculative output is exactly the quantized target's (chi-square against its own distribution, greedy
 identity with its target-only decoding)."""
 
@@ -8,14 +8,17 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from specserve import SamplingParams, SpeculativeDecoder
-from specserve.models import cpukernels, embedded, load_model, quant
-from specserve.models.lean import lean_weights, model_sequence
-from specserve.models.quant import Int4Groups, Int8Rows, QuantizedLinear, _q4_blocks, gguf_linears, parse
+from specserve.models import load_model
+from specserve.models.families.lean import lean_weights, model_sequence
+from specserve.models.formats import embedded
+from specserve.models.kernels import cpu, quant
+from specserve.models.formats.gguf import _q4_blocks, gguf_linears
+from specserve.models.kernels.quant import Int4Groups, Int8Rows, QuantizedLinear, parse
 from specserve.speculation import rejection
-from tests.cpu.test_exactness import N, chi_square_pvalue, sampled_joint
+
 from tests.conftest import tiny_llama
+from tests.cpu.test_exactness import N, chi_square_pvalue, sampled_joint
 from tests.reference import reference_probs
 
 
@@ -23,12 +26,12 @@ from tests.reference import reference_probs
 @pytest.mark.parametrize("weight", ["int8", "int4-g32", "int4-g64", "int4-g128"])
 def test_kernels_multiply_by_the_dequantized_weights_row_by_row(weight, kernels, monkeypatch):
     """(specserve-dense-from-32: SPECSERVE_CPU_DENSE_FROM=32, a dense copy from 32 rows where oneDNN has bf16.)"""
-    if kernels != "torch" and not cpukernels.available():
+    if kernels != "torch" and not cpu.available():
         pytest.skip("specserve's CPU kernels need AVX-512 bf16 or AVX2+FMA+F16C, and g++")
     if kernels == "specserve-dense-from-32":
-        monkeypatch.setattr(cpukernels, "DENSE_FROM", 32)
+        monkeypatch.setattr(cpu, "DENSE_FROM", 32)
         kernels = "specserve"
-    monkeypatch.setattr(cpukernels, "ENABLED", kernels == "specserve")
+    monkeypatch.setattr(cpu, "ENABLED", kernels == "specserve")
     torch.manual_seed(0)
     dense = torch.randn(320, 256)
     method, group = parse(weight)
@@ -48,7 +51,7 @@ def test_kernels_multiply_by_the_dequantized_weights_row_by_row(weight, kernels,
     # each row as if alone: a verify block's rows equal decode steps' (greedy identity in bf16 rests on it)
     assert torch.equal(out, torch.cat([packed(x[i : i + 1]) for i in range(len(x))]))
     dense_from = QuantizedLinear(stored, torch.bfloat16, "cpu", dense_from=8)
-    if kernels == "specserve" and not quant.kernels_keep_dense_copy():  # (by default) the kernels take every row
+    if kernels == "specserve" and not cpu.kernels_keep_dense_copy():  # (by default) the kernels take every row
         assert dense_from.dense_from == 0 and dense_from.dense is None and torch.equal(dense_from(x), out)
         return
     rows = dense_from.dense_from  # specserve's kernels keep the quantized weights to more rows than torch's
@@ -57,14 +60,14 @@ def test_kernels_multiply_by_the_dequantized_weights_row_by_row(weight, kernels,
     assert close(dense_from(x)) and not torch.equal(dense_from(x), out)  # from it on: the bf16 GEMM
 
 
-@pytest.mark.skipif(not cpukernels.available(), reason="needs AVX-512 bf16 or AVX2+FMA+F16C, and g++")
+@pytest.mark.skipif(not cpu.available(), reason="needs AVX-512 bf16 or AVX2+FMA+F16C, and g++")
 def test_specserve_cpu_kernels_against_torchs(monkeypatch):
     """specserve's int4/int8 kernels compute what torch's do up to bf16 rounding (int4 with int8 activations, up
     to theirs: within 2^-6 of the largest output where bf16 activations are within 2^-8), with the stored float16
     scales exactly; shapes or scales they cannot take go to torch's kernels."""
     torch.manual_seed(1)
     for method, activations, bound in (("int8", "bf16", 2**-8), ("int4", "bf16", 2**-8), ("int4", "int8", 2**-6)):
-        monkeypatch.setattr(cpukernels, "ACTIVATIONS", activations)
+        monkeypatch.setattr(cpu, "ACTIVATIONS", activations)
         stored = quant.quantize(torch.randn(96, 192) * 0.05, method, 64)
         ours = QuantizedLinear(stored, torch.bfloat16, "cpu")
         reference = stored.dequantize().double()
@@ -74,14 +77,14 @@ def test_specserve_cpu_kernels_against_torchs(monkeypatch):
             assert (ours(x).double() - exact).abs().max() <= bound * exact.abs().max(), (method, activations, rows)
     # Q4_1's float16 minimum and scale are read as stored (torch's kernel rounds them to bfloat16)
     q4 = Int4Groups.quantize(torch.randn(32, 64), 32)
-    assert torch.equal(q4.scale.half().float(), q4.scale) and cpukernels.packed(q4) is not None
+    assert torch.equal(q4.scale.half().float(), q4.scale) and cpu.packed(q4) is not None
     odd = Int4Groups(q4.codes, q4.scale + 1e-4, q4.zero, 32)  # not float16 values
-    assert cpukernels.packed(odd) is None and QuantizedLinear(odd, torch.bfloat16, "cpu").kernel is None
+    assert cpu.packed(odd) is None and QuantizedLinear(odd, torch.bfloat16, "cpu").kernel is None
     assert QuantizedLinear(Int8Rows.quantize(torch.randn(40, 64)), torch.bfloat16, "cpu").kernel is None  # 40 rows
     assert QuantizedLinear(q4, torch.float32, "cpu").kernel is None  # float32 activations: torch's kernels
 
 
-@pytest.mark.skipif(not quant._onednn_bf16(), reason="needs oneDNN's bfloat16 path (AVX-512)")
+@pytest.mark.skipif(not cpu.onednn_bf16(), reason="needs oneDNN's bfloat16 path (AVX-512)")
 def test_packed_dense_weights_multiply_as_f_linear(monkeypatch):
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
@@ -103,7 +106,7 @@ def test_packed_dense_weights_multiply_as_f_linear(monkeypatch):
     w = lean_weights(tiny_llama(0, vocab=32, hidden=64), torch.bfloat16)
     assert all(isinstance(t, quant.PackedDense) for t in (w.layers[0][1], w.layers[0][3], w.layers[0][6], w.head))
     copy = QuantizedLinear(Int8Rows.quantize(weight.float()), torch.bfloat16, "cpu", 8).dense
-    assert isinstance(copy, quant.PackedDense) if quant.kernels_keep_dense_copy() or not cpukernels.available() \
+    assert isinstance(copy, quant.PackedDense) if cpu.kernels_keep_dense_copy() or not cpu.available() \
         else copy is None  # the kernels keep none unless asked (SPECSERVE_CPU_DENSE_FROM), the AVX2 build never
 
 
@@ -251,7 +254,6 @@ def test_quantization_errors_name_what_is_wrong(tmp_path):
         load_model(tiny_llama(0, hidden=48, dtype=torch.bfloat16), quantization="int4-g64")
 
     from pydantic import ValidationError
-
     from specserve.serve.config import AppConfig
 
     with pytest.raises(ValidationError, match="draft_quantization"):
@@ -263,7 +265,7 @@ def test_where_no_cpu_kernels_run_a_gguf_file_loads_dense_in_float32(monkeypatch
     """torch's bf16 int4 kernels round a row by the batch around it; where specserve's do not run, the default
     (`auto`, no dtype) keeps seeded streams batch-independent by loading the file's values in float32, says so,
     and an explicit choice is kept."""
-    monkeypatch.setattr(cpukernels, "ENABLED", False)
+    monkeypatch.setattr(cpu, "ENABLED", False)
     loaded = load_model("embedded", device="cpu")
     assert loaded.quantization == "none" and loaded.dtype == torch.float32
     assert "loads dense in float32" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The static-shape step runner (models/runner.py): the same logits and cache writes as the eager pooled
+"""The static-shape step runner (models/memory/runner.py): the same logits and cache writes as the eager pooled
 forward, padding rows that never touch a session, buckets; on CUDA, graph replay equal to eager steps."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import random
 
 import pytest
 import torch
+from specserve.models.kernels.quant import QuantizedLinear
+from specserve.models.memory.pool import KVPool
+from specserve.models.memory.runner import compiled_isa
 
-from specserve.models.runner import compiled_isa
-from specserve.models.pool import KVPool
-from specserve.models.quant import QuantizedLinear
 from tests.conftest import tiny_llama
 
 VOCAB = 40
@@ -106,7 +106,7 @@ def test_an_in_process_draft_drafts_on_a_pool_where_the_runner_is_on(model, monk
     """Where pools get a step runner (CUDA by default; forced here), SpeculativeDecoder's model draft drafts on a
     pool of its own, through the runner, with the same tokens as its private cache in every sampling mode."""
     from specserve import SpeculativeDecoder
-    from specserve.models import pool as pool_module
+    from specserve.models.memory import pool as pool_module
     from specserve.speculation import SamplingParams
 
     draft = tiny_llama(6, vocab=VOCAB, layers=1, hidden=32, scale=8)
@@ -141,10 +141,9 @@ def test_compiled_steps_equal_the_eager_steps(model, monkeypatch, device, weight
     import sysconfig
 
     import torch._dynamo
+    from specserve.models.formats.loading import load_model
+    from specserve.models.memory import runner as runner_module
     from torch._dynamo.utils import counters
-
-    from specserve.models import runner as runner_module
-    from specserve.models.loading import load_model
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no GPU (a device session: pytest tests -k cuda)")
@@ -230,12 +229,12 @@ def test_warm_up_runs_every_step_shape_before_serving_and_changes_no_result(mode
     assert f"[specserve] target steps: {2 * len(BUCKETS)} shapes ready in" in capsys.readouterr().out
 
 
-BUCKETS = __import__("specserve.models.runner", fromlist=["BATCH_BUCKETS"]).BATCH_BUCKETS
+BUCKETS = __import__("specserve.models.memory.runner", fromlist=["BATCH_BUCKETS"]).BATCH_BUCKETS
 
 _START = """
 import json, os, sys, torch
-from specserve.models.pool import KVPool
-from specserve.models.runner import StepRunner
+from specserve.models.memory.pool import KVPool
+from specserve.models.memory.runner import StepRunner
 from tests.conftest import tiny_llama
 model = tiny_llama(5, vocab=40, layers=1, hidden=16)
 eager = KVPool(model, tokens=256, runner=False)

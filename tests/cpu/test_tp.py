@@ -1,4 +1,4 @@
-"""Tensor parallelism (`models.tp`): a target split over ranks computes what the whole target computes.
+"""Tensor parallelism (`models.kernels.tp`): a target split over ranks computes what the whole target computes.
 
 The ranks here are threads of this process, each with its own gloo group over a shared HashStore: the same
 collectives, sharded weights and step broadcasts as rank processes placed by Ray, in milliseconds.
@@ -12,14 +12,14 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from specserve.models import load_model
-from specserve.models.pool import KVPool
-from specserve.models.quant import Int4Groups
-from specserve.models.tp import Shard, check, connect
+from specserve.models.kernels.quant import Int4Groups
+from specserve.models.kernels.tp import Shard, check, connect
+from specserve.models.memory.pool import KVPool
 from specserve.scheduler.steps import StepScheduler
 from specserve.speculation import rejection
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from tests.conftest import perturbed_copy
 from tests.cpu.test_batching import CONCURRENT, batched_first_two
 from tests.cpu.test_exactness import chi_square_pvalue, target_joint
@@ -159,8 +159,8 @@ def test_a_rank_reads_only_its_slices_of_a_safetensors_checkpoint(tmp_path, tied
     """A dense rank of a safetensors checkpoint (one file, or several under an index) reads its part of every
     layer's linear weights (and biases) and nothing more of them, and ends with the weights the whole model cut
     would give."""
-    from specserve.models import slices
-    from specserve.models.weights import lean_weights
+    from specserve.models.families.weights import lean_weights
+    from specserve.models.formats import slices
 
     model = tiny(6, 3, torch.float32, attention_bias=not tied)  # q, k, v biases cut by rows, o's whole
     for name, p in model.named_parameters():

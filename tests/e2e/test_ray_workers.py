@@ -6,14 +6,14 @@ import grpc
 import pytest
 import ray
 import torch
-
 from specserve import SamplingParams, SpeculativeDecoder
-from tests.remote import remote_generate
 from specserve.speculation import make_controller
 from specserve.v1 import workers_pb2_grpc
 from specserve.workers import RoleResources, WorkersConfig
 from specserve.workers.actors import start_workers
+
 from tests.conftest import perturbed_copy, tiny_llama
+from tests.remote import remote_generate
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
 
@@ -80,8 +80,8 @@ def test_a_feature_head_served_from_its_directory_in_the_target_actor(local_ray,
     import asyncio
 
     from specserve.coordinator import ColocatedRelay, Coordinator, SessionRequest
-    from specserve.models.head import FeatureHeadForCausalLM
-    from specserve.models.loading import load_model
+    from specserve.models.drafts.head import FeatureHeadForCausalLM
+    from specserve.models.formats.loading import load_model
 
     target = load_model(str(model_dirs / "target"), "float32").model
     FeatureHeadForCausalLM.for_target(target, seed=3, shared_from=str(model_dirs / "target")).save_pretrained(

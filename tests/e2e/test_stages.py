@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
-
 from specserve import SamplingParams, SpeculativeDecoder
 from specserve.models import load_model
-from specserve.models.pool import KVPool
+from specserve.models.memory.pool import KVPool
 from specserve.workers import RoleResources, WorkersConfig
 from specserve.workers.actors import release_workers, start_workers
 from specserve.workers.stages import StagedPool, TargetStageActor, stage_bounds, start_stages
+
 from tests.conftest import perturbed_copy, tiny_llama
 from tests.e2e.test_ray_workers import PROMPT, served
 
@@ -162,7 +162,7 @@ def test_stages_sized_unlike_the_worker_are_refused(local_ray, target_dir):
 def test_a_stage_reads_only_its_part_of_a_checkpoint(tmp_path, tied):
     """From safetensors, a stage reads its layers, the first also the embedding, the last the norm and the head
     (a tied head: the embedding); nothing else. Its lean weights equal those of the whole model loaded."""
-    from specserve.models.weights import lean_weights
+    from specserve.models.families.weights import lean_weights
 
     model = tiny_llama(3, vocab=96, layers=5, hidden=64, heads=4, kv_heads=2, scale=8, dtype=torch.float32)
     if tied:

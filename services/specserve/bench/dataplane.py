@@ -112,10 +112,10 @@ def synthetic_llama(shape: str, vocab: int, alpha: float | None, device: str, dt
                     seed: int = 0, quantization: str | None = None):
     """A random-weight Llama of `shape` whose greedy next token after t is t+1 (alpha None: the target), or a
     draft's: t+1 on a random `alpha` share of the vocabulary, t+2 elsewhere (see the module docstring).
-    quantization: "int8" / "int4[-gN]" packs its linear layers (`models.quant`)."""
+    quantization: "int8" / "int4[-gN]" packs its linear layers (`models.kernels.quant`)."""
     from transformers import AutoModelForCausalLM
 
-    from specserve.models.loading import default_dtype, resolve_dtype
+    from specserve.models.formats.loading import default_dtype, resolve_dtype
 
     torch_dtype = resolve_dtype(dtype) or default_dtype(device)
     config = shape_config(shape, vocab)
@@ -146,19 +146,19 @@ def synthetic_llama(shape: str, vocab: int, alpha: float | None, device: str, dt
             layer.mlp.down_proj.weight.zero_()
     if quantization in (None, "none", "auto"):
         return model.eval()
-    from specserve.models.loading import load_model
+    from specserve.models.formats.loading import load_model
 
     return load_model(model, quantization=quantization).model
 
 
 def synthetic_head(shape: str, vocab: int, alpha: float, device: str, dtype: str | None = None, seed: int = 0):
-    """A feature head (`models.head`) for `synthetic_llama(shape, vocab, None, ...)` that drafts as the synthetic
+    """A feature head (`models.drafts.head`) for `synthetic_llama(shape, vocab, None, ...)` that drafts as the synthetic
     draft does: t+1 after t on an `alpha` share of the vocabulary, t+2 elsewhere. The target's feature at t is
     its embedding e_t scaled (its layers add nothing); the head's fc passes the next token's embedding on, its
     layer adds nothing, so its predicted feature is the target's own and each drafted token is accepted with
     probability alpha, independently, as with the synthetic draft (one layer at the target's width)."""
-    from specserve.models.head import FeatureHeadForCausalLM, head_config
-    from specserve.models.loading import default_dtype, resolve_dtype
+    from specserve.models.drafts.head import FeatureHeadForCausalLM, head_config
+    from specserve.models.formats.loading import default_dtype, resolve_dtype
 
     torch_dtype = resolve_dtype(dtype) or default_dtype(device)
     tc = shape_config(shape, vocab)
@@ -508,7 +508,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--draft-devices", type=_csv(str), default=None,
                    help="devices of the split draft worker (default: the target's, and cpu beside a GPU)")
-    p.add_argument("--dtype", default=None, help="default: bf16 on a GPU (see specserve.models.loading)")
+    p.add_argument("--dtype", default=None, help="default: bf16 on a GPU (see specserve.models.formats.loading)")
     p.add_argument("--quantization", default="none",
                    help="the target's linear layers: none, int8, int4, int4-g64, int4-g128 (not the hf part)")
     p.add_argument("--parts", type=_csv(str), default=["steps", "accept", "hf", "rounds", "load"])

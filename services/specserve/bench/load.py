@@ -209,7 +209,7 @@ class _InProcess:
 
     def __init__(self, args):
         from specserve.engine.prompts import PromptCodec
-        from specserve.models.loading import load_tokenizer
+        from specserve.models.formats.loading import load_tokenizer
         from specserve.serve.run import model_args
         from specserve.workers.actors import TargetWorkerActor
         from specserve.workers.config import WorkersConfig

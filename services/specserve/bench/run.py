@@ -23,9 +23,10 @@ import torch
 from specserve import SamplingParams, SpeculativeDecoder
 from specserve.bench.prompts import SUITE
 from specserve.engine.profile import verify_profile
-from specserve.models import cpukernels, load_model, resolve_draft
-from specserve.models.lean import unsupported_reason
-from specserve.models.pool import KVPool
+from specserve.models import load_model, resolve_draft
+from specserve.models.families.lean import unsupported_reason
+from specserve.models.kernels import cpu
+from specserve.models.memory.pool import KVPool
 from specserve.speculation.controllers import theorem8_speedup
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -299,7 +300,7 @@ def _report(args, decoder, workloads, runs, verify_costs, costs, specs) -> dict:
             "device": str(decoder.target.device), "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
             "repeats": args.repeats, "draft_stop_below": args.draft_stop_below, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
             # which kernels a bf16 CPU step takes, with the environment's choices (ISA, activations, dense copy)
-            "bf16_cpu_steps": cpukernels.describe() if decoder.target.device.type == "cpu" else None,
+            "bf16_cpu_steps": cpu.describe() if decoder.target.device.type == "cpu" else None,
         },
         "verify_cost": verify_costs,
         "c": costs[first][1],

@@ -1,7 +1,7 @@
 """Parts `steps` and `hf` of the data-plane bench (`python -m specserve.bench.dataplane`).
 
 steps  one pooled target step (`KVPool.forward`) at each --concurrency level × 1 and γ+1 new tokens per
-       sequence, eager and through the static-shape step runner (`models.runner`; CUDA graphs on a GPU),
+       sequence, eager and through the static-shape step runner (`models.memory.runner`; CUDA graphs on a GPU),
        against its bandwidth floor: the bytes a step must read (the weights once, and every sequence's
        keys and values) over the device's measured copy bandwidth. Run for each target shape and the
        draft's shape.
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from specserve.models.quant import nbytes
+from specserve.models.kernels.quant import nbytes
 
 WARMUP_STEPS = 3
 BLOCK_GAMMA = 4  # the verify block of these parts when --gamma is a policy (auto, heuristic)
@@ -57,7 +57,7 @@ def weight_bytes(w) -> int:
 
 def bench_steps(args, shape: str, log) -> list[dict[str, Any]]:
     from specserve.bench.dataplane import prompts, synthetic_llama
-    from specserve.models.pool import KVPool
+    from specserve.models.memory.pool import KVPool
 
     model = synthetic_llama(shape, args.vocab, None, args.device, args.dtype, quantization=args.quantization)
     bandwidth = copy_bandwidth(args.device)
@@ -129,11 +129,10 @@ def bench_hf(args, shape: str, log) -> list[dict[str, Any]]:
 
 
 def bench_accept(args, log) -> list[dict[str, Any]]:
-    from specserve.engine.proposers import Proposal, TargetVerifier, judge_many
-    from specserve.models.pool import KVPool
-    from specserve.speculation import PositionRNG, SamplingParams
-
     from specserve.bench.dataplane import synthetic_llama
+    from specserve.engine.proposers import Proposal, TargetVerifier, judge_many
+    from specserve.models.memory.pool import KVPool
+    from specserve.speculation import PositionRNG, SamplingParams
 
     model = synthetic_llama("tiny", args.vocab, None, args.device, args.dtype)  # the verifiers need its vocabulary only
     pool = KVPool(model, tokens=64)

@@ -50,8 +50,8 @@ from specserve.distill.corpus import (
     write_requests,
 )
 from specserve.models import LoadedModel, load_model
-from specserve.models.draft import EMBEDDING, SubsetDraftConfig, SubsetDraftForCausalLM, embedding_digest
-from specserve.models.head import FeatureHeadForCausalLM
+from specserve.models.drafts.head import FeatureHeadForCausalLM
+from specserve.models.drafts.subset import EMBEDDING, SubsetDraftConfig, SubsetDraftForCausalLM, embedding_digest
 
 
 @dataclass
@@ -79,7 +79,7 @@ class DistillConfig:
     eval_prompts: int = 16
     eval_tokens: int = 96
     seed: int = 0
-    head: bool = False  # train a feature head (`models.head`) instead of a draft LM: one layer on the target's features
+    head: bool = False  # train a feature head (`models.drafts.head`) instead of a draft LM: one layer on the target's features
     feature_weight: float = 1.0  # the head's loss: KD + this × smooth L1 of its predicted next feature
     feature_dropout: float = 0.0  # > 0: zero this share of the features it reads; it drafts on zeros, not its own
     freeze_init: bool = False  # a head from `init`: keep that draft's layers, norm and head; train fc alone
@@ -134,8 +134,8 @@ def writer_pool(cfg: DistillConfig, target: LoadedModel, log=print):
     the corpus (and for a head, keep its features): several times the answers a second of the float32 model's
     batched generate, and the numbers a served head reads. None on a GPU (the float32 teacher is fast there) or
     for a family the pool does not run."""
-    from specserve.models.arch import Unsupported, arch_of
-    from specserve.models.pool import KVPool
+    from specserve.models.families.arch import Unsupported, arch_of
+    from specserve.models.memory.pool import KVPool
 
     if target.device.type != "cpu":
         return None

@@ -202,7 +202,7 @@ def write_batch(model, prompts: list[list[int]], temperatures: list[float], max_
 def write_batch_pooled(pool, prompts: list[list[int]], temperatures: list[float], max_new: int, eos_ids: set[int],
                        top_k: int, generator: torch.Generator, concurrency: int | None = None,
                        finished=None) -> list[Record]:
-    """`write_batch` on specserve's own pooled forward (`models.pool.KVPool`): the target as it serves, its CPU
+    """`write_batch` on specserve's own pooled forward (`models.memory.pool.KVPool`): the target as it serves, its CPU
     kernels and all. At most `concurrency` answers are written at once (default: all); each one that ends makes
     room for the next prompt, whose prompt rides in the same forward as the others' next tokens. A pool with
     features (`KVPool(features=True)`) also gives each record the target's features at every position: an
@@ -276,7 +276,7 @@ def _write(model, prompts, temperatures, max_new, eos_ids, pad, top_k, generator
 
 
 def _pooled(model) -> bool:
-    from specserve.models.pool import KVPool
+    from specserve.models.memory.pool import KVPool
 
     return isinstance(model, KVPool)
 

@@ -27,10 +27,10 @@ from specserve.engine.proposers import LookupOrModelProposer, ModelProposer, Ngr
 from specserve.engine.session import SessionFactory, gamma_spec
 from specserve.engine.stats import GenerationStats
 from specserve.models import LoadedModel, load_model, resolve_draft
-from specserve.models.head import HeadPool, HeadSequence, is_head, load_head
-from specserve.models.lean import draft_dtype, model_sequence, unsupported_reason
-from specserve.models.loading import load_draft
-from specserve.models.pool import KVPool, wants_runner
+from specserve.models.drafts.head import HeadPool, HeadSequence, is_head, load_head
+from specserve.models.families.lean import draft_dtype, model_sequence, unsupported_reason
+from specserve.models.formats.loading import load_draft
+from specserve.models.memory.pool import KVPool, wants_runner
 from specserve.speculation import GammaController, PositionRNG, SamplingParams
 
 
@@ -75,16 +75,16 @@ class SpeculativeDecoder:
       match of 2+ tokens) and proposes what followed there, drafting with the
       model elsewhere; free, and it wins where output copies the prompt
       (rewriting, code). Which one drafts depends on the context only.
-    quantization: how the target's linear layers are stored (`models.quant`): "auto" (None) serves a GGUF
+    quantization: how the target's linear layers are stored (`models.kernels.quant`): "auto" (None) serves a GGUF
       file (the embedded target included) from its own quantized weights and anything else dense; "none"
       dense; "int8" (per row) or "int4" (groups of 32; int4-g64, int4-g128) quantized at load. Quantized
       targets compute in bfloat16, and are different models from their dense versions: the output is
       exactly the quantized target's distribution. draft_quantization: the same for a model draft.
-    kv_cache_tokens: a target of `models.arch`'s families runs on the serving workers' lean forward and KV pool (a batch of
+    kv_cache_tokens: a target of `models.families.arch`'s families runs on the serving workers' lean forward and KV pool (a batch of
       one here); the pool holds this many positions (default: two sequences of the model's full context).
       Other targets run the HF forward with a per-generation cache.
     prefix_caching: that pool keeps finished generations' keys and values, and a generation whose prompt
-      starts with tokens already computed prefills only the rest (`models.prefix`); same output either way.
+      starts with tokens already computed prefills only the rest (`models.memory.prefix`); same output either way.
     """
 
     def __init__(

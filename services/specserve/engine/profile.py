@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from specserve.models.lean import model_sequence
+from specserve.models.families.lean import model_sequence
 
 
 def verify_profile(

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.models import match_ngram
-from specserve.models.lean import draft_sequence, model_sequence
+from specserve.models.families.lean import draft_sequence, model_sequence
 from specserve.speculation import (
     PositionRNG,
     Purpose,

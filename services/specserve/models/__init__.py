@@ -1,13 +1,22 @@
-"""Loading targets and drafts, KV caches with rollback, the n-gram draft.
+"""The models a worker runs: loading targets and drafts, their forward, their kernels and their KV memory.
 
-This package knows about transformers models and tokenizers; it knows
-nothing about how tokens are accepted (that is `speculation/`) or served.
+Four rooms, each importing only the rooms listed before it:
+
+- `kernels/`: the quantized linears, specserve's C++ CPU kernels (`csrc/`) and tensor-parallel collectives;
+- `families/`: what each family's decoder layer computes (`arch`), its packed weights and the lean forward;
+- `memory/`: a worker's KV pool, its static-shape step runner and the prefix cache;
+- `formats/`: turning a user's spec (HF checkpoint, GGUF file, the embedded model) into a loaded model;
+
+and `drafts/` above them: the distilled draft, the feature head on the target's hidden states, prompt lookup.
+
+This package knows about transformers models and tokenizers; it knows nothing about how tokens are accepted
+(that is `speculation/`) or served.
 """
 
-from specserve.models import cpukernels
-from specserve.models.draft import SubsetDraftConfig, SubsetDraftForCausalLM
-from specserve.models.kv import CachedSequence
-from specserve.models.loading import (
+from specserve.models.drafts.ngram import match_ngram, propose_ngram
+from specserve.models.drafts.subset import SubsetDraftConfig, SubsetDraftForCausalLM
+from specserve.models.families.sequence import CachedSequence
+from specserve.models.formats.loading import (
     LoadedModel,
     default_device,
     default_dtype,
@@ -16,7 +25,7 @@ from specserve.models.loading import (
     resolve_draft,
     resolve_dtype,
 )
-from specserve.models.ngram import match_ngram, propose_ngram
+from specserve.models.kernels import cpu
 
 __all__ = [
     "CachedSequence",
@@ -33,4 +42,4 @@ __all__ = [
     "resolve_dtype",
 ]
 
-cpukernels.guard_forced_aten_isa()  # in every process that loads a model (a forced AVX2 run)
+cpu.guard_forced_aten_isa()  # in every process that loads a model (a forced AVX2 run)

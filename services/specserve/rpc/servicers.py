@@ -13,7 +13,7 @@ launches the work: forwards issued from a rotating pool of gRPC threads each
 built their own pool and oversubscribed the cores. That thread is the
 target's step scheduler (`scheduler.steps`): Prefill and Verify calls of all
 sessions are queued and run as one batched forward per step over the KV
-pool (`models.pool`) where `models.arch` describes the model, one session at a time
+pool (`models.memory.pool`) where `models.families.arch` describes the model, one session at a time
 otherwise. A full KV pool is RESOURCE_EXHAUSTED.
 """
 
@@ -30,9 +30,9 @@ import grpc
 
 from specserve.engine.pacing import Pacer
 from specserve.engine.proposers import Proposer, TargetVerifier
-from specserve.models.lean import unsupported_reason
-from specserve.models.pool import KVCacheFull, KVPool
-from specserve.models.tp import Collective
+from specserve.models.families.lean import unsupported_reason
+from specserve.models.kernels.tp import Collective
+from specserve.models.memory.pool import KVCacheFull, KVPool
 from specserve.rpc.convert import (
     logprobs_to_wire,
     proposal_from_wire,
@@ -237,14 +237,14 @@ class DraftWorkerServicer(_SessionService, workers_pb2_grpc.DraftWorkerServicer)
 
 
 class TargetWorkerServicer(_SessionService, workers_pb2_grpc.TargetWorkerServicer):
-    """batching: run targets of `models.arch`'s families through the KV pool, one forward per step over all sessions
+    """batching: run targets of `models.families.arch`'s families through the KV pool, one forward per step over all sessions
     (kv_cache_tokens positions in all; max_step_tokens and prefill_chunk bound a step, see `StepScheduler`;
-    prefix_caching: finished sessions' KV kept for new ones with the same prefix, `models.prefix`;
+    prefix_caching: finished sessions' KV kept for new ones with the same prefix, `models.memory.prefix`;
     kv_wait_s: how long a new session waits for room in a full pool; compute_lanes: `StepScheduler.lanes`).
     Other models (`new_sequence`) and batching=False run one session at a time.
-    tp: this worker is rank 0 of a tensor-parallel group (`models.tp`): its pool's steps run on every rank.
+    tp: this worker is rank 0 of a tensor-parallel group (`models.kernels.tp`): its pool's steps run on every rank.
     pool: the pool to batch on, made by the caller (a staged target's, `workers.stages.StagedPool`).
-    features: the pool keeps each position's final hidden state, for a feature head drafting here (`models.head`)."""
+    features: the pool keeps each position's final hidden state, for a feature head drafting here (`models.drafts.head`)."""
 
     def __init__(self, model, vocab: int, threads: int | None = None, new_sequence: Callable | None = None, *,
                  batching: bool = True, kv_cache_tokens: int = 65536, max_step_tokens: int = 512,

@@ -6,7 +6,7 @@ forward) and a verifier whose blocks join the batched target steps (`ScheduledVe
 message to the coordinator instead of a Propose and a Verify call, and no second process competes with the
 target for the same cores. The γ controller runs here too, so `auto` decides token by token as in process.
 `ScheduledDraft` is the draft half; a split DraftWorker batches its sessions' draft steps with it too. A
-feature head (`models.head`) is a draft of this kind whose pool reads the target pool's features: its
+feature head (`models.drafts.head`) is a draft of this kind whose pool reads the target pool's features: its
 sessions' head steps are batched the same way.
 The draft samples from its top-k q where `draft_top_k` says so, as a split draft worker does, so a
 session's tokens are the same in either placement.
@@ -22,16 +22,16 @@ from specserve.engine.loop import Round
 from specserve.engine.profile import draft_step_time, profile_context, verify_profile
 from specserve.engine.proposers import LookupOrModelProposer, ModelProposer, Proposer, TargetVerifier
 from specserve.engine.session import SessionFactory
-from specserve.models.head import HeadPool, is_head
-from specserve.models.lean import draft_dtype, model_sequence, unsupported_reason
-from specserve.models.pool import KVPool
+from specserve.models.drafts.head import HeadPool, is_head
+from specserve.models.families.lean import draft_dtype, model_sequence, unsupported_reason
+from specserve.models.memory.pool import KVPool
 from specserve.scheduler.steps import ScheduledSequence, ScheduledVerifier, StepScheduler
 from specserve.speculation import PositionRNG, SamplingParams
 
 
 class ScheduledDraft:
     """A draft model whose forwards run as a scheduler's batched draft steps, over a KV pool of its own (a
-    draft of `models.arch`'s families; others keep their HF cache, fed one session at a time on the same
+    draft of `models.families.arch`'s families; others keep their HF cache, fed one session at a time on the same
     thread). Its proposers are called from the sessions' own threads; only their forwards cross to the compute thread."""
 
     def __init__(self, scheduler: StepScheduler, model, vocab: int, top_k_q: int = 0, name: str = "draft",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.models.pool import KVPool, PooledSequence
+from specserve.models.memory.pool import KVPool, PooledSequence
 from specserve.speculation import PositionRNG, Purpose, SamplingParams, probs_from_logits, sample_from_probs
 from specserve.speculation.sampling import sparse_to_dense, truncate_top_k
 

@@ -50,9 +50,9 @@ from typing import Any
 import torch
 
 from specserve.engine.proposers import Proposal, TargetVerifier, judge_many
-from specserve.models.kv import TokenSequence
-from specserve.models.pool import KVCacheFull, KVPool
-from specserve.models.prefix import CHUNK, common_prefix
+from specserve.models.families.sequence import TokenSequence
+from specserve.models.memory.pool import KVCacheFull, KVPool
+from specserve.models.memory.prefix import CHUNK, common_prefix
 from specserve.scheduler.drafting import DraftBlock, DraftedBlock, draft_blocks, room
 from specserve.speculation import PositionRNG, SamplingParams, Verdict
 
@@ -643,7 +643,7 @@ class ScheduledSequence(TokenSequence):
         return self.scheduler.draft(block, self.pool).result()
 
     def feed(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
-        from specserve.models.lean import widen
+        from specserve.models.families.lean import widen
 
         return widen(self.feed_subset(new_tokens, keep_logits), self.token_subset, self.vocab)
 

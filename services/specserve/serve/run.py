@@ -161,9 +161,9 @@ def model_paths(config: dict) -> list[tuple[str, str, bool]]:
 
 
 def spec_path(spec: str) -> str:
-    """Which forward a model takes and why (`models.arch.describe_path`), read from its config alone."""
-    from specserve.models.arch import describe_path
-    from specserve.models.loading import model_config
+    """Which forward a model takes and why (`models.families.arch.describe_path`), read from its config alone."""
+    from specserve.models.families.arch import describe_path
+    from specserve.models.formats.loading import model_config
 
     try:
         if spec.startswith("head:"):
@@ -184,9 +184,9 @@ def serve_main(args) -> int:
         if not args.config:
             AppConfig(**config["applications"][0]["args"])
         if not args.address:  # the workers run here: which CPU path their bfloat16 (quantized) steps take
-            from specserve.models import cpukernels
+            from specserve.models.kernels import cpu
 
-            print(f"[specserve] bfloat16 CPU steps: {cpukernels.describe()}", flush=True)
+            print(f"[specserve] bfloat16 CPU steps: {cpu.describe()}", flush=True)
         for role, spec, batched in model_paths(config):
             path = spec_path(spec) if batched else "one session at a time (batching: false)"
             print(f"[specserve] {role} {spec}: {path}", flush=True)

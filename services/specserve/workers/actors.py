@@ -21,8 +21,8 @@ import grpc
 from specserve.engine.profile import draft_step_time, verify_profile
 from specserve.engine.proposers import NgramProposer
 from specserve.models import load_model
-from specserve.models.head import is_head, load_head
-from specserve.models.loading import load_draft, model_config, resolve_model_path
+from specserve.models.drafts.head import is_head, load_head
+from specserve.models.formats.loading import load_draft, model_config, resolve_model_path
 from specserve.rpc.auth import server_interceptors
 from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
 from specserve.scheduler.colocated import ScheduledDraft

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
-
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -61,7 +59,7 @@ class RoleResources(BaseModel):
 
 
 def is_head(draft: Any) -> bool:
-    """Whether a draft spec names a feature head (`models.head`), without importing the models."""
+    """Whether a draft spec names a feature head (`models.drafts.head`), without importing the models."""
     if isinstance(draft, str):
         return draft.startswith("head:")
     return getattr(getattr(draft, "config", None), "model_type", None) == "specserve_head"
@@ -193,7 +191,7 @@ class WorkersConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_quantization(self) -> WorkersConfig:
-        from specserve.models.quant import parse
+        from specserve.models.kernels.quant import parse
 
         for key in ("quantization", "draft_quantization"):
             try:
@@ -236,7 +234,7 @@ class WorkersConfig(BaseModel):
         """'default' serves the distilled draft where it runs colocated with the target or has a GPU of its own;
         a split draft worker on the same CPU competes with the target's process for the cores (slower than the
         n-gram draft there: docs/benchmarks.md), so there it means n-gram."""
-        from specserve.models.loading import resolve_draft
+        from specserve.models.formats.loading import resolve_draft
 
         pays = self.draft_resources.num_gpus > 0 or self.draft_placement != "split" and not self.target_stages
         self.draft = resolve_draft(self.target, self.draft, model_draft_pays=pays)

@@ -3,7 +3,7 @@
 `start_workers` asks Ray for a placement group of one bundle per rank, packed on one node (STRICT_PACK), and
 puts the TargetWorker in bundle 0. The TargetWorker starts the other ranks in the other bundles (so they die
 with it), serves a TCP store for them to meet at, and loads its own shard meanwhile. Each follower loads its
-shard of the same model (`models.tp`), joins the group and runs `KVPool.follow` on its compute thread: every
+shard of the same model (`models.kernels.tp`), joins the group and runs `KVPool.follow` on its compute thread: every
 step rank 0 takes, it takes too. Only rank 0 has a gRPC face, sessions and a scheduler.
 
 A lost rank takes the group down: rank 0 exits as soon as it sees a follower gone (a collective fails, or the
@@ -23,8 +23,8 @@ import time
 from typing import Any
 
 from specserve.models import load_model
-from specserve.models.pool import KVPool
-from specserve.models.tp import Collective, Shard, check, connect
+from specserve.models.kernels.tp import Collective, Shard, check, connect
+from specserve.models.memory.pool import KVPool
 from specserve.scheduler.steps import torch_threads
 from specserve.workers.quiet import data_plane_priority
 
@@ -151,7 +151,7 @@ def watch(followers: list, on_lost) -> threading.Thread:
 
 def check_model(spec: Any, world: int, field: str = "tensor_parallel") -> None:
     """The model `spec` names can be split over `world` ranks (ValueError naming `field` otherwise)."""
-    from specserve.models.loading import model_config
+    from specserve.models.formats.loading import model_config
 
     try:
         check(model_config(spec), world)

@@ -21,8 +21,8 @@ import ray
 import torch
 
 from specserve.models import load_model
-from specserve.models.lean import unsupported_reason
-from specserve.models.pool import KVPool
+from specserve.models.families.lean import unsupported_reason
+from specserve.models.memory.pool import KVPool
 from specserve.scheduler.steps import torch_threads
 from specserve.workers.quiet import data_plane_priority
 
@@ -44,7 +44,7 @@ class TargetStageActor:
         torch_threads(threads)
         self.start, self.end = start, end
         layers, tp = (start, end), None
-        # from safetensors a dense stage (rank) reads only its layers (slices): `models.slices`
+        # from safetensors a dense stage (rank) reads only its layers (slices): `models.formats.slices`
         if tensor_parallel > 1:
             from specserve.workers.ranks import start_group
 
@@ -79,7 +79,7 @@ class TargetStageActor:
                 "tensor_parallel": world}
 
     def tp_stats(self) -> dict[str, Any]:
-        """The stage group's collectives so far (`models.tp.Collective.stats`); {} without tensor parallelism."""
+        """The stage group's collectives so far (`models.kernels.tp.Collective.stats`); {} without tensor parallelism."""
         return self.pool.tp.stats() if self.pool.tp is not None else {}
 
     def node_id(self) -> str:

@@ -1,6 +1,6 @@
-"""The weights the lean forward (`models.lean`) multiplies: a model's layers fused (q|k|v, gate|up), cast to the
-compute dtype, packed (dense, or quantized: `models.quant`) and, for a tensor-parallel rank, cut to its shard
-(`models.tp`). Made once per model, dtype and shard; the forward never looks at the HF modules again.
+"""The weights the lean forward (`models.families.lean`) multiplies: a model's layers fused (q|k|v, gate|up), cast to the
+compute dtype, packed (dense, or quantized: `models.kernels.quant`) and, for a tensor-parallel rank, cut to its shard
+(`models.kernels.tp`). Made once per model, dtype and shard; the forward never looks at the HF modules again.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from typing import NamedTuple
 
 import torch
 
-from specserve.models.arch import Arch, Rope, arch_of, model_ropes
-from specserve.models.quant import QuantizedLinear, quantize
-from specserve.models.quant import dense as packed_dense
-from specserve.models.tp import Collective, Shard, linear_parts, take
+from specserve.models.families.arch import Arch, Rope, arch_of, model_ropes
+from specserve.models.kernels.quant import QuantizedLinear, quantize
+from specserve.models.kernels.quant import dense as packed_dense
+from specserve.models.kernels.tp import Collective, Shard, linear_parts, take
 
 # each linear role of a decoder layer and the module holding it (in HF's names, as checkpoints store them)
 LINEAR_ROLES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -25,7 +25,7 @@ FUSED_ROLES = {"q": "self_attn.qkv_proj", "k": "self_attn.qkv_proj", "v": "self_
 
 
 class Layer(NamedTuple):
-    """One decoder layer's weights as the lean forward multiplies them (`models.arch` says which are set)."""
+    """One decoder layer's weights as the lean forward multiplies them (`models.families.arch` says which are set)."""
 
     norm_in: torch.Tensor | None  # before attention (None: OLMo 2)
     qkv: object  # q|k|v fused (dense or `quant.QuantizedLinear`)
@@ -76,7 +76,7 @@ class LeanWeights:
     `quant.QuantizedLinear`s: quantized here from the dense weights (int8, int4), or taken as the GGUF file
     stores them; norms, biases and the embedding stay dense.
 
-    shard: one rank's part of a tensor-parallel group (`models.tp`): its key/value groups' heads, its slice of
+    shard: one rank's part of a tensor-parallel group (`models.kernels.tp`): its key/value groups' heads, its slice of
     the MLP and of the vocabulary; `heads` and `kv_heads` are then this rank's. The weights are quantized whole
     first, then cut, so every rank computes the values the unsharded model would.
 
@@ -114,7 +114,7 @@ class LeanWeights:
         per_group = self.heads // self.kv_heads
         rows: dict[str, slice | None] = {}
         cols: dict[str, slice | None] = {}
-        held = getattr(model, "specserve_shard", None)  # loaded as a rank's slices (`models.slices`)
+        held = getattr(model, "specserve_shard", None)  # loaded as a rank's slices (`models.formats.slices`)
         if held is not None and held != shard:
             raise ValueError(f"this model holds rank {held.rank} of {held.world}'s part of its linear layers only")
         if shard is not None:
@@ -130,7 +130,7 @@ class LeanWeights:
         start, end = layers or (0, count)
         if not 0 <= start < end <= count:
             raise ValueError(f"stage layers [{start}, {end}) outside the model's {count} layers")
-        read = getattr(model, "specserve_layers", None)  # loaded as a stage's part (`models.slices`)
+        read = getattr(model, "specserve_layers", None)  # loaded as a stage's part (`models.formats.slices`)
         if read is not None and tuple(read) != (start, end):
             raise ValueError(f"this model holds layers [{read[0]}, {read[1]}) only, not [{start}, {end})")
         self.first, self.last = start == 0, end == count

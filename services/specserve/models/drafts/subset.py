@@ -110,7 +110,7 @@ def read_tensor(spec: str, name: str) -> torch.Tensor:
     """One tensor from a model's safetensors files, without loading the model."""
     from safetensors import safe_open
 
-    from specserve.models.loading import resolve_model_path
+    from specserve.models.formats.loading import resolve_model_path
 
     path, _ = resolve_model_path(spec)
     directory = pathlib.Path(path)

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from specserve.models.lean import (
+from specserve.models.families.lean import (
     LeanWeights,
     embed,
     head_logits,
@@ -50,6 +50,7 @@ from specserve.models.lean import (
     rotated_qkv,
     sdpa,
 )
+from specserve.models.kernels.cpu import cache_root
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 MIN_CONTEXT = 64  # the shortest context bucket; others double up to the pool's longest sequence
@@ -65,8 +66,6 @@ def compile_caches() -> pathlib.Path:
     """Where compiled steps persist: `$SPECSERVE_CACHE/compile/<compiled_isa()>` (inductor's graph and autotuning caches, Triton's
     kernels, and the mega-cache artifacts `StepRunner.warm_up` saves), set for this process's compilers unless
     their own variables say otherwise."""
-    from specserve.models.embedded import cache_root
-
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     root = cache_root() / "compile" / compiled_isa()
@@ -353,7 +352,7 @@ class StepRunner:
         return self._outputs(x, new_slots)
 
     def _inputs(self, b: _Bucket, ids: torch.Tensor) -> torch.Tensor:
-        """The first layer's input rows for the step's token ids (a head runner's: `models.head`)."""
+        """The first layer's input rows for the step's token ids (a head runner's: `models.drafts.head`)."""
         return embed(self.w, ids)
 
     def _outputs(self, x: torch.Tensor, new_slots: torch.Tensor) -> torch.Tensor:

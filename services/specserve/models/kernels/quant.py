@@ -7,35 +7,30 @@ are fast only there), weights stay packed, and each layer multiplies through tor
 - int8, one scale per output row: `aten._weight_int8pack_mm`;
 - int4, groups of 32/64/128 inputs with a scale and an offset each (w = (q - 8)·scale + zero):
   `aten._weight_int4pack_mm_for_cpu` on CPUs, `aten._weight_int4pack_mm` on CUDA;
-- on AVX-512 CPUs with bfloat16 dot products, specserve's own kernels for both (`cpukernels`), which read the
+- on AVX-512 CPUs with bfloat16 dot products, specserve's own kernels for both (`kernels.cpu`), which read the
   weights once for up to 8 rows where torch's read them every 4.
 
-From enough rows on (8 with torch's CPU kernels; with ours on AVX-512, `cpukernels.DENSE_FROM` when set: a
+From enough rows on (8 with torch's CPU kernels; with ours on AVX-512, `cpu.DENSE_FROM` when set: a
 batch of streams, a prefill chunk) a dense bfloat16 GEMM over the same values beats them (docs/benchmarks.md). A layer
 therefore also keeps its weights dequantized to bfloat16 when `dense_from` rows or more are common
 (`QuantizedLinear.dense_from`; on CPUs in oneDNN's layout, `PackedDense`, as a dense model's are);
 both compute the same quantized values, the kernel choice only changes rounding in the last bits, as a
 different batch size does for a dense model.
 
-A GGUF file keeps its own quantization (`gguf_linears`): Q4_0 and Q4_1 blocks are int4 groups of 32 with
-their codes as stored, Q8_0 rows become int8 rows; other tensor types are dequantized and requantized to int8
-rows, which `load_model` says on stderr. A quantized target is a different model from the dense one; the
+A GGUF file's own quantization reaches these layers through `formats.gguf`. A quantized target is a different model from the dense one; the
 output is exactly the quantized target's distribution (docs/serving.md, tests/cpu/test_quant.py).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import re
-import sys
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specserve.models import cpukernels
+from specserve.models.kernels import cpu
 
 METHODS = ("auto", "none", "gguf", "int8", "int4")
 # Rows from which a CPU layer multiplies a dense bfloat16 copy instead (`QuantizedLinear`): the packed
@@ -148,7 +143,7 @@ class QuantSpec:
 
     method: str
     group: int = 32
-    stored: dict | None = None  # `gguf_linears` of the file
+    stored: dict | None = None  # `formats.gguf.gguf_linears` of the file
     dense_from: int = 0  # `QuantizedLinear.dense_from`
     source: str = ""  # the file's main tensor type, for "gguf"
 
@@ -176,12 +171,12 @@ class QuantizedLinear:
         self.dense_from = dense_from
         self.group = getattr(weight, "group", None)
         cuda = self.device.type == "cuda"
-        # specserve's CPU kernels where they run (models/cpukernels.py), else torch's
-        self.kernel = None if cuda or dtype != torch.bfloat16 else cpukernels.packed(weight)
+        # specserve's CPU kernels where they run (kernels/cpu.py), else torch's
+        self.kernel = None if cuda or dtype != torch.bfloat16 else cpu.packed(weight)
         if self.kernel is not None:
             self.packed, self.scales = self.kernel[1:3]
-            self.dense_from = dense_from = max(dense_from, cpukernels.DENSE_FROM) if dense_from and \
-                kernels_keep_dense_copy() else 0
+            self.dense_from = dense_from = max(dense_from, cpu.DENSE_FROM) if dense_from and \
+                cpu.kernels_keep_dense_copy() else 0
         elif self.bits == 8:
             self.packed = weight.codes.to(self.device).contiguous()
             self.scales = weight.scale.to(self.device, dtype)
@@ -205,7 +200,7 @@ class QuantizedLinear:
         if self.dense is not None and x.shape[0] >= self.dense_from:
             return linear(x, self.dense, bias)
         if self.kernel is not None:
-            y = cpukernels.multiply(x, self.kernel)
+            y = cpu.multiply(x, self.kernel)
         elif self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)
         elif self.device.type == "cuda":
@@ -251,23 +246,9 @@ def dense(weight: torch.Tensor | None):
     """A dense linear weight for the lean forward: `PackedDense` where oneDNN's bfloat16 path runs it (CPU, bf16),
     else the tensor as it is."""
     if (weight is not None and PACK_DENSE and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and _onednn_bf16()):
+            and cpu.onednn_bf16()):
         return PackedDense(weight)
     return weight
-
-
-def kernels_keep_dense_copy() -> bool:
-    """Whether a layer on specserve's kernels takes `DENSE_FROM`+ rows through a dense bf16 copy: only where asked
-    (SPECSERVE_CPU_DENSE_FROM; those rows round apart from the kernels', so a seeded stream's tokens would depend
-    on its batch), where oneDNN has a bfloat16 GEMM (AVX-512), and not where the AVX2 build runs (forced too,
-    SPECSERVE_CPU_ISA=avx2: then as on a laptop, where torch's bf16 GEMM is far slower than the kernels)."""
-    return cpukernels.DENSE_FROM > 0 and _onednn_bf16() and cpukernels.chosen_isa() != "avx2"
-
-
-@functools.cache
-def _onednn_bf16() -> bool:
-    """Whether oneDNN runs bfloat16 on this CPU (it refuses without AVX-512; F.linear then takes another path)."""
-    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -283,109 +264,3 @@ def nbytes(weight) -> int:
 def quantize(weight: torch.Tensor, method: str, group: int = 32) -> Quantized:
     """A dense weight [N, K] quantized by `method` ("int8" or "int4")."""
     return Int4Groups.quantize(weight, group) if method == "int4" else Int8Rows.quantize(weight)
-
-
-# -- GGUF -----------------------------------------------------------------------------------------------------
-
-_GGUF_LAYER = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate",
-               "ffn_up": "up", "ffn_down": "down"}
-
-
-def _q4_blocks(raw: np.ndarray, n: int, k: int, with_min: bool) -> Int4Groups:
-    """Q4_0 (d, 16 bytes) or Q4_1 (d, m, 16 bytes) blocks of 32 → their int4 codes, exactly as stored.
-
-    Q4_0 is w = d·(q - 8); Q4_1 is w = d·q + m = (q - 8)·d + (m + 8d)."""
-    head = 4 if with_min else 2
-    blocks = np.ascontiguousarray(raw).reshape(n, k // 32, head + 16)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    qs = blocks[..., head:]
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)  # low nibbles are values 0..15
-    if with_min:
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        zero = m + 8 * d
-    else:
-        zero = np.zeros_like(d)
-    return Int4Groups(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zero), 32)
-
-
-def _gguf_tensor(tensor, method_note: list[str]) -> Quantized:
-    from gguf import GGMLQuantizationType as T
-    from gguf.quants import dequantize
-
-    k, n = (int(s) for s in tensor.shape[:2])  # GGUF lists dimensions innermost first
-    kind = tensor.tensor_type
-    if kind in (T.Q4_0, T.Q4_1):
-        return _q4_blocks(tensor.data, n, k, kind == T.Q4_1)
-    dense = torch.from_numpy(np.asarray(dequantize(tensor.data, kind), dtype=np.float32).reshape(n, k))
-    if kind != T.Q8_0:
-        method_note.append(kind.name)
-    return Int8Rows.quantize(dense)  # Q8_0's blocks of 32 become one scale per row
-
-
-def _unpermute_rows(w: Quantized, heads: int) -> Quantized:
-    """llama.cpp stores q and k rows interleaved per rotary pair; HF (and the lean forward) keep halves."""
-    n = w.codes.shape[0]
-    dim = n // heads // 2
-    order = torch.arange(n).view(heads, dim, 2).transpose(1, 2).reshape(n)
-    return w.rows(order)
-
-
-def gguf_weight_type(path) -> str:
-    """The tensor type most of a GGUF file's layer weights are stored in ("Q4_1", "F16", ...)."""
-    from collections import Counter
-
-    from gguf import GGUFReader
-
-    kinds = Counter(t.tensor_type.name for t in GGUFReader(str(path)).tensors if t.name.startswith("blk.")
-                    and t.name.split(".")[2] in _GGUF_LAYER)
-    return kinds.most_common(1)[0][0] if kinds else "none"
-
-
-DENSE_TYPES = {"F32", "F16", "BF16", "F64", "none"}
-# GGUF architectures whose quantized linears `gguf_linears` reads as stored (llama.cpp permutes their q/k rows;
-# other architectures' files load dense)
-STORED_ARCHITECTURES = ("llama",)
-
-
-def gguf_architecture(path) -> str:
-    """A GGUF file's `general.architecture` ("llama", "qwen2", ...)."""
-    from gguf import GGUFReader
-
-    field = GGUFReader(str(path)).fields.get("general.architecture")
-    return bytes(field.parts[field.data[0]]).decode() if field is not None else "unknown"
-
-
-def gguf_linears(path, config) -> dict:
-    """The linear weights of a Llama-family GGUF file as stored: {"layers": [{q, k, v, o, gate, up, down}, ...],
-    "head": Quantized or None (tied to the embedding)}, each `Int4Groups` or `Int8Rows`."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    layers: list[dict] = [{} for _ in range(config.num_hidden_layers)]
-    head = embedding = None
-    requantized: list[str] = []
-    for tensor in reader.tensors:
-        name = tensor.name
-        m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
-        if m and m.group(2) in _GGUF_LAYER:
-            w = _gguf_tensor(tensor, requantized)
-            role = _GGUF_LAYER[m.group(2)]
-            if role == "q":
-                w = _unpermute_rows(w, config.num_attention_heads)
-            elif role == "k":
-                w = _unpermute_rows(w, config.num_key_value_heads)
-            layers[int(m.group(1))][role] = w
-        elif name == "output.weight":
-            head = _gguf_tensor(tensor, requantized)
-        elif name == "token_embd.weight" and getattr(config, "tie_word_embeddings", False):
-            embedding = tensor
-    if head is None and embedding is not None:
-        head = _gguf_tensor(embedding, requantized)
-    missing = [i for i, layer in enumerate(layers) if len(layer) != len(_GGUF_LAYER)]
-    if missing:
-        raise ValueError(f"{path}: layers {missing[:5]} lack some of {sorted(_GGUF_LAYER)}; not a Llama-family GGUF")
-    if requantized:
-        kinds = ", ".join(sorted(set(requantized)))
-        print(f"specserve: {path}: {len(requantized)} tensors of type {kinds} requantized to int8 rows",
-              file=sys.stderr, flush=True)
-    return {"layers": layers, "head": head, "source": gguf_weight_type(path)}

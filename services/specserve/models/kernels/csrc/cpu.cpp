@@ -1,4 +1,4 @@
-// specserve's CPU kernels for a bfloat16 step (models/cpukernels.py builds and loads this): weight-only quantized
+// specserve's CPU kernels for a bfloat16 step (models/kernels/cpu.py builds and loads this): weight-only quantized
 // products, attention over the pool's arena, RMS norm, a whole decoder layer. Each row of a result is computed
 // the same way whatever else is computed with it, so a verify block's rows equal decode steps' bit for bit.
 //
@@ -9,7 +9,7 @@
 // vcvtneps2bf16: nearest even, subnormals to zero), so both builds compute the same bits, bfloat16 subnormal
 // inputs aside.
 //
-// Quantized products (models/quant.py):
+// Quantized products (models/kernels/quant.py):
 // y[m, n] = sum_k x[m, k] * w[n, k] for bfloat16 activations x and int4 or int8 weights w, a tile of weights
 // read from memory once for all rows, in passes of up to 8 rows (torch's CPU kernels read them again for every
 // 4 rows). Codes are widened to exact values and multiplied pairwise with the dot product's roundings.

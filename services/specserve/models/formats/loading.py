@@ -16,9 +16,12 @@ from typing import Any
 
 import torch
 
-from specserve.models import embedded, quant, slices
-from specserve.models.tp import Shard
-from specserve.models.weights import drop_linears
+from specserve.models.families.arch import GGUF_STORED
+from specserve.models.families.weights import drop_linears
+from specserve.models.formats import embedded, slices
+from specserve.models.formats.gguf import DENSE_TYPES, gguf_architecture, gguf_linears, gguf_weight_type
+from specserve.models.kernels import quant
+from specserve.models.kernels.tp import Shard
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
@@ -113,7 +116,7 @@ def load_model(
     loads anything else dense; "none" loads dense; "int8" / "int4" quantize the
     linear layers at load (a passed model in place: its dense linear weights are
     dropped). Quantized models compute in bfloat16 unless dtype says otherwise.
-    shard: a tensor-parallel rank's part (`models.tp`); a quantized model packs only that part.
+    shard: a tensor-parallel rank's part (`models.kernels.tp`); a quantized model packs only that part.
     layers: (start, end), a pipeline stage's decoder layers (`workers.stages`); quantized or sharded, only those
     are packed.
     """
@@ -150,9 +153,9 @@ def load_model(
         kept = gguf is not None and torch_dtype in (None, torch.bfloat16)
         if kept and torch_dtype is None and torch.device(device).type == "cpu" and not _cpu_kernels_run():
             kept, torch_dtype = False, torch.float32  # torch's bf16 int4 kernels round a row by the batch it is in
-        kept = kept and quant.gguf_weight_type(gguf) not in quant.DENSE_TYPES
-        if kept and quant.gguf_architecture(gguf) not in quant.STORED_ARCHITECTURES:
-            print(f"specserve: {name}: a {quant.gguf_architecture(gguf)!r} GGUF file loads dense (its quantized "
+        kept = kept and gguf_weight_type(gguf) not in DENSE_TYPES
+        if kept and gguf_architecture(gguf) not in GGUF_STORED:
+            print(f"specserve: {name}: a {gguf_architecture(gguf)!r} GGUF file loads dense (its quantized "
                   "weights are kept as stored for Llama-architecture files only; int8 or int4 quantize it at load)",
                   file=sys.stderr, flush=True)
             kept = False
@@ -160,9 +163,9 @@ def load_model(
     if method == "gguf" and gguf is None:
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's own weights; {name!r} is not a .gguf file "
                          "(use int8 or int4 to quantize it at load)")
-    if method == "gguf" and quant.gguf_architecture(gguf) not in quant.STORED_ARCHITECTURES:
+    if method == "gguf" and gguf_architecture(gguf) not in GGUF_STORED:
         raise ValueError(f"quantization 'gguf' keeps the weights of Llama-architecture GGUF files only; {name!r} is "
-                         f"{quant.gguf_architecture(gguf)!r} (auto loads it dense; int8 or int4 quantize it at load)")
+                         f"{gguf_architecture(gguf)!r} (auto loads it dense; int8 or int4 quantize it at load)")
     torch_dtype = _quantized_dtype(torch_dtype) if method != "none" else torch_dtype
     torch_dtype = torch_dtype or default_dtype(device)
     _refuse_prequantized(path, name)
@@ -187,12 +190,12 @@ def load_model(
 def _sliced_part(path, name: str, shard: Shard | None, layers: tuple[int, int] | None, method: str,
                  device_map: Any, dtype: torch.dtype, device: str) -> LoadedModel | None:
     """A dense tensor-parallel rank or pipeline stage of a safetensors checkpoint, read as its part only
-    (`models.slices`); None where that does not apply (neither, quantized at load: int8 scales span whole rows,
+    (`models.formats.slices`); None where that does not apply (neither, quantized at load: int8 scales span whole rows,
     GGUF, device_map)."""
     from transformers import AutoConfig
 
-    from specserve.models.arch import arch_of
-    from specserve.models.lean import unsupported_config
+    from specserve.models.families.arch import arch_of
+    from specserve.models.families.lean import unsupported_config
 
     if (shard is None and layers is None) or method != "none" or device_map is not None \
             or not pathlib.Path(path).is_dir():
@@ -214,11 +217,11 @@ def _sliced_part(path, name: str, shard: Shard | None, layers: tuple[int, int] |
 
 def _cpu_kernels_run() -> bool:
     """Whether specserve's CPU kernels run here; where they do not, says what a GGUF file loads as instead."""
-    from specserve.models import cpukernels
+    from specserve.models.kernels import cpu
 
-    if cpukernels.available():
+    if cpu.available():
         return True
-    print(f"specserve: {cpukernels.describe()}: a GGUF file loads dense in float32 (seeded streams then do not "
+    print(f"specserve: {cpu.describe()}: a GGUF file loads dense in float32 (seeded streams then do not "
           "depend on the batch; quantization: gguf keeps its quantized weights)", file=sys.stderr, flush=True)
     return False
 
@@ -231,7 +234,7 @@ def load_draft(draft: Any, dtype: Any = None, device: str | None = None, quantiz
 
 def draft_quantization(quantization: str | None, draft: Any, dtype: Any = None, device: Any = None) -> str | None:
     """A model draft's quantization: "auto" for a dense draft on a CPU that runs specserve's int4/int8 kernels
-    (`cpukernels`) is int8, whose step there reads a quarter of float32's bytes for a few percent of the
+    (`cpu`) is int8, whose step there reads a quarter of float32's bytes for a few percent of the
     acceptance (docs/benchmarks.md); a model passed loaded, a dtype other than bfloat16 asked, a GGUF draft or
     another device: as given."""
     if (quant.parse(quantization)[0] != "auto" or not isinstance(draft, (str, pathlib.Path))
@@ -239,9 +242,9 @@ def draft_quantization(quantization: str | None, draft: Any, dtype: Any = None, 
         return quantization
     if torch.device(device or default_device()).type != "cpu":
         return quantization
-    from specserve.models import cpukernels
+    from specserve.models.kernels import cpu
 
-    return "int8" if cpukernels.available() else quantization
+    return "int8" if cpu.available() else quantization
 
 
 def _refuse_prequantized(path, name: str) -> None:
@@ -276,7 +279,7 @@ def _quantize(loaded: LoadedModel, method: str, group: int, gguf: pathlib.Path |
               shard: Shard | None = None, layers: tuple[int, int] | None = None) -> LoadedModel:
     """Give the model's linear layers packed quantized weights (`quant.QuantSpec`, made into the lean forward's
     weights now) and drop their dense copies."""
-    from specserve.models.lean import lean_weights
+    from specserve.models.families.lean import lean_weights
 
     model = loaded.model
     _require_lean(loaded, f"quantization {method}")
@@ -284,7 +287,7 @@ def _quantize(loaded: LoadedModel, method: str, group: int, gguf: pathlib.Path |
         print("specserve: int8 weights multiply through aten._weight_int8pack_mm, which has no fast CUDA path: "
               "a 7B step took 8.4x bfloat16's on an H200 (docs/benchmarks.md); int4 or none is faster there",
               file=sys.stderr, flush=True)
-    stored = quant.gguf_linears(gguf, model.config) if method == "gguf" else None
+    stored = gguf_linears(gguf, model.config) if method == "gguf" else None
     model.specserve_quant = quant.QuantSpec(method, group, stored, quant.dense_from(loaded.device),
                                             stored["source"] if stored else "")
     lean_weights(model, loaded.dtype, shard, layers)
@@ -296,7 +299,7 @@ def _quantize(loaded: LoadedModel, method: str, group: int, gguf: pathlib.Path |
 def _keep_shard(loaded: LoadedModel, shard: Shard | None, layers: tuple[int, int] | None = None) -> LoadedModel:
     """A dense tensor-parallel rank (or pipeline stage): its part of the weights made (`weights.LeanWeights`), the
     HF modules' linear weights dropped, so the rank holds 1/N of them (the stage its layers) after loading."""
-    from specserve.models.lean import lean_weights
+    from specserve.models.families.lean import lean_weights
 
     _require_lean(loaded, "tensor_parallel" if shard is not None else "target_stages")
     lean_weights(loaded.model, loaded.dtype, shard, layers)
@@ -305,7 +308,7 @@ def _keep_shard(loaded: LoadedModel, shard: Shard | None, layers: tuple[int, int
 
 
 def _require_lean(loaded: LoadedModel, what: str) -> None:
-    from specserve.models.lean import unsupported_reason
+    from specserve.models.families.lean import unsupported_reason
 
     reason = unsupported_reason(loaded.model)
     if reason is not None:

@@ -16,12 +16,12 @@ sequence's keys and values a plain view for attention, so a batched forward
 session runs on it exactly as on a private cache, and many run in one
 forward through `KVPool.forward`. Steps where every sequence feeds the same
 number of tokens (decode, verify) go through a static-shape `StepRunner`
-(`models/runner.py`; CUDA graphs on GPUs) where the pool has one: by default
+(`models/memory/runner.py`; CUDA graphs on GPUs) where the pool has one: by default
 a CUDA pool that is not tensor-parallel; `SPECSERVE_STEP_RUNNER=1` / `=0`
 turns it on / off everywhere (`STEP_RUNNER`).
 
 With `prefix_caching`, released sequences' blocks stay as a cache of computed
-prefixes that new sequences start from (`models.prefix`), evicted least
+prefixes that new sequences start from (`models.memory.prefix`), evicted least
 recently used when an allocation needs their room.
 """
 
@@ -32,12 +32,12 @@ import threading
 
 import torch
 
-from specserve.models import cpukernels
-from specserve.models.kv import TokenSequence
-from specserve.models.lean import _fused_layers, lean_forward, lean_weights, widen
-from specserve.models.prefix import CHUNK, PrefixCache, common_prefix
-from specserve.models.runner import StepRunner
-from specserve.models.tp import Collective
+from specserve.models.families.lean import _fused_layers, lean_forward, lean_weights, widen
+from specserve.models.families.sequence import TokenSequence
+from specserve.models.kernels import cpu
+from specserve.models.kernels.tp import Collective
+from specserve.models.memory.prefix import CHUNK, PrefixCache, common_prefix
+from specserve.models.memory.runner import StepRunner
 
 # Whether pools get a static-shape step runner; None: CUDA pools without tensor parallelism only (on a CPU, not
 # launch-bound, it measured slower from 4 sequences on; graphs around NCCL calls are not checked on a GPU yet).
@@ -119,14 +119,14 @@ class BuddyAllocator:
 
 
 class KVPool:
-    """K/V arena for many sequences of one model of `models.arch`'s families (see the module docstring).
+    """K/V arena for many sequences of one model of `models.families.arch`'s families (see the module docstring).
 
     tokens: positions the arena holds in all (rounded down to whole top blocks); max_length: the longest
     sequence (default: the model's max_position_embeddings). prefix_caching: keep released sequences'
-    keys and values for new sequences that start with the same tokens (`models.prefix`); share_running: and
+    keys and values for new sequences that start with the same tokens (`models.memory.prefix`); share_running: and
     let them copy a prefix from sequences still running, too (callers that run every step on one thread).
     runner: give it a static-shape step runner (default: `wants_runner`); compile_steps: compile the runner's
-    steps, True or "dynamic" (default: `SPECSERVE_COMPILE_STEPS`, `models.runner`).
+    steps, True or "dynamic" (default: `SPECSERVE_COMPILE_STEPS`, `models.memory.runner`).
     layers: (start, end), a pipeline stage's layers only (`workers.stages`): its arena holds those, and its steps
     come described by the pool that keeps the sequences (`run_step`).
     """
@@ -146,7 +146,7 @@ class KVPool:
         shape = (len(self.w.layers), self.w.kv_heads, self.allocator.capacity + 1, self.w.head_dim)
         self.k = torch.empty(shape, dtype=self.w.dtype, device=self.w.device)
         self.v = torch.empty_like(self.k)
-        # each position's normed final hidden state, for a draft head on the target's features (`models.head`)
+        # each position's normed final hidden state, for a draft head on the target's features (`models.drafts.head`)
         self.features = torch.empty(self.k.shape[2], model.config.hidden_size, dtype=self.w.dtype,
                                     device=self.w.device) if features and self.w.head is not None else None
         runner = False if layers is not None else wants_runner(self.w.device, tp) if runner is None else runner
@@ -183,7 +183,7 @@ class KVPool:
     def fuses_layers(self) -> bool:
         """Whether a one-token step runs each decoder layer as one call of specserve's CPU kernels."""
         w = self.w
-        return (self.tp is None and w.kernel_attention and cpukernels.step_kernels(w.dtype, w.device, w.head_dim)
+        return (self.tp is None and w.kernel_attention and cpu.step_kernels(w.dtype, w.device, w.head_dim)
                 and _fused_layers(w, 1) is not None)
 
     @property
@@ -323,7 +323,7 @@ class KVPool:
         if self._concurrent is None:  # (asked for every queued piece of work: decided once)
             self._concurrent = bool(
                 self.runner is None and self.tp is None and not self.staged and self.w.device.type == "cpu"
-                and self.w.kernel_attention and cpukernels.step_kernels(self.w.dtype, self.w.device, self.w.head_dim)
+                and self.w.kernel_attention and cpu.step_kernels(self.w.dtype, self.w.device, self.w.head_dim)
                 and _fused_layers(self.w, 1) is not None)
         return self._concurrent
 

@@ -24,12 +24,12 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from specserve.models.draft import SubsetDraftConfig, SubsetDraftForCausalLM, embedding_digest
-from specserve.models.lean import LeanSequence, head_logits, lean_forward, norm, widen
-from specserve.models.pool import UNKNOWN, KVPool, PooledSequence
-from specserve.models.loading import draft_quantization
-from specserve.models.quant import QuantizedLinear, QuantSpec, dense_from, linear, parse, quantize
-from specserve.models.runner import StepRunner
+from specserve.models.drafts.subset import SubsetDraftConfig, SubsetDraftForCausalLM, embedding_digest
+from specserve.models.families.lean import LeanSequence, head_logits, lean_forward, norm, widen
+from specserve.models.formats.loading import draft_quantization
+from specserve.models.kernels.quant import QuantizedLinear, QuantSpec, dense_from, linear, parse, quantize
+from specserve.models.memory.pool import UNKNOWN, KVPool, PooledSequence
+from specserve.models.memory.runner import StepRunner
 
 
 class FeatureHeadConfig(SubsetDraftConfig):

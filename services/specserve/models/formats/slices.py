@@ -1,6 +1,6 @@
 """A tensor-parallel rank's or a pipeline stage's part of a safetensors checkpoint, read without the rest.
 
-A rank of N (`models.tp.Shard`) multiplies 1/N of every layer's linear weights. Loading the whole checkpoint
+A rank of N (`models.kernels.tp.Shard`) multiplies 1/N of every layer's linear weights. Loading the whole checkpoint
 and cutting it (what `loading.load_model` does for other formats) holds the whole model in the rank's memory,
 and on a GPU on its device, while it loads: a 70B rank would need all 140 GB. Here the model is built on the
 meta device, every layer's q, k, v, gate, up (by rows) and o, down (by columns) are read as the rank's slice
@@ -22,8 +22,8 @@ from collections import defaultdict
 
 import torch
 
-from specserve.models.tp import Shard, linear_parts
-from specserve.models.weights import LINEAR_ROLES
+from specserve.models.families.weights import LINEAR_ROLES
+from specserve.models.kernels.tp import Shard, linear_parts
 
 ROLES = {path: role for role, path in LINEAR_ROLES.items()}  # a layer's module path → its linear role
 

@@ -1,5 +1,5 @@
 """What a decoder-only family's layer does, read from its config: one description the lean forward
-(`models.lean`), the step runner (`models.runner`) and the CPU kernels (`models.cpukernels`) all follow, so the
+(`models.families.lean`), the step runner (`models.memory.runner`) and the CPU kernels (`models.kernels.cpu`) all follow, so the
 families below run through one layer implementation (as llama.cpp's graph builder and vLLM's model classes
 differ per family by options, not by copies of the attention).
 
@@ -45,6 +45,10 @@ FAMILIES = {
     "gemma2": "Gemma 2 (sliding window every other layer, soft-capping, four norms a layer)",
     "gemma3_text": "Gemma 3 text (q/k norms, local and global rope, sliding windows)",
 }
+
+# GGUF `general.architecture`s whose quantized linears `formats.gguf` reads as stored (llama.cpp permutes their
+# q/k rows); other architectures' files load dense
+GGUF_STORED = ("llama",)
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
@@ -230,7 +234,7 @@ def model_ropes(model, a: Arch) -> list[Rope]:
 
 
 def kernel_path(a: Arch) -> str:
-    """What specserve's CPU kernels run of a bfloat16 step of this arch (where they run at all: `cpukernels`)."""
+    """What specserve's CPU kernels run of a bfloat16 step of this arch (where they run at all: `kernels.cpu`)."""
     if a.attn_softcap is not None:
         return "op by op (attention soft-capping: torch's attention)"
     if not a.llama_layer or a.qkv_bias:
@@ -269,15 +273,13 @@ def table() -> str:
     """docs/serving.md's table of supported architectures, from the code (each family's transformers defaults)."""
     from transformers import AutoConfig
 
-    from specserve.models.quant import STORED_ARCHITECTURES
-
     rows = [("| family (`model_type`) | for example | batched pool, step runner / CUDA graphs | CPU kernels (bfloat16) "
              "| tensor parallel | int8 / int4 at load | GGUF as stored |"),
             "|---|---|---|---|---|---|---|"]
     for model_type, example in FAMILIES.items():
         a = arch_of(AutoConfig.for_model(model_type))
         tp = "yes" if a.tp_reason() is None else f"no: {a.tp_reason()}"
-        gguf = "yes" if model_type in STORED_ARCHITECTURES else "no: loads dense (int8/int4 at load)"
+        gguf = "yes" if model_type in GGUF_STORED else "no: loads dense (int8/int4 at load)"
         rows.append(f"| {model_type} | {example} | yes | {kernel_path(a)} | {tp} | yes | {gguf} |")
     return "\n".join(rows)
 
