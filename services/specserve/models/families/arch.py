@@ -46,9 +46,13 @@ FAMILIES = {
     "gemma3_text": "Gemma 3 text (q/k norms, local and global rope, sliding windows)",
 }
 
-# GGUF `general.architecture`s whose quantized linears `formats.gguf` reads as stored (llama.cpp permutes their
-# q/k rows); other architectures' files load dense
-GGUF_STORED = ("llama",)
+# llama.cpp's `general.architecture` for a model_type; those whose GGUF linears `formats.gguf` reads as stored (the
+# files transformers reads too: their other tensors still come through it), and those whose q/k rows llama.cpp
+# permutes per rotary pair (its interleaved rope: Llama's files, Mistral's among them)
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "olmo2": "olmo2",
+             "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+GGUF_STORED = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+GGUF_PERMUTED = ("llama",)
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
@@ -279,7 +283,7 @@ def table() -> str:
     for model_type, example in FAMILIES.items():
         a = arch_of(AutoConfig.for_model(model_type))
         tp = "yes" if a.tp_reason() is None else f"no: {a.tp_reason()}"
-        gguf = "yes" if model_type in GGUF_STORED else "no: loads dense (int8/int4 at load)"
+        gguf = "yes" if GGUF_ARCH[model_type] in GGUF_STORED else "no: loads dense (int8/int4 at load)"
         rows.append(f"| {model_type} | {example} | yes | {kernel_path(a)} | {tp} | yes | {gguf} |")
     return "\n".join(rows)
 

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from specserve.models.families.arch import Arch, Rope, arch_of, model_ropes
-from specserve.models.kernels.quant import QuantizedLinear, quantize
+from specserve.models.kernels.quant import QuantizedLinear, concat, quantize
 from specserve.models.kernels.quant import dense as packed_dense
 from specserve.models.kernels.tp import Collective, Shard, linear_parts, take
 
@@ -95,7 +95,7 @@ class LeanWeights:
             """One (fused) linear weight from its roles' weights, dense tensors or `quant.Quantized` alike."""
             if spec is None:
                 return packed_dense(cast(torch.cat(parts)))
-            return QuantizedLinear(parts[0].cat(parts), dtype, device, spec.dense_from)
+            return QuantizedLinear(concat(parts), dtype, device, spec.dense_from)
 
         def quantized(stored, weight: torch.Tensor, spec):
             """A role's weight as the unsharded model holds it: dense, the file's, or quantized here."""

@@ -1,9 +1,12 @@
 """GGUF files read as stored: a file's linear weights as the quantized layers of `kernels.quant`.
 
-Q4_0 and Q4_1 blocks are int4 groups of 32 with their codes as stored, Q8_0 rows become int8 rows; other
-tensor types are dequantized and requantized to int8 rows, which `gguf_linears` says on stderr. Which
-families' files are read this way is `families.arch.GGUF_STORED`; llama.cpp permutes those files' q/k rows
-per rotary pair, which `gguf_linears` undoes.
+Every block type users meet keeps its numbers: Q4_0 and Q4_1 blocks become int4 groups of 32 with their codes
+as stored (`kernels.quant.Int4Groups`); Q5_0, Q5_1, Q8_0 and the K-quants Q2_K, Q3_K, Q4_K, Q5_K and Q6_K become
+`kernels.quant.Blocks`, their codes, float16 scales and 6- or 8-bit sub-block scales unpacked as they are
+(`BLOCK_TYPES`: one reader each, checked against `gguf.quants.dequantize`). Other tensor types (float ones in
+a quantized file, the IQ types) are dequantized and requantized to int8 rows, which `gguf_linears` says on
+stderr. Which families' files are read this way is `families.arch.GGUF_STORED`; where llama.cpp permutes a
+file's q/k rows per rotary pair (`GGUF_PERMUTED`), `gguf_linears` undoes it.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import sys
 import numpy as np
 import torch
 
-from specserve.models.kernels.quant import Int4Groups, Int8Rows, Quantized
+from specserve.models.families.arch import GGUF_PERMUTED, GGUF_STORED
+from specserve.models.kernels.quant import Blocks, Int4Groups, Int8Rows, Quantized
 
 _GGUF_LAYER = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate",
                "ffn_up": "up", "ffn_down": "down"}
@@ -37,6 +41,108 @@ def _q4_blocks(raw: np.ndarray, n: int, k: int, with_min: bool) -> Int4Groups:
     return Int4Groups(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zero), 32)
 
 
+def _f16(raw: np.ndarray, at: int) -> np.ndarray:
+    """The float16 at byte `at` of each block, as float32 [blocks, 1]."""
+    return raw[:, at:at + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _bits(raw: np.ndarray, shifts: list[int], mask: int) -> np.ndarray:
+    """(raw >> shift) & mask for each shift, shift-major: [blocks, len(shifts) · raw's bytes] (GGUF's order)."""
+    return ((raw[:, None, :] >> np.array(shifts, np.uint8)[None, :, None]) & mask).reshape(len(raw), -1)
+
+
+def _nibbles(qs: np.ndarray, chunk: int) -> np.ndarray:
+    """Codes of `chunk` bytes at a time: their low nibbles, then their high ones."""
+    n = len(qs)
+    return _bits(qs.reshape(-1, chunk), [0, 4], 0x0F).reshape(n, -1)
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins → (scales, mins) [blocks, 8]."""
+    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], -1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], -1)
+    return sc, mn
+
+
+# type → (bytes a block, values a block, bits, group, offset, reader: raw [blocks, bytes] →
+#         (codes [blocks, values], d [blocks, 1], m [blocks, 1] or None, sc [blocks, groups] or None, mn or None))
+def _q5(raw, with_min):
+    at = 4 if with_min else 2
+    qh = raw[:, at:at + 4].copy().view(np.uint32)
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    codes = _nibbles(raw[:, at + 4:], 16) | high << 4
+    return codes, _f16(raw, 0), _f16(raw, 2) if with_min else None, None, None
+
+
+def _q8_0(raw):
+    return raw[:, 2:] ^ 0x80, _f16(raw, 0), None, None, None  # int8 q as q + 128
+
+
+def _q2_k(raw):
+    s = raw[:, 0:16]
+    codes = _bits(raw[:, 16:80].reshape(-1, 32), [0, 2, 4, 6], 3).reshape(len(raw), -1)
+    return codes, _f16(raw, 80), _f16(raw, 82), s & 0x0F, -(s >> 4).astype(np.int16)
+
+
+def _q3_k(raw):
+    n = len(raw)
+    low = _bits(raw[:, 32:96].reshape(-1, 32), [0, 2, 4, 6], 3).reshape(n, -1)
+    high = _bits(raw[:, 0:32], list(range(8)), 1)
+    s = raw[:, 96:108]
+    sc = (_bits(s[:, 0:8], [0, 4], 0x0F) | _bits(s[:, 8:12], [0, 2, 4, 6], 3) << 4).astype(np.int16) - 32
+    return low | high << 2, _f16(raw, 108), None, sc, None  # q = low - 4 where the mask's bit is 0
+
+
+def _q4_k(raw):
+    sc, mn = _k_scales(raw[:, 4:16])
+    return _nibbles(raw[:, 16:144], 32), _f16(raw, 0), _f16(raw, 2), sc, -mn.astype(np.int16)
+
+
+def _q5_k(raw):
+    sc, mn = _k_scales(raw[:, 4:16])
+    codes = _nibbles(raw[:, 48:176], 32) | _bits(raw[:, 16:48], list(range(8)), 1) << 4
+    return codes, _f16(raw, 0), _f16(raw, 2), sc, -mn.astype(np.int16)
+
+
+def _q6_k(raw):
+    n = len(raw)
+    low = _bits(raw[:, 0:128].reshape(-1, 64), [0, 4], 0x0F).reshape(n, -1)
+    high = _bits(raw[:, 128:192].reshape(-1, 32), [0, 2, 4, 6], 3).reshape(n, -1)
+    return low | high << 4, _f16(raw, 208), None, raw[:, 192:208].view(np.int8), None
+
+
+BLOCK_TYPES = {
+    "Q5_0": (22, 32, 5, 32, -16, lambda raw: _q5(raw, False)),
+    "Q5_1": (24, 32, 5, 32, 0, lambda raw: _q5(raw, True)),
+    "Q8_0": (34, 32, 8, 32, -128, _q8_0),
+    "Q2_K": (84, 256, 4, 16, 0, _q2_k),
+    "Q3_K": (110, 256, 4, 16, -4, _q3_k),
+    "Q4_K": (144, 256, 4, 32, 0, _q4_k),
+    "Q5_K": (176, 256, 5, 32, 0, _q5_k),
+    "Q6_K": (210, 256, 6, 16, -32, _q6_k),
+}
+
+
+def read_blocks(raw: np.ndarray, kind: str, n: int, k: int) -> Blocks:
+    """A tensor [n, k] of GGUF type `kind` (a key of `BLOCK_TYPES`) from its raw bytes, as stored."""
+    size, values, bits, group, offset, reader = BLOCK_TYPES[kind]
+    if k % values:
+        raise ValueError(f"a {kind} tensor's rows of {k} values do not divide into blocks of {values}")
+    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, size)
+    codes, d, m, sc, mn = reader(raw)
+    blocks = k // values
+
+    def per_row(a: np.ndarray | None, width: int, dtype, fill: int = 0) -> torch.Tensor:
+        a = np.full((n * blocks, width), fill) if a is None else a
+        return torch.from_numpy(np.ascontiguousarray(a.reshape(n, blocks * width).astype(dtype)))
+
+    groups = values // group
+    return Blocks(torch.from_numpy(np.ascontiguousarray(codes.reshape(n, k).astype(np.uint8))), bits, group,
+                  values, per_row(d, 1, np.float32), per_row(m, 1, np.float32), per_row(sc, groups, np.int8, 1),
+                  per_row(mn, groups, np.int8, 0 if m is None else 1), offset, kind)
+
+
 def _gguf_tensor(tensor, method_note: list[str]) -> Quantized:
     from gguf import GGMLQuantizationType as T
     from gguf.quants import dequantize
@@ -45,10 +151,11 @@ def _gguf_tensor(tensor, method_note: list[str]) -> Quantized:
     kind = tensor.tensor_type
     if kind in (T.Q4_0, T.Q4_1):
         return _q4_blocks(tensor.data, n, k, kind == T.Q4_1)
+    if kind.name in BLOCK_TYPES:
+        return read_blocks(tensor.data, kind.name, n, k)
     dense = torch.from_numpy(np.asarray(dequantize(tensor.data, kind), dtype=np.float32).reshape(n, k))
-    if kind != T.Q8_0:
-        method_note.append(kind.name)
-    return Int8Rows.quantize(dense)  # Q8_0's blocks of 32 become one scale per row
+    method_note.append(kind.name)
+    return Int8Rows.quantize(dense)
 
 
 def _unpermute_rows(w: Quantized, heads: int) -> Quantized:
@@ -82,11 +189,12 @@ def gguf_architecture(path) -> str:
 
 
 def gguf_linears(path, config) -> dict:
-    """The linear weights of a Llama-family GGUF file as stored: {"layers": [{q, k, v, o, gate, up, down}, ...],
-    "head": Quantized or None (tied to the embedding)}, each `Int4Groups` or `Int8Rows`."""
+    """The linear weights of a GGUF file of `GGUF_STORED`'s architectures as stored: {"layers": [{q, k, v, o, gate, up, down}, ...],
+    "head": Quantized or None (tied to the embedding)}, each `Int4Groups`, `Blocks` or `Int8Rows`."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
+    permuted = gguf_architecture(path) in GGUF_PERMUTED
     layers: list[dict] = [{} for _ in range(config.num_hidden_layers)]
     head = embedding = None
     requantized: list[str] = []
@@ -96,9 +204,9 @@ def gguf_linears(path, config) -> dict:
         if m and m.group(2) in _GGUF_LAYER:
             w = _gguf_tensor(tensor, requantized)
             role = _GGUF_LAYER[m.group(2)]
-            if role == "q":
+            if role == "q" and permuted:
                 w = _unpermute_rows(w, config.num_attention_heads)
-            elif role == "k":
+            elif role == "k" and permuted:
                 w = _unpermute_rows(w, config.num_key_value_heads)
             layers[int(m.group(1))][role] = w
         elif name == "output.weight":
@@ -109,7 +217,7 @@ def gguf_linears(path, config) -> dict:
         head = _gguf_tensor(embedding, requantized)
     missing = [i for i, layer in enumerate(layers) if len(layer) != len(_GGUF_LAYER)]
     if missing:
-        raise ValueError(f"{path}: layers {missing[:5]} lack some of {sorted(_GGUF_LAYER)}; not a Llama-family GGUF")
+        raise ValueError(f"{path}: layers {missing[:5]} lack some of {sorted(_GGUF_LAYER)}; not a GGUF of {sorted(GGUF_STORED)}")
     if requantized:
         kinds = ", ".join(sorted(set(requantized)))
         print(f"specserve: {path}: {len(requantized)} tensors of type {kinds} requantized to int8 rows",

@@ -156,7 +156,7 @@ def load_model(
         kept = kept and gguf_weight_type(gguf) not in DENSE_TYPES
         if kept and gguf_architecture(gguf) not in GGUF_STORED:
             print(f"specserve: {name}: a {gguf_architecture(gguf)!r} GGUF file loads dense (its quantized "
-                  "weights are kept as stored for Llama-architecture files only; int8 or int4 quantize it at load)",
+                  f"weights are kept as stored for {', '.join(GGUF_STORED)} files; int8 or int4 quantize it at load)",
                   file=sys.stderr, flush=True)
             kept = False
         method = "gguf" if kept else "none"
@@ -164,8 +164,8 @@ def load_model(
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's own weights; {name!r} is not a .gguf file "
                          "(use int8 or int4 to quantize it at load)")
     if method == "gguf" and gguf_architecture(gguf) not in GGUF_STORED:
-        raise ValueError(f"quantization 'gguf' keeps the weights of Llama-architecture GGUF files only; {name!r} is "
-                         f"{gguf_architecture(gguf)!r} (auto loads it dense; int8 or int4 quantize it at load)")
+        raise ValueError(f"quantization 'gguf' keeps the weights of {', '.join(GGUF_STORED)} GGUF files; {name!r} "
+                         f"is {gguf_architecture(gguf)!r} (auto loads it dense; int8 or int4 quantize it at load)")
     torch_dtype = _quantized_dtype(torch_dtype) if method != "none" else torch_dtype
     torch_dtype = torch_dtype or default_dtype(device)
     _refuse_prequantized(path, name)

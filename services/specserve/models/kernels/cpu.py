@@ -156,13 +156,14 @@ def _load(isa: str) -> ctypes.CDLL | None:
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.specserve_int4_mm.argtypes = lib.specserve_int4q8_mm.argtypes = [p, i, i, p, p, i, p, i, p]
     lib.specserve_int8_mm.argtypes = [p, i, i, p, p, p, i]
+    lib.specserve_blocks_mm.argtypes = [p, i, i, p, p, i, p]
     lib.specserve_attend.argtypes = [p, i, p, i, p, i, p, p, i, p, i, i, i, i, ctypes.c_float, i, p]
     lib.specserve_rms_norm.argtypes = [p, i, p, i, i, ctypes.c_float, p]
     lib.specserve_silu_mul.argtypes = [p, i, i, p]
     lib.specserve_layers.argtypes = [p, i, i, i, p, p, ctypes.c_float, p, p, p, p, p, i, i, p, i, i, i, i,
                                      ctypes.c_float, p, p, p]
-    for f in (lib.specserve_int4_mm, lib.specserve_int4q8_mm, lib.specserve_int8_mm, lib.specserve_attend, lib.specserve_rms_norm,
-              lib.specserve_silu_mul, lib.specserve_layers):
+    for f in (lib.specserve_int4_mm, lib.specserve_int4q8_mm, lib.specserve_int8_mm, lib.specserve_blocks_mm,
+              lib.specserve_attend, lib.specserve_rms_norm, lib.specserve_silu_mul, lib.specserve_layers):
         f.restype = None
     lib.specserve_isa.restype = ctypes.c_int
     assert lib.specserve_isa() == (512 if isa == "avx512" else 2), f"{path} is not the {isa} build"
@@ -230,13 +231,68 @@ def pack_int8(codes: torch.Tensor) -> torch.Tensor:
     return codes.to(torch.int8).view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+class BlocksStruct(ctypes.Structure):  # csrc: struct Blocks
+    _fields_ = [("lo", ctypes.c_void_p), ("hi", ctypes.c_void_p), ("dm", ctypes.c_void_p), ("scm", ctypes.c_void_p),
+                ("bits", ctypes.c_int64), ("group", ctypes.c_int64), ("span", ctypes.c_int64),
+                ("has_min", ctypes.c_int64), ("has_scale", ctypes.c_int64), ("offset", ctypes.c_float)]
+
+
+class PackedBlocks:
+    """A `quant.Blocks` weight in the kernel's layout (csrc: struct Blocks), and the struct that points into it."""
+
+    def __init__(self, w):
+        n, k = w.codes.shape
+        self.group, self.out_features = w.group, n
+        c = w.codes.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3)  # [blocks, tiles, 16 outputs, 4 inputs]
+        offset = w.offset
+        hb = w.bits - 4
+        if hb == 4:  # signed bytes, 4 inputs of an output together
+            self.lo = (c.to(torch.int16) - 128).to(torch.int8).contiguous().view(n // 16, k // 4, 64)
+            self.hi, offset = torch.zeros(0, dtype=torch.uint8), offset + 128
+        else:
+            low = c & 0x0F
+            self.lo = (low[..., :2] | low[..., 2:] << 4).contiguous().view(n // 16, k // 4, 32)
+        if 0 < hb < 4:
+            per = 4 // hb
+            high = c >> 4
+            pairs = (high[..., :2] | high[..., 2:] << 4).reshape(n // 16, k // 4 // per, per, 32).to(torch.int32)
+            shifted = sum(pairs[:, :, s] << (s * hb) for s in range(per))
+            self.hi = shifted.to(torch.uint8).contiguous()
+        elif hb == 0:
+            self.hi = torch.zeros(0, dtype=torch.uint8)
+        with_min, with_scale = w.has_min, bool((w.sc != 1).any())
+
+        def by_block(parts: list[torch.Tensor], dtype) -> torch.Tensor:  # [N, X] each → [N/16, X, len, 16]
+            return torch.stack([a.to(dtype).reshape(n // 16, 16, -1).transpose(1, 2) for a in parts], 2).contiguous()
+
+        self.dm = by_block([w.d, w.m] if with_min else [w.d], torch.float16)
+        scm = [w.sc] * with_scale + [w.mn] * with_min
+        self.scm = by_block(scm, torch.int8) if scm else torch.zeros(0, dtype=torch.int8)
+        self.struct = BlocksStruct(self.lo.data_ptr(), self.hi.data_ptr(), self.dm.data_ptr(), self.scm.data_ptr(),
+                                   w.bits, w.group, w.span, int(with_min), int(with_scale), float(offset))
+
+    @property
+    def nbytes(self) -> int:
+        return self.lo.nbytes + self.hi.nbytes + self.dm.nbytes + self.scm.nbytes
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self.struct)
+
+
 def packed(weight) -> tuple | None:
-    """A `quant.Int8Rows` or `quant.Int4Groups` in the kernels' layout ("int8"|"int4", codes, scales, group),
-    or None where the kernels cannot run it (this CPU, no compiler, its shape, scales not float16)."""
+    """A `quant.Int8Rows`, `quant.Int4Groups` or `quant.Blocks` in the kernels' layout ("int8"|"int4"|"blocks",
+    codes, scales, group), or None where the kernels cannot run it (this CPU, no compiler, its shape, scales not
+    float16)."""
     group = getattr(weight, "group", None)
     n, k = weight.codes.shape
     if not fits(n, k, group) or not available():
         return None
+    if hasattr(weight, "span"):
+        if k % weight.span or weight.bits not in (4, 5, 6, 8):
+            return None
+        blocks = PackedBlocks(weight)
+        return "blocks", blocks, torch.zeros(0), weight.group
     if group is None:
         return "int8", pack_int8(weight.codes), weight.scale.float().contiguous(), None
     parts = pack_int4(weight.codes, weight.scale, weight.zero, group)
@@ -246,10 +302,24 @@ def packed(weight) -> tuple | None:
 def multiply(x: torch.Tensor, kernel: tuple) -> torch.Tensor:
     """x [M, K] bfloat16 times a `packed` weight, transposed: [M, N]."""
     kind, codes, scales, group = kernel
+    if kind == "blocks":
+        if torch.compiler.is_compiling():
+            return torch.ops.specserve.blocks_mm(x, codes.address, codes.out_features, group)
+        return blocks_mm(x, codes.address, codes.out_features, group)
     if torch.compiler.is_compiling():  # opaque ops there (ctypes calls cannot be traced)
         return (torch.ops.specserve.int8_mm(x, codes, scales) if kind == "int8"
                 else torch.ops.specserve.int4_mm(x, codes, scales, group))
     return int8_mm(x, codes, scales) if kind == "int8" else int4_mm(x, codes, scales, group)
+
+
+def blocks_mm(x: torch.Tensor, address: int, n: int, group: int) -> torch.Tensor:
+    """x [M, K] bfloat16 → [M, N] bfloat16 against the `PackedBlocks` whose struct is at `address`."""
+    x = x.contiguous()
+    m, k = x.shape
+    out = x.new_empty(m, n)
+    xsum = torch.empty(m * (k // group), dtype=torch.float32)
+    library().specserve_blocks_mm(x.data_ptr(), m, k, address, out.data_ptr(), n, xsum.data_ptr())
+    return out
 
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, sb: torch.Tensor, group: int) -> torch.Tensor:
@@ -283,6 +353,16 @@ def _int4_op(x: torch.Tensor, codes: torch.Tensor, sb: torch.Tensor, group: int)
 @_int4_op.register_fake
 def _(x, codes, sb, group):
     return x.new_empty(x.shape[0], codes.shape[0] * 16)
+
+
+@torch.library.custom_op("specserve::blocks_mm", mutates_args=())
+def _blocks_op(x: torch.Tensor, address: int, n: int, group: int) -> torch.Tensor:
+    return blocks_mm(x, address, n, group)
+
+
+@_blocks_op.register_fake
+def _(x, address, n, group):
+    return x.new_empty(x.shape[0], n)
 
 
 @torch.library.custom_op("specserve::int8_mm", mutates_args=())

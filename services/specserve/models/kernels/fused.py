@@ -42,7 +42,7 @@ class FusedLayers:
         lin = layers[0][2]
         self.hidden, self.inter = h, lin[2].N // 2
         self.qkv = lin[0].N
-        self.max_groups = max(l.K // l.group if l.kind in (4, 5) else 1 for _, _, ls, _, _ in layers for l in ls)
+        self.max_groups = max(l.K // l.group if l.kind in (4, 5, 6) else 1 for _, _, ls, _, _ in layers for l in ls)
         self.int8_activations = False
         self._int4_kind()
 
@@ -69,7 +69,10 @@ class FusedLayers:
             structs = (_Linear * 4)()
             for s, q in zip(structs, linears):
                 kind, codes, scales, group = q.kernel
-                s.kind, s.codes, s.scales = (4 if kind == "int4" else 8), codes.data_ptr(), scales.data_ptr()
+                if kind == "blocks":  # codes: the PackedBlocks, whose struct says the rest
+                    s.kind, s.codes, s.scales = 6, codes.address, None
+                else:
+                    s.kind, s.codes, s.scales = (4 if kind == "int4" else 8), codes.data_ptr(), scales.data_ptr()
                 s.group, s.N, s.K = group or 0, q.out_features, q.in_features
                 if q.dense is not None:
                     rows_below = min(rows_below, q.dense_from)

@@ -131,7 +131,100 @@ class Int4Groups:
                           self.zero[:, g].contiguous(), self.group)
 
 
-Quantized = Int8Rows | Int4Groups
+@dataclass
+class Blocks:
+    """A weight [N, K] in GGUF's blocks, its stored numbers kept as they are (`formats.gguf` reads them):
+
+        w[n, k] = scale · (codes[n, k] + offset) + m[n, k // span] · mn[n, g],  scale = d[n, k // span] · sc[n, g]
+
+    for the group g = k // group. d and m are float16 values (a super-block's, or a legacy block's own), sc and
+    mn small integers (K-quants' sub-block scales and mins; 1 for legacy blocks), so scale and the min term are
+    exact in float32 and `dequantize` rounds as `gguf.quants.dequantize` does.
+    """
+
+    codes: torch.Tensor  # uint8 [N, K], 0 <= code < 2**bits
+    bits: int  # 4, 5, 6 or 8
+    group: int  # inputs per (sc, mn)
+    span: int  # inputs per (d, m): 256 for K-quants, = group for legacy blocks
+    d: torch.Tensor  # float32 [N, K / span]
+    m: torch.Tensor  # float32 [N, K / span] (zeros without mins)
+    sc: torch.Tensor  # int8 [N, K / group]
+    mn: torch.Tensor  # int8 [N, K / group] (zeros without mins)
+    offset: int  # added to every code: -128 (Q8_0), -32 (Q6_K), -16 (Q5_0), -8 (Q4_0), -4 (Q3_K) or 0
+    source: str  # the GGUF types it holds, for messages ("Q4_K", "Q4_K+Q6_K")
+
+    @property
+    def has_min(self) -> bool:
+        return bool(self.mn.any())
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, min term) per group, float32 [N, K / group] each: exact products of the stored numbers."""
+        per = self.span // self.group
+        d, m = self.d.repeat_interleave(per, 1), self.m.repeat_interleave(per, 1)
+        return d * self.sc.float(), m * self.mn.float()
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        scale, low = self.scales()
+        q = (self.codes.view(n, k // self.group, self.group).to(torch.int32) + self.offset).float()
+        return (scale[..., None] * q + low[..., None]).view(n, k)
+
+    @staticmethod
+    def cat(parts: list) -> Blocks:
+        """Rows of several weights (`Blocks` or legacy `Int4Groups`, e.g. q|k|v of Q4_K and Q6_K) as one `Blocks`,
+        losslessly: the finest group and span, codes shifted to the lowest offset, as many bits as that needs."""
+        parts = [p if isinstance(p, Blocks) else Blocks.from_int4(p) for p in parts]
+        group, span = min(p.group for p in parts), min(p.span for p in parts)
+        offset = min(p.offset for p in parts)
+        top = max((1 << p.bits) - 1 + p.offset - offset for p in parts)
+        bits = next((b for b in (4, 5, 6, 8) if top < 1 << b), None)
+        if bits is None or any(p.span % span or p.group % group or span % group for p in parts):
+            raise ValueError(f"cannot fuse GGUF weights of types {[p.source for p in parts]} into one layer")
+
+        def refined(p: Blocks) -> tuple[torch.Tensor, ...]:
+            gs, ss = p.group // group, p.span // span
+            return ((p.codes.to(torch.int16) + (p.offset - offset)).to(torch.uint8),
+                    p.d.repeat_interleave(ss, 1), p.m.repeat_interleave(ss, 1),
+                    p.sc.repeat_interleave(gs, 1), p.mn.repeat_interleave(gs, 1))
+
+        codes, d, m, sc, mn = (torch.cat(f) for f in zip(*(refined(p) for p in parts)))
+        source = "+".join(dict.fromkeys(s for p in parts for s in p.source.split("+")))
+        return Blocks(codes, bits, group, span, d, m, sc, mn, offset, source)
+
+    @staticmethod
+    def from_int4(w: Int4Groups) -> Blocks:
+        """A legacy Q4_0/Q4_1 `Int4Groups` (w = (codes - 8) · scale + zero) as `Blocks`, where that is exact."""
+        low = w.zero - 8 * w.scale
+        if not (torch.equal(low.half().float(), low) and torch.equal(low + 8 * w.scale, w.zero)):
+            raise ValueError("an int4 weight whose zero is not a float16 minimum cannot join GGUF blocks")
+        ones = torch.ones_like(w.scale, dtype=torch.int8)
+        return Blocks(w.codes, 4, w.group, w.group, w.scale, low, ones, ones, 0, "Q4")
+
+    def rows(self, index: torch.Tensor) -> Blocks:
+        return Blocks(self.codes[index], self.bits, self.group, self.span, self.d[index], self.m[index],
+                      self.sc[index], self.mn[index], self.offset, self.source)
+
+    def cols(self, start: int, stop: int) -> Blocks:
+        """Inputs [start, stop) of every row, whole super-blocks only."""
+        if start % self.span or stop % self.span:
+            raise ValueError(f"a shard's inputs [{start}, {stop}) split GGUF super-blocks of {self.span}")
+        s, g = slice(start // self.span, stop // self.span), slice(start // self.group, stop // self.group)
+        return Blocks(self.codes[:, start:stop].contiguous(), self.bits, self.group, self.span,
+                      self.d[:, s].contiguous(), self.m[:, s].contiguous(), self.sc[:, g].contiguous(),
+                      self.mn[:, g].contiguous(), self.offset, self.source)
+
+
+Quantized = Int8Rows | Int4Groups | Blocks
+
+
+def concat(parts: list[Quantized]) -> Quantized:
+    """Rows of several quantized weights of one layer as one weight (q|k|v, gate|up)."""
+    kinds = {type(p) for p in parts}
+    if kinds == {Int8Rows} or kinds == {Int4Groups} and len({p.group for p in parts}) == 1:
+        return parts[0].cat(parts)
+    if kinds <= {Blocks, Int4Groups}:
+        return Blocks.cat(parts)
+    raise ValueError(f"cannot fuse weights of kinds {sorted(k.__name__ for k in kinds)} into one layer")
 
 
 @dataclass
@@ -165,7 +258,7 @@ class QuantizedLinear:
     """
 
     def __init__(self, weight: Quantized, dtype: torch.dtype, device: torch.device | str, dense_from: int = 0):
-        self.bits = 8 if isinstance(weight, Int8Rows) else 4
+        self.bits = 8 if isinstance(weight, Int8Rows) else getattr(weight, "bits", 4)
         self.out_features, self.in_features = weight.codes.shape
         self.dtype, self.device = dtype, torch.device(device)
         self.dense_from = dense_from
@@ -177,6 +270,10 @@ class QuantizedLinear:
             self.packed, self.scales = self.kernel[1:3]
             self.dense_from = dense_from = max(dense_from, cpu.DENSE_FROM) if dense_from and \
                 cpu.kernels_keep_dense_copy() else 0
+        elif isinstance(weight, Blocks):  # no kernel of torch's reads GGUF blocks: their values, dense
+            self.packed, self.scales, self.dense_from = dense(weight.dequantize().to(self.device, dtype)), None, 1
+            self.dense = self.packed
+            return
         elif self.bits == 8:
             self.packed = weight.codes.to(self.device).contiguous()
             self.scales = weight.scale.to(self.device, dtype)
@@ -194,7 +291,7 @@ class QuantizedLinear:
     @property
     def nbytes(self) -> int:
         """Bytes a multiply below `dense_from` rows reads (the packed weight and its scales)."""
-        return self.packed.nbytes + self.scales.nbytes
+        return self.packed.nbytes + (0 if self.scales is None else self.scales.nbytes)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.dense is not None and x.shape[0] >= self.dense_from:

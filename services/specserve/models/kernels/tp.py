@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from specserve.models.kernels.quant import Int4Groups, Int8Rows
+from specserve.models.kernels.quant import Blocks, Int4Groups, Int8Rows
 
 TIMEOUT = datetime.timedelta(seconds=120)
 
@@ -78,8 +78,8 @@ def check(config, world: int) -> None:
 
 
 def take(weight, rows: slice | None = None, cols: slice | None = None):
-    """A shard of one linear weight [N, K]: a dense tensor, `Int8Rows` or `Int4Groups`."""
-    if isinstance(weight, (Int8Rows, Int4Groups)):
+    """A shard of one linear weight [N, K]: a dense tensor, `Int8Rows`, `Int4Groups` or `Blocks`."""
+    if isinstance(weight, (Int8Rows, Int4Groups, Blocks)):
         if rows is not None:
             weight = weight.rows(torch.arange(rows.start, rows.stop))
         return weight if cols is None else weight.cols(cols.start, cols.stop)

@@ -915,8 +915,159 @@ constexpr int q8_blocks(int rows) {
 #endif
 }
 
-// One linear layer of a fused step: kind 4 (int4 groups), 5 (int4 groups, int8 activations) or 8 (int8 rows), in
-// the layout of the mm kernels.
+// ---- GGUF blocks x int8 activations (kernels/quant.py Blocks): every block type computed as stored ----
+// w = scale · code + bias per group of G inputs, code unsigned in [0, 2^bits), scale = d · sc and bias = m · mn +
+// offset · scale with d, m float16 per span of S inputs (a K-quant's super-block, a legacy block's own) and sc,
+// mn int8 per group: exact in float32, so the kernel multiplies the file's numbers. Per row m and group g, as the
+// int4 products: y += (scale · dx) · sum(code · xq) + bias · (dx · sum(xq)), the integer sums exact on every build.
+// Layout, per block of 16 outputs: lo: K/4 x 32 bytes of the codes' low nibbles (as int4's); hi (bits > 4): the
+// codes' high parts (hb = bits - 4 of them) for 4/hb consecutive 4-input tiles in 32 bytes, tile t's at bit
+// (t % (4/hb)) · hb of the low nibble (inputs 4t + j) and of the high one (4t + 2 + j); 8-bit codes instead in lo
+// alone, as signed bytes (code - 128, the offset raised by 128): K/4 x 64 bytes, byte 4i + j output i's input
+// 4t + j; dm: float16 [K/S][1 + has_min][16] (d, then m); scm: int8 [K/G][has_scale + has_min][16] (sc, then mn;
+// legacy blocks have no sc: 1).
+struct Blocks {
+  const uint8_t *lo;
+  const uint8_t *hi;
+  const uint16_t *dm;
+  const int8_t *scm;
+  int64_t bits;
+  int64_t group;
+  int64_t span;
+  int64_t has_min;
+  int64_t has_scale;
+  float offset;
+};
+
+inline vec load_i8(const int8_t *p) {  // 16 int8 as float32
+#if defined(__AVX512BF16__)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#else
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))))};
+#endif
+}
+
+// Block nb's codes (of at most 6 bits) of inputs 4t .. 4t + 3: lo holds each output's inputs 4t, 4t + 1, hi its
+// 4t + 2, 4t + 3, a code a byte (byte 2i + j: output i).
+template <int HB>
+inline void block_codes(const Blocks &w, int64_t K, int64_t nb, int64_t t, __m256i &lo, __m256i &hi) {
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  const uint8_t *c = w.lo + (nb * (K / 4) + t) * 32;
+  ahead(c);
+  const __m256i v = _mm256_loadu_si256((const __m256i *)c);
+  lo = _mm256_and_si256(v, low);
+  hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+  if constexpr (HB > 0) {
+    constexpr int per = 4 / HB;
+    const uint8_t *h = w.hi + (nb * (K / 4 / per) + t / per) * 32;
+    ahead(h);
+    const __m256i u = _mm256_loadu_si256((const __m256i *)h);
+    const __m128i s = _mm_cvtsi32_si128((int)((t % per) * HB)), s4 = _mm_cvtsi32_si128((int)((t % per) * HB + 4));
+    const __m256i mask = _mm256_set1_epi8((char)((1 << HB) - 1));
+    const __m256i ulo = _mm256_and_si256(_mm256_srl_epi16(u, s), mask);
+    const __m256i uhi = _mm256_and_si256(_mm256_srl_epi16(u, s4), mask);
+    lo = _mm256_or_si256(lo, _mm256_slli_epi16(ulo, 4));
+    hi = _mm256_or_si256(hi, _mm256_slli_epi16(uhi, 4));
+  }
+}
+
+// 16 int32 sums (outputs 0-7 in lo, 8-15 in hi) as float32
+inline vec i32_pair(__m256i lo, __m256i hi) {
+#if defined(__AVX512BF16__)
+  return _mm512_cvtepi32_ps(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+#else
+  return {_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi)};
+#endif
+}
+
+// Rows [0, MR) against NT blocks of 16 outputs from block nb. A group's sums of code · xq: vpmaddubsw's 16-bit sums
+// over as many inputs as cannot overflow (8 for 5-bit codes, 4 for 6), widened to 32 bits, kept in registers; 8-bit
+// codes as llama.cpp's Q8 products, |w| · (x · sign w) per 4 inputs widened at once. 4-bit codes sum a whole group in 16 bits, wrapping: sum((code - 8) · xq) lies
+// within 32 · 8 · 127 < 2^15, so that difference modulo 2^16 is exact, and the sum is it plus 8 · sum(xq) (total).
+template <int HB, int MR, int NT>
+void blocks_tile(const Blocks &w, const int32_t *pairs, int64_t K, const float *d, const float *xsum,
+                 const int32_t *total, int64_t nb, uint16_t *out, int64_t N) {
+  const int64_t G = w.group, chunk = HB == 1 ? 8 : HB == 2 ? 4 : G, groups = K / G, spans = K / w.span, per = w.span / G;
+  const int64_t dmw = 1 + w.has_min, scw = w.has_scale + w.has_min;
+  alignas(64) float acc[MR][NT][16];
+  for (int m = 0; m < MR; m++)
+    for (int t = 0; t < NT; t++) store_f32(acc[m][t], zero());
+  const vec offset = set1(w.offset);
+  for (int64_t g = 0; g < groups; g++) {
+    __m256i lo32[MR][NT], hi32[MR][NT];
+    for (int m = 0; m < MR; m++)
+      for (int t = 0; t < NT; t++) lo32[m][t] = hi32[m][t] = _mm256_setzero_si256();
+    if constexpr (HB == 8) {  // signed codes, 4 inputs of an output a 32-bit lane: |w| · (x · sign w), exact in 16 bits
+      const __m256i ones = _mm256_set1_epi16(1);
+      for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
+        for (int t = 0; t < NT; t++) {
+          const int8_t *c = (const int8_t *)w.lo + ((nb + t) * (K / 4) + k / 4) * 64;
+          ahead(c);
+          const __m256i w0 = _mm256_loadu_si256((const __m256i *)c), w1 = _mm256_loadu_si256((const __m256i *)(c + 32));
+          const __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);
+          for (int m = 0; m < MR; m++) {
+            int32_t quad;  // inputs k .. k + 3: the pairs' words hold [x0 x1 x0 x1] [x2 x3 x2 x3], so bytes 2-5
+            memcpy(&quad, (const char *)(pairs + (m * K + k) / 2) + 2, 4);
+            const __m256i x = _mm256_set1_epi32(quad);
+            lo32[m][t] = _mm256_add_epi32(
+                lo32[m][t], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x, w0)), ones));
+            hi32[m][t] = _mm256_add_epi32(
+                hi32[m][t], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x, w1)), ones));
+          }
+        }
+      }
+    } else
+    for (int64_t c0 = g * G; c0 < (g + 1) * G; c0 += chunk) {
+      __m256i s16[MR][NT];
+      for (int m = 0; m < MR; m++)
+        for (int t = 0; t < NT; t++) s16[m][t] = _mm256_setzero_si256();
+      for (int64_t k = c0; k < c0 + chunk; k += 4) {
+        for (int t = 0; t < NT; t++) {
+          __m256i lo, hi;
+          block_codes<HB>(w, K, nb + t, k / 4, lo, hi);
+          for (int m = 0; m < MR; m++) {
+            const int32_t *p = pairs + (m * K + k) / 2;
+            const __m256i x0 = _mm256_set1_epi32(p[0]), x1 = _mm256_set1_epi32(p[1]);
+            s16[m][t] = _mm256_add_epi16(s16[m][t], _mm256_maddubs_epi16(lo, x0));
+            s16[m][t] = _mm256_add_epi16(s16[m][t], _mm256_maddubs_epi16(hi, x1));
+          }
+        }
+      }
+      if constexpr (HB == 0)
+        for (int m = 0; m < MR; m++) {
+          const int32_t eight = 8 * total[m * groups + g];
+          for (int t = 0; t < NT; t++) s16[m][t] = _mm256_sub_epi16(s16[m][t], _mm256_set1_epi16((int16_t)(uint16_t)eight));
+          lo32[m][0] = hi32[m][0] = _mm256_set1_epi32(eight);
+          for (int t = 1; t < NT; t++) lo32[m][t] = hi32[m][t] = lo32[m][0];
+        }
+      for (int m = 0; m < MR; m++)
+        for (int t = 0; t < NT; t++) {
+          lo32[m][t] = _mm256_add_epi32(lo32[m][t], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16[m][t])));
+          hi32[m][t] = _mm256_add_epi32(hi32[m][t], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16[m][t], 1)));
+        }
+    }
+    for (int t = 0; t < NT; t++) {
+      const uint16_t *dm = w.dm + ((nb + t) * spans + g / per) * dmw * 16;
+      const int8_t *scm = w.scm + ((nb + t) * groups + g) * scw * 16;
+      const vec scale = w.has_scale ? mul(load_f16(dm), load_i8(scm)) : load_f16(dm);
+      const vec bias = fmadd(offset, scale, w.has_min ? mul(load_f16(dm + 16), load_i8(scm + 16 * w.has_scale)) : zero());
+      for (int m = 0; m < MR; m++) {
+        vec a = load_f32(acc[m][t]);
+        a = fmadd(i32_pair(lo32[m][t], hi32[m][t]), mul(scale, set1(d[m * groups + g])), a);
+        a = fmadd(set1(xsum[m * groups + g]), bias, a);
+        store_f32(acc[m][t], a);
+      }
+    }
+  }
+  for (int m = 0; m < MR; m++)
+    for (int t = 0; t < NT; t++) store_bf16(out + m * N + (nb + t) * 16, load_f32(acc[m][t]));
+}
+
+constexpr int blocks_per_tile(int rows) { return rows == 1 ? 4 : rows <= 3 ? 2 : 1; }
+
+// One linear layer of a fused step: kind 4 (int4 groups), 5 (int4 groups, int8 activations), 6 (GGUF blocks: codes
+// points to a Blocks) or 8 (int8 rows), in the layout of the mm kernels.
 struct Linear {
   int64_t kind;
   const void *codes;
@@ -968,6 +1119,37 @@ void specserve_int4_mm(const uint16_t *x, int64_t M, int64_t K, const uint8_t *c
     int4_tile<decltype(r)::value, decltype(nt)::value>(xa + m0 * K, K, xsum + m0 * groups, groups, G, codes, sb, nb,
                                                        out + m0 * N, N);
   });
+}
+
+// x: bfloat16 [M, K] times a Blocks weight (N outputs), int8 activations per row and group; out: bfloat16 [M, N];
+// xsum: float scratch of M * K/G. N % 16 == 0, K % span == 0.
+void specserve_blocks_mm(const uint16_t *x, int64_t M, int64_t K, const Blocks *w, uint16_t *out, int64_t N,
+                         float *xsum) {
+  const int64_t G = w->group, groups = K / G;
+  thread_local std::vector<int32_t> pairs;
+  thread_local std::vector<float> d;
+  thread_local std::vector<int32_t> total;
+  pairs.resize(M * K / 2);
+  d.resize(M * groups);
+  total.resize(M * groups);
+  quantize_rows(x, M, K, G, pairs.data(), d.data(), xsum, total.data());
+  const int32_t *xq = pairs.data();
+  const float *xd = d.data();
+  const int32_t *xt = total.data();
+  auto run = [&](auto hb) {
+    constexpr int HB = decltype(hb)::value;
+    row_passes<blocks_per_tile>(M, N, [&](auto r, auto nt, int64_t m0, int64_t nb) {
+      blocks_tile<HB, decltype(r)::value, decltype(nt)::value>(*w, xq + m0 * K / 2, K, xd + m0 * groups,
+                                                               xsum + m0 * groups, xt + m0 * groups, nb,
+                                                               out + m0 * N, N);
+    });
+  };
+  switch (w->bits) {
+    case 4: run(std::integral_constant<int, 0>()); break;
+    case 5: run(std::integral_constant<int, 1>()); break;
+    case 6: run(std::integral_constant<int, 2>()); break;
+    default: run(std::integral_constant<int, 8>()); break;
+  }
 }
 
 // x: bfloat16 [M, K]; codes: N/16 x K/2 x 32 bytes; scales: float [N]; out: bfloat16 [M, N]. N % 16 == 0, K even.
@@ -1088,6 +1270,8 @@ void linear(const Linear &w, const uint16_t *x, int64_t M, uint16_t *out, float 
     specserve_int4_mm(x, M, w.K, (const uint8_t *)w.codes, (const uint16_t *)w.scales, w.group, out, w.N, xsum);
   else if (w.kind == 5)
     specserve_int4q8_mm(x, M, w.K, (const uint8_t *)w.codes, (const uint16_t *)w.scales, w.group, out, w.N, xsum);
+  else if (w.kind == 6)
+    specserve_blocks_mm(x, M, w.K, (const Blocks *)w.codes, out, w.N, xsum);
   else
     specserve_int8_mm(x, M, w.K, (const int8_t *)w.codes, (const float *)w.scales, out, w.N);
 }
