@@ -11,6 +11,8 @@ file's q/k rows per rotary pair (`GGUF_PERMUTED`), `gguf_linears` undoes it.
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 import sys
 
@@ -166,13 +168,25 @@ def _unpermute_rows(w: Quantized, heads: int) -> Quantized:
     return w.rows(order)
 
 
+@functools.lru_cache(maxsize=1)
+def _reader(path: str, mtime_ns: int):
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def file_reader(path):
+    """The file's `GGUFReader`, parsed once for the calls of one load (its metadata alone takes seconds to read:
+    a tokenizer's vocabulary is hundreds of thousands of fields)."""
+    path = str(path)
+    return _reader(path, os.stat(path).st_mtime_ns)
+
+
 def gguf_weight_type(path) -> str:
     """The tensor type most of a GGUF file's layer weights are stored in ("Q4_1", "F16", ...)."""
     from collections import Counter
 
-    from gguf import GGUFReader
-
-    kinds = Counter(t.tensor_type.name for t in GGUFReader(str(path)).tensors if t.name.startswith("blk.")
+    kinds = Counter(t.tensor_type.name for t in file_reader(path).tensors if t.name.startswith("blk.")
                     and t.name.split(".")[2] in _GGUF_LAYER)
     return kinds.most_common(1)[0][0] if kinds else "none"
 
@@ -182,23 +196,18 @@ DENSE_TYPES = {"F32", "F16", "BF16", "F64", "none"}
 
 def gguf_architecture(path) -> str:
     """A GGUF file's `general.architecture` ("llama", "qwen2", ...)."""
-    from gguf import GGUFReader
-
-    field = GGUFReader(str(path)).fields.get("general.architecture")
+    field = file_reader(path).fields.get("general.architecture")
     return bytes(field.parts[field.data[0]]).decode() if field is not None else "unknown"
 
 
 def gguf_linears(path, config) -> dict:
     """The linear weights of a GGUF file of `GGUF_STORED`'s architectures as stored: {"layers": [{q, k, v, o, gate, up, down}, ...],
     "head": Quantized or None (tied to the embedding)}, each `Int4Groups`, `Blocks` or `Int8Rows`."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
     permuted = gguf_architecture(path) in GGUF_PERMUTED
     layers: list[dict] = [{} for _ in range(config.num_hidden_layers)]
     head = embedding = None
     requantized: list[str] = []
-    for tensor in reader.tensors:
+    for tensor in file_reader(path).tensors:
         name = tensor.name
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
         if m and m.group(2) in _GGUF_LAYER:
