@@ -251,7 +251,8 @@ class SpecServe:
         tokens)."""
         text = self.codec.stream(request.params.stop)
         committed: list[int] = []
-        part, ended, deadline = request, False, None  # ended: the coordinator's session finished on its own
+        part, ended = request, False  # ended: the coordinator's session finished on its own
+        deadline, last_pid = None, None  # since the coordinator was lost; the process that answered after a loss
         try:
             while True:
                 try:
@@ -267,20 +268,35 @@ class SpecServe:
                                 return
                     return
                 except ray.exceptions.RayActorError as exc:  # the coordinator actor died (or is restarting)
-                    deadline = deadline or time.monotonic() + self.config.restart_timeout_s
-                    if (not self.coordinator.restartable or self.config.max_restarts == 0
-                            or time.monotonic() > deadline):
+                    if not self.coordinator.restartable or self.config.max_restarts == 0:
                         raise _WorkerError.from_cause(exc, request.request_id) from None
                     log.warning("request %s: the coordinator was lost after %d tokens; resuming on its replacement",
                                 request.request_id, len(committed))
+                    deadline = deadline or time.monotonic() + self.config.restart_timeout_s
+                    pid = await self._coordinator_back(deadline)
+                    if pid is None:
+                        raise _WorkerError.from_cause(exc, request.request_id) from None
+                    if pid != last_pid:  # a replacement came back in time: a later loss gets a timeout of its own
+                        deadline, last_pid = None, pid  # (several kills in a row may leave no time for a chunk)
+                    await asyncio.sleep(0.2)
                     # a new id: should the old coordinator still be running it after all, the two cannot collide
                     part = replace(request.resumed(committed), request_id=uuid.uuid4().hex)
-                    await asyncio.sleep(0.2)
                 except Exception as exc:  # noqa: BLE001 - a session's failure: a short message and a status
                     raise _WorkerError.from_cause(exc, request.request_id) from None
         finally:
             if not ended:  # a disconnect, or a stop string: the session would otherwise run on to max_tokens
                 self.coordinator.cancel(part.request_id, "stop" if text.stopped else "cancelled")
+
+    async def _coordinator_back(self, deadline: float) -> int | None:
+        """The coordinator actor's process id once it answers again (Ray restarted it), None past `deadline`
+        (time.monotonic())."""
+        while time.monotonic() < deadline:
+            try:
+                return await asyncio.wait_for(self.coordinator.pid(),
+                                              timeout=max(0.1, min(10.0, deadline - time.monotonic())))
+            except (ray.exceptions.RayActorError, asyncio.TimeoutError):  # not restarted yet (or its death unseen)
+                await asyncio.sleep(0.2)
+        return None
 
     async def _started(self, request: SessionRequest) -> AsyncIterator[Event]:
         """The session's events, the first already here: a failure before the first token (overload, a full KV
