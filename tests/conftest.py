@@ -54,10 +54,9 @@ def save_tokenized_pair(root, noise: float = 0.3, kv_heads: int = 1):
 
     Real tokenizer and chat template, millisecond forwards: what the CLI and serving tests need.
     """
-    from specserve.models.formats import embedded
-    from transformers import AutoTokenizer
+    from specserve.models import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(embedded.converted_dir(embedded.embedded_gguf_path())))
+    tokenizer = load_tokenizer("embedded")
     target = tiny_llama(0, vocab=len(tokenizer), layers=2, hidden=32, scale=8, dtype=torch.float32,
                         heads=2 * kv_heads, kv_heads=kv_heads)
     target.config.eos_token_id = tokenizer.eos_token_id

@@ -6,13 +6,12 @@ import pickle
 
 import pytest
 from specserve.engine.prompts import PromptCodec, PromptError
-from specserve.models.formats import embedded
-from transformers import AutoTokenizer
+from specserve.models import load_tokenizer
 
 
 @pytest.fixture(scope="module")
 def codec():
-    tokenizer = AutoTokenizer.from_pretrained(str(embedded.converted_dir(embedded.embedded_gguf_path())))
+    tokenizer = load_tokenizer("embedded")
     return PromptCodec(tokenizer, len(tokenizer), max_positions=64)
 
 

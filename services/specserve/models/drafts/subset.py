@@ -107,11 +107,15 @@ class SubsetDraftForCausalLM(LlamaPreTrainedModel, GenerationMixin):
 
 
 def read_tensor(spec: str, name: str) -> torch.Tensor:
-    """One tensor from a model's safetensors files, without loading the model."""
+    """One tensor of a model's files (safetensors, or a GGUF file), without loading the model."""
     from safetensors import safe_open
 
-    from specserve.models.formats.loading import resolve_model_path
+    from specserve.models.formats import ggufmodel
+    from specserve.models.formats.loading import gguf_file, resolve_model_path
 
+    gguf = gguf_file(spec)
+    if gguf is not None:
+        return ggufmodel.read_tensor(gguf, name)
     path, _ = resolve_model_path(spec)
     directory = pathlib.Path(path)
     if not directory.is_dir():

@@ -14,7 +14,9 @@ from __future__ import annotations
 import functools
 import os
 import re
+import struct
 import sys
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -168,16 +170,102 @@ def _unpermute_rows(w: Quantized, heads: int) -> Quantized:
     return w.rows(order)
 
 
-@functools.lru_cache(maxsize=1)
-def _reader(path: str, mtime_ns: int):
-    from gguf import GGUFReader
+class FileTensor(NamedTuple):
+    """One tensor of a GGUF file: `data` its bytes memory-mapped, [rows, bytes a row] (a row: the innermost
+    dimension, `shape[0]`), which `gguf.quants.dequantize` and the block readers take as they are."""
 
-    return GGUFReader(path)
+    name: str
+    shape: tuple[int, ...]  # innermost first, as the file lists them
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    data: np.ndarray
 
 
-def file_reader(path):
-    """The file's `GGUFReader`, parsed once for the calls of one load (its metadata alone takes seconds to read:
-    a tokenizer's vocabulary is hundreds of thousands of fields)."""
+class GGUFFile(NamedTuple):
+    metadata: dict[str, Any]  # the scalar and string fields (arrays, e.g. the vocabulary, are skipped)
+    tensors: list[FileTensor]
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def _parse(path: str) -> GGUFFile:
+    """The file's header, scalar metadata and tensor table, its tensors memory-mapped. gguf's `GGUFReader` builds
+    an object per field part (seconds for a vocabulary of 150 k tokens); this walks the arrays without keeping
+    them."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    mem = memoryview(buf)
+    if bytes(mem[:4]) != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", mem, 4)
+    if version < 2:
+        raise ValueError(f"{path}: GGUF version {version} is too old (2 or later is read)")
+    at = 24
+
+    def string() -> str:
+        nonlocal at
+        (size,) = struct.unpack_from("<Q", mem, at)
+        at += 8 + size
+        return bytes(mem[at - size:at]).decode("utf-8", errors="replace")
+
+    def skip_array() -> None:
+        nonlocal at
+        kind, count = struct.unpack_from("<IQ", mem, at)
+        at += 12
+        if kind in _SCALARS:
+            at += count * struct.calcsize(_SCALARS[kind])
+        elif kind == _STRING:
+            for _ in range(count):
+                at += 8 + struct.unpack_from("<Q", mem, at)[0]
+        elif kind == _ARRAY:
+            for _ in range(count):
+                skip_array()
+        else:
+            raise ValueError(f"{path}: unknown GGUF value type {kind}")
+
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = string()
+        (kind,) = struct.unpack_from("<I", mem, at)
+        at += 4
+        if kind in _SCALARS:
+            (metadata[key],) = struct.unpack_from(_SCALARS[kind], mem, at)
+            at += struct.calcsize(_SCALARS[kind])
+        elif kind == _STRING:
+            metadata[key] = string()
+        elif kind == _ARRAY:
+            skip_array()
+        else:
+            raise ValueError(f"{path}: unknown GGUF value type {kind} (key {key})")
+    table = []
+    for _ in range(n_tensors):
+        name = string()
+        (dims,) = struct.unpack_from("<I", mem, at)
+        shape = struct.unpack_from(f"<{dims}Q", mem, at + 4)
+        kind, offset = struct.unpack_from("<IQ", mem, at + 4 + 8 * dims)
+        at += 4 + 8 * dims + 12
+        table.append((name, tuple(int(d) for d in shape), GGMLQuantizationType(kind), offset))
+    alignment = int(metadata.get("general.alignment", 32))
+    start = -(-at // alignment) * alignment
+    tensors = []
+    for name, shape, kind, offset in table:
+        block, size = GGML_QUANT_SIZES[kind]
+        rows = int(np.prod(shape[1:], dtype=np.int64))
+        row_bytes = shape[0] // block * size
+        data = buf[start + offset:start + offset + rows * row_bytes].reshape(rows, row_bytes)
+        tensors.append(FileTensor(name, shape, kind, data))
+    return GGUFFile(metadata, tensors)
+
+
+@functools.lru_cache(maxsize=2)
+def _reader(path: str, mtime_ns: int) -> GGUFFile:
+    return _parse(path)
+
+
+def file_reader(path) -> GGUFFile:
+    """The file's metadata and tensors (`GGUFFile`), parsed once for the calls of one load."""
     path = str(path)
     return _reader(path, os.stat(path).st_mtime_ns)
 
@@ -196,8 +284,7 @@ DENSE_TYPES = {"F32", "F16", "BF16", "F64", "none"}
 
 def gguf_architecture(path) -> str:
     """A GGUF file's `general.architecture` ("llama", "qwen2", ...)."""
-    field = file_reader(path).fields.get("general.architecture")
-    return bytes(field.parts[field.data[0]]).decode() if field is not None else "unknown"
+    return str(file_reader(path).metadata.get("general.architecture", "unknown"))
 
 
 def gguf_linears(path, config) -> dict:

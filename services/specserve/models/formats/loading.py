@@ -18,7 +18,7 @@ import torch
 
 from specserve.models.families.arch import GGUF_STORED
 from specserve.models.families.weights import drop_linears
-from specserve.models.formats import embedded, slices
+from specserve.models.formats import embedded, ggufmodel, slices
 from specserve.models.formats.gguf import DENSE_TYPES, gguf_architecture, gguf_linears, gguf_weight_type
 from specserve.models.kernels import quant
 from specserve.models.kernels.tp import Shard
@@ -172,15 +172,21 @@ def load_model(
     sliced = _sliced_part(path, name, shard, layers, method, device_map, torch_dtype, device)
     if sliced is not None:
         return _keep_shard(sliced, shard, layers)
-    try:
+    if gguf is not None:
+        if device_map is not None:
+            raise ValueError(f"{name}: a GGUF file loads on one device; shard it with tensor_parallel instead")
         with _LOADING:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, device_map=device_map)
-    except OSError as exc:
-        raise ValueError(
-            f"could not load model {name!r}: {exc}. Pass a local directory or .gguf file when offline."
-        ) from exc
-    if device_map is None:
-        model = model.to(device)
+            model = ggufmodel.build_model(gguf, torch_dtype, device, keep_linears=method == "gguf")
+    else:
+        try:
+            with _LOADING:
+                model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, device_map=device_map)
+        except OSError as exc:
+            raise ValueError(
+                f"could not load model {name!r}: {exc}. Pass a local directory or .gguf file when offline."
+            ) from exc
+        if device_map is None:
+            model = model.to(device)
     loaded = LoadedModel(model.eval(), _tokenizer_at(path), name)
     if method == "none":
         return loaded if shard is None else _keep_shard(loaded, shard, layers)
@@ -346,10 +352,11 @@ def model_config(spec: Any):
 
 
 def resolve_model_path(spec: str | pathlib.Path) -> tuple[str | pathlib.Path, str]:
-    """(directory or hub id to load from, display name); converts a GGUF once into the cache."""
+    """(directory or hub id to load from, display name). A GGUF file's directory is its metadata's
+    (`ggufmodel.metadata_dir`: config and tokenizer, no weights); its weights load from the file itself."""
     name = str(spec)
     if name == "embedded":
-        return embedded.converted_dir(embedded.embedded_gguf_path()), "SmolLM2-135M-Instruct"
+        return ggufmodel.metadata_dir(embedded.embedded_gguf_path()), "SmolLM2-135M-Instruct"
     if name == "embedded-draft":
         path = embedded.shipped_draft_dir()
         if not (path / "config.json").is_file():
@@ -359,7 +366,7 @@ def resolve_model_path(spec: str | pathlib.Path) -> tuple[str | pathlib.Path, st
         gguf = pathlib.Path(name).expanduser()
         if not gguf.is_file():
             raise FileNotFoundError(f"GGUF file not found: {gguf}")
-        return embedded.converted_dir(gguf), name
+        return ggufmodel.metadata_dir(gguf), name
     path = pathlib.Path(name).expanduser()
     if not path.exists():
         if name.startswith((".", "/", "~")) or name.count("/") > 1:

@@ -271,7 +271,8 @@ class QuantizedLinear:
             self.dense_from = dense_from = max(dense_from, cpu.DENSE_FROM) if dense_from and \
                 cpu.kernels_keep_dense_copy() else 0
         elif isinstance(weight, Blocks):  # no kernel of torch's reads GGUF blocks: their values, dense
-            self.packed, self.scales, self.dense_from = dense(weight.dequantize().to(self.device, dtype)), None, 1
+            # dense_from 0: every call, one of no rows included, multiplies the dense values
+            self.packed, self.scales, self.dense_from = dense(weight.dequantize().to(self.device, dtype)), None, 0
             self.dense = self.packed
             return
         elif self.bits == 8:

@@ -1,0 +1,198 @@
+"""A GGUF file loaded straight from the file: no safetensors copy, no dense detour.
+
+The file's metadata becomes a small model directory once (config.json, generation_config.json and the
+tokenizer's files, converted by transformers' GGUF readers) in the cache, keyed by the file's sha256; every
+later use reads that directory, as it would an HF checkpoint's. The weights come from the file's tensors:
+norms, biases and the embedding dequantized (with llama.cpp's conventions undone, as transformers' GGUF
+loader does: q/k rows of Llama files, Gemma's 1 + w norms), and the linear layers either kept as stored
+(`formats.gguf.gguf_linears`; the HF modules get shape-only placeholders) or dequantized for a dense model.
+
+It knows nothing of kernels or packing: `formats.loading` hands the linears to `kernels.quant`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from specserve.models.formats.gguf import _GGUF_LAYER, file_reader
+from specserve.models.kernels.cpu import cache_root
+
+_CHUNK = 1 << 24
+
+
+def file_digest(path: pathlib.Path) -> str:
+    """The file's sha256, computed once per (path, size, mtime) and remembered in the cache."""
+    stat = path.stat()
+    where = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    memo = cache_root() / "gguf" / "digests" / hashlib.sha256(where.encode()).hexdigest()[:24]
+    if memo.is_file():
+        return memo.read_text().strip()
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            sha.update(chunk)
+    digest = sha.hexdigest()
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_name(f"{memo.name}.{os.getpid()}")  # renamed whole: a reader never sees half of it
+    tmp.write_text(digest + "\n")
+    os.replace(tmp, memo)
+    return digest
+
+
+def metadata_dir(path: pathlib.Path) -> pathlib.Path:
+    """A model directory holding the GGUF file's config, generation config and tokenizer (no weights), made from
+    its metadata once into the cache and reused by every later load of the same file."""
+    digest = file_digest(path)
+    target = cache_root() / "gguf" / f"{path.stem}-{digest[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    started = time.monotonic()
+    print(f"specserve: reading {path.name}'s config and tokenizer from its metadata once; cache: {target}",
+          file=sys.stderr, flush=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        config.architectures = [_causal_lm_class(config)]
+        config.save_pretrained(str(tmp))
+        GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except (ValueError, KeyError, OSError) as exc:  # a file without (a convertible) tokenizer
+            print(f"specserve: {path.name} carries no tokenizer transformers can read ({exc}); token ids only",
+                  file=sys.stderr, flush=True)
+        else:
+            tokenizer.save_pretrained(str(tmp))
+        (tmp / "gguf.json").write_text(json.dumps({"file": str(path.resolve()), "sha256": digest}) + "\n")
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"specserve: {path.name}: metadata read in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+    return target
+
+
+def _causal_lm_class(config) -> str:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM._model_mapping[type(config)].__name__
+
+
+def _processor(architecture: str, config):
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+
+
+def _hf_names(model, architecture: str) -> dict[str, str]:
+    """GGUF tensor name → the HF model's parameter name (gguf-py's name map, built once: transformers' own
+    `get_gguf_hf_weights_map` builds it again for every submodule, seconds per load)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == architecture), None)
+    if arch is None:
+        raise ValueError(f"gguf-py does not know the architecture {architecture!r}")
+    name_map = get_tensor_name_map(arch, model.config.num_hidden_layers)
+    names = {}
+    for hf_name in model.state_dict():
+        base, _, suffix = hf_name.rpartition(".")
+        found = name_map.get_name(base)
+        if found is not None:
+            names.setdefault(f"{found}.{suffix}", hf_name)
+    return names
+
+
+def _dequantized(tensor, processor, names: dict[str, str]) -> tuple[str | None, torch.Tensor]:
+    """(HF name or None when the model has no such tensor, its float32 values in HF's layout)."""
+    from gguf.quants import dequantize
+
+    values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    result = processor.process(weights=values, name=tensor.name, tensor_key_mapping=names, parsed_parameters={})
+    return names.get(result.name), torch.from_numpy(np.array(result.weights, dtype=np.float32))  # (a copy: mmap is read-only)
+
+
+def _stored_linear(name: str) -> bool:
+    """Whether a GGUF tensor is one of the linears `gguf_linears` reads as stored (the head included)."""
+    m = re.fullmatch(r"blk\.\d+\.(\w+)\.weight", name)
+    return (m is not None and m.group(1) in _GGUF_LAYER) or name == "output.weight"
+
+
+def build_model(path: pathlib.Path, dtype: torch.dtype, device: str, keep_linears: bool):
+    """The HF causal LM of a GGUF file, its weights read from the file in `dtype` on `device`.
+
+    keep_linears: the decoder layers' linears and the head are left as shape-only placeholders (read as stored by
+    `gguf_linears` afterwards); else every weight is dequantized (a dense model, e.g. float32)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specserve.models.formats.gguf import gguf_architecture
+
+    config = AutoConfig.from_pretrained(str(metadata_dir(path)))
+    with init_empty_weights(include_buffers=False):  # parameters on the meta device; rotary buffers computed
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    architecture = gguf_architecture(path)
+    processor = _processor(architecture, config)
+    names = _hf_names(model, architecture)
+    params = dict(model.named_parameters())
+    reader = file_reader(path)
+    started, done = time.monotonic(), 0
+    for tensor in reader.tensors:
+        if keep_linears and _stored_linear(tensor.name):
+            continue
+        name, values = _dequantized(tensor, processor, names)
+        if name is None or name not in params:
+            continue
+        _assign(model, name, values.to(dtype).to(device).reshape(params[name].shape))
+        done += 1
+    model.tie_weights()
+    for name, param in model.named_parameters():
+        if param.device.type != "meta":
+            continue
+        if not keep_linears:
+            raise ValueError(f"{path.name} has no tensor for {name}; not a GGUF file of a {config.model_type} model")
+        # read as stored by `gguf_linears`, which replaces it: its shape and device matter, not its values
+        _assign(model, name, torch.zeros((), dtype=dtype, device=device).expand(param.shape))
+    print(f"specserve: {path.name}: {done} tensors read from the file in {time.monotonic() - started:.1f} s",
+          file=sys.stderr, flush=True)
+    return model.eval()
+
+
+def _assign(model, name: str, value: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    setattr(module, attr, torch.nn.Parameter(value, requires_grad=False))
+
+
+def read_tensor(path: pathlib.Path, hf_name: str) -> torch.Tensor:
+    """One tensor of a GGUF file by its HF name (e.g. "model.embed_tokens.weight"), dequantized to float32."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specserve.models.formats.gguf import gguf_architecture
+
+    config = AutoConfig.from_pretrained(str(metadata_dir(path)))
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    architecture = gguf_architecture(path)
+    processor = _processor(architecture, config)
+    names = _hf_names(model, architecture)
+    for tensor in file_reader(path).tensors:
+        if names.get(tensor.name) == hf_name:
+            return _dequantized(tensor, processor, names)[1].reshape(model.get_parameter(hf_name).shape)
+    raise ValueError(f"{path.name} has no tensor for {hf_name!r}")

@@ -1,0 +1,209 @@
+"""A GGUF file loaded straight from the file (`formats.ggufmodel`): tiny models of llama, qwen2, qwen3 and gemma2
+written by the tests as llama.cpp writes them (K-quant linears, a tokenizer and chat template in the metadata).
+Config and tokenizer come from the metadata; dense, every tensor equals transformers' own GGUF reading; kept as
+stored, its logits on the kernel path are those of the dense forward over the dequantized weights to the kernels'
+rounding; speculation is exact on it (greedy == γ=0, batched == alone, chi-square of sampled tokens)."""
+
+from __future__ import annotations
+
+import warnings
+from concurrent import futures
+
+import numpy as np
+import pytest
+import torch
+from specserve import SamplingParams, SpeculativeDecoder
+from specserve.engine.loop import speculate
+from specserve.engine.proposers import ModelProposer, TargetVerifier
+from specserve.models import load_model, load_tokenizer
+from specserve.models.families.lean import model_sequence
+from specserve.models.formats import ggufmodel
+from specserve.models.kernels import cpu
+from specserve.models.memory.pool import KVPool
+from specserve.scheduler.steps import ScheduledVerifier, StepScheduler
+from specserve.speculation import PositionRNG, make_controller, rejection
+
+from tests.cpu.test_exactness import chi_square_pvalue
+from tests.gguf_files import CHAT_TEMPLATE, FAMILIES, vocabulary, write_gguf
+from tests.reference import reference_probs
+
+TEXT = "the other one is here then the end of it"
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
+needs_kernels = pytest.mark.skipif(not cpu.available(), reason="specserve's CPU kernels need AVX-512 bf16 or "
+                                   "AVX2+FMA+F16C, and g++")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path_factory.getbasetemp() / "gguf-cache"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """{family: (target file, draft file)}: two files of each family, different seeds, one vocabulary."""
+    root = tmp_path_factory.mktemp("gguf-files")
+    return {f: (write_gguf(root / f"{f}.gguf", f, seed=0), write_gguf(root / f"{f}-draft.gguf", f, seed=1,
+                                                                       embedding="Q8_0")) for f in FAMILIES}
+
+
+def transformers_reading(path):
+    """The dense float32 model transformers makes of the file's tensors (its own GGUF loader, our config)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(str(ggufmodel.metadata_dir(path)))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert set(missing) <= ({"lm_head.weight"} if config.tie_word_embeddings else set()) and not unexpected
+    model.tie_weights()
+    return model
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_config_and_tokenizer_come_from_the_files_metadata(files, family):
+    path = files[family][0]
+    loaded = load_model(str(path), "float32", "cpu")
+    config = loaded.model.config
+    arch, shape, extra = FAMILIES[family]
+    assert config.model_type == arch and config.num_hidden_layers == 2 and config.vocab_size == len(vocabulary())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert head_dim == shape["head_dim"] and config.num_key_value_heads == shape["kv_heads"]
+    tied = "head" not in shape
+    assert config.tie_word_embeddings == tied
+    assert (loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight) == tied
+    for key, value in extra.items():
+        assert getattr(config, key) == value, key
+    tokenizer = load_tokenizer(str(path))
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    if family != "gemma2":  # transformers reads a Gemma file's vocabulary as sentencepiece's, as Gemma files carry
+        ids = tokenizer(" the other")["input_ids"]
+        assert vocabulary()[ids[0]] == "Ġthe" and tokenizer.decode(ids) == " the other"
+    assert loaded.eos_ids == {vocabulary().index("<|im_end|>")}
+    # the cache holds the metadata's small files, no weights
+    cached = list(ggufmodel.metadata_dir(path).iterdir())
+    assert {p.name for p in cached} >= {"config.json", "tokenizer.json", "generation_config.json"}
+    assert sum(p.stat().st_size for p in cached) < 200_000
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_dense_every_tensor_is_what_transformers_reads_from_the_file(files, family):
+    path = files[family][0]
+    ours = load_model(str(path), "float32", "cpu").model.state_dict()
+    theirs = transformers_reading(path).state_dict()
+    assert set(ours) == set(theirs)
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_kept_as_stored_the_kernel_paths_logits_are_the_dense_forwards(files, family):
+    """bf16 activations, int8 per block on the kernels' side, over logits of spread ~2: within 0.03 on average
+    and 1.0 at worst (a dense bf16 forward of the same weights is off by up to ~0.3 alone; Gemma's residual
+    stream, its embedding times 16, makes the rare outlier), while another file's logits are off by ~2."""
+    path, other = files[family]
+    loaded = load_model(str(path), device="cpu")
+    assert loaded.quantization.startswith("gguf-") and loaded.dtype == torch.bfloat16
+    assert loaded.model.model.layers[0].mlp.down_proj.weight.numel() == 0  # no dense copy of the linears
+    ids = load_tokenizer(str(path))(TEXT)["input_ids"]
+    got = model_sequence(loaded.model).feed(ids, keep_logits=len(ids)).float()
+    with torch.inference_mode():
+        want = transformers_reading(path)(torch.tensor([ids])).logits[0]
+        elsewhere = transformers_reading(other)(torch.tensor([ids])).logits[0]
+    assert want.std() > 1.0
+    error = (got - want).abs()
+    assert error.mean() < 0.03 and error.max() < 1.0, (error.mean(), error.max())
+    assert (elsewhere - want).abs().mean() > 0.5
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_speculation_equals_gamma_0_on_the_kernel_path(files, family):
+    """A GGUF target and a GGUF draft of another seed (rejections), kept as stored: every prompt's tokens with
+    γ = 1, 3 and auto are its own γ = 0 tokens."""
+    target, draft = (str(p) for p in files[family])
+    decoder = SpeculativeDecoder(target, draft, gamma=3, draft_lookup=False)
+    assert decoder.target.quantization.startswith("gguf-")
+    tokenizer = load_tokenizer(target)
+    for text in (TEXT, "then the one", "here is the other end"):
+        prompt = tokenizer(text)["input_ids"]
+        plain = decoder.generate(prompt, GREEDY, max_new_tokens=24, gamma=0)
+        for gamma in (1, 3, "auto"):
+            spec = decoder.generate(prompt, GREEDY, max_new_tokens=24, gamma=gamma)
+            assert spec.token_ids == plain.token_ids, (text, gamma)
+        assert decoder.generate(prompt, GREEDY, max_new_tokens=24, gamma=3).stats.drafted > 0
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+def test_batched_sessions_on_a_k_quant_target_each_equal_their_run_alone(files, family):
+    target = load_model(str(files[family][0]), device="cpu")
+    draft = load_model(str(files[family][1]), device="cpu")
+    vocab = target.vocab_size
+    prompt = load_tokenizer(str(files[family][0]))(TEXT)["input_ids"]
+
+    def run(seed: int, scheduler: StepScheduler, pool: KVPool) -> list[int]:
+        params = SamplingParams(temperature=1.0, seed=seed, ignore_eos=True)
+        verifier = ScheduledVerifier(scheduler, TargetVerifier(target.model, vocab, pool.sequence()))
+        rounds = speculate(prompt[seed:] + prompt[:seed], ModelProposer(draft.model, vocab), verifier,
+                           make_controller(2), params, PositionRNG(seed), 12, vocab, set())
+        return [t for r in rounds for t in r.tokens]
+
+    def scheduled(expected: int):
+        pool = KVPool(target.model, tokens=1024, min_block=8)
+        return StepScheduler(pool, expected=lambda: expected, gather=0.5), pool
+
+    alone = []
+    for seed in range(5):
+        scheduler, pool = scheduled(1)
+        try:
+            alone.append(run(seed, scheduler, pool))
+        finally:
+            scheduler.close()
+    scheduler, pool = scheduled(5)
+    try:
+        with futures.ThreadPoolExecutor(5) as threads:
+            together = list(threads.map(lambda seed: run(seed, scheduler, pool), range(5)))
+        assert max(scheduler.sessions_per_step) >= 3, "the sessions did not share steps"
+    finally:
+        scheduler.close()
+    assert together == alone
+
+
+MODE = dict(temperature=1.0, top_k=4, top_p=1.0)
+CHI_RUNS = 1500
+
+
+@needs_kernels
+def test_sampled_first_tokens_through_a_k_quant_target_follow_its_distribution(files, tmp_path, monkeypatch):
+    """Chi-square of the first two sampled tokens (top-k 4: 16 cells or a few more) against the joint distribution
+    of the stored target's own forward, one sequence at a time. The draft is the same file with a flatter head
+    (its proposals overlap the target's, so acceptance is partial and the residual step matters): a broken
+    sampler (no residual step) must be rejected."""
+    target = load_model(str(files["llama"][0]), device="cpu")
+    prompt = load_tokenizer(str(files["llama"][0]))(TEXT)["input_ids"]
+    args = (MODE["temperature"], MODE["top_k"], MODE["top_p"])
+    p1 = reference_probs(model_sequence(target.model).feed(prompt)[-1].double().numpy(), *args)
+    firsts = np.flatnonzero(p1)
+    seconds = {a: reference_probs(model_sequence(target.model).feed(prompt + [int(a)])[-1].double().numpy(), *args)
+               for a in firsts}
+    cells = [(a, b) for a in firsts for b in np.flatnonzero(seconds[a])]
+    expected = np.array([p1[a] * seconds[a][b] for a, b in cells])
+    flatter = write_gguf(tmp_path / "flatter.gguf", "llama", seed=0, head_reach=0.2)
+    decoder = SpeculativeDecoder(target, str(flatter), gamma=2, draft_lookup=False)
+
+    def counts() -> np.ndarray:
+        found = np.zeros(len(cells))
+        for seed in range(CHI_RUNS):
+            res = decoder.generate(prompt, SamplingParams(**MODE, seed=seed, ignore_eos=True), 2)
+            found[cells.index((res.token_ids[0], res.token_ids[1]))] += 1
+        return found
+
+    assert len(cells) >= 16 and expected.min() > 0.001, (len(cells), expected.min())  # (ties at the k-th keep both)
+    assert chi_square_pvalue(counts(), expected) > 1e-3
+    monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: p)
+    assert chi_square_pvalue(counts(), expected) < 1e-3, "the test cannot tell a missing residual step"
