@@ -20,6 +20,7 @@ from specserve.models.kernels.fused import FusedLayers
 from specserve.models.memory.pool import KVPool
 
 from tests.conftest import tiny_llama
+from tests.families import tiny_family
 
 pytestmark = pytest.mark.skipif(not cpu.available(),
                                 reason="specserve's CPU kernels need AVX-512 bf16 or AVX2+FMA+F16C, and g++")
@@ -344,14 +345,16 @@ def _quantization(method: str, monkeypatch) -> str:
     return method
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("method", ["int4", "int4-q8", "int8"])
-def test_fused_layers_equal_the_per_op_path(monkeypatch, method):
+def test_fused_layers_equal_the_per_op_path(monkeypatch, method, family):
     """A quantized bf16 model's prompts, decode steps and verify blocks through `FusedLayers` (one call a layer; its
-    rotary, residual adds and roundings in C++): the same logits as the per-op path bit for bit, a verify block's
-    rows the decode steps'."""
+    rotary, residual adds, q|k|v biases (Qwen2), per-head q/k norms (Qwen3) and roundings in C++): the same logits
+    as the per-op path bit for bit, a verify block's rows the decode steps'."""
     method = _quantization(method, monkeypatch)
-    model = load_model(tiny_llama(0, vocab=64, layers=2, hidden=128, heads=4, kv_heads=2, dtype=torch.bfloat16),
-                       quantization=method).model
+    dense = tiny_llama(0, vocab=64, layers=2, hidden=128, heads=4, kv_heads=2, dtype=torch.bfloat16) \
+        if family == "llama" else tiny_family(family, vocab=64, dtype=torch.bfloat16, spread=0.08, wide=True)
+    model = load_model(dense, quantization=method).model
     runs = []
     monkeypatch.setattr(FusedLayers, "run", lambda *a, _f=FusedLayers.run: runs.append(1)
                         or _f(*a))

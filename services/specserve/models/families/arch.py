@@ -133,7 +133,7 @@ class Arch:
     @property
     def llama_layer(self) -> bool:
         """Whether a layer computes as Llama's does (what the fused CPU kernel implements)."""
-        return (self.act == "silu" and not self.gemma and self.norms == "pre" and self.qk_norm is None
+        return (self.act == "silu" and not self.gemma and self.norms == "pre" and self.qk_norm in (None, "head")
                 and self.rotary_dim == self.head_dim)
 
     def tp_reason(self) -> str | None:
@@ -241,7 +241,7 @@ def kernel_path(a: Arch) -> str:
     """What specserve's CPU kernels run of a bfloat16 step of this arch (where they run at all: `kernels.cpu`)."""
     if a.attn_softcap is not None:
         return "op by op (attention soft-capping: torch's attention)"
-    if not a.llama_layer or a.qkv_bias:
+    if not a.llama_layer:
         return "attention; the rest op by op (" + _not_llama(a) + ")"
     return "fused layers"
 
@@ -252,12 +252,10 @@ def _not_llama(a: Arch) -> str:
         parts.append("GeGLU")
     if a.gemma or a.norms != "pre":
         parts.append("other norms")
-    if a.qk_norm:
-        parts.append("q/k norms")
+    if a.qk_norm == "full":
+        parts.append("q/k norms over all heads")
     if a.rotary_dim != a.head_dim:
         parts.append("partial rotary")
-    if a.qkv_bias:
-        parts.append("attention biases")
     return ", ".join(parts)
 
 

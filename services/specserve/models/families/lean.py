@@ -377,6 +377,8 @@ def norm(w: LeanWeights, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # as HF: normalise in float32, scale in the compute dtype (one fused op for HF's four, one call on a CPU)
+    if x.dim() == 3 and x.shape[0] and cpu.rms_ok(x[0]):  # per head (Qwen3's q/k norms): a head a row, as the fused layers
+        return cpu.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
     if x.dim() == 2 and cpu.rms_ok(x):
         return cpu.rms_norm(x, weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)

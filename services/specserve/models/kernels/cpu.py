@@ -157,11 +157,12 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.specserve_int4_mm.argtypes = lib.specserve_int4q8_mm.argtypes = [p, i, i, p, p, i, p, i, p]
     lib.specserve_int8_mm.argtypes = [p, i, i, p, p, p, i]
     lib.specserve_blocks_mm.argtypes = [p, i, i, p, p, i, p]
+    lib.specserve_pack_codes.argtypes = [p, i, i, i, p, p]
     lib.specserve_attend.argtypes = [p, i, p, i, p, i, p, p, i, p, i, i, i, i, ctypes.c_float, i, p]
     lib.specserve_rms_norm.argtypes = [p, i, p, i, i, ctypes.c_float, p]
     lib.specserve_silu_mul.argtypes = [p, i, i, p]
-    lib.specserve_layers.argtypes = [p, i, i, i, p, p, ctypes.c_float, p, p, p, p, p, i, i, p, i, i, i, i,
-                                     ctypes.c_float, p, p, p]
+    lib.specserve_layers.argtypes = [p, i, i, i, p, p, ctypes.c_float, p, p, p, p, p, p, p, p, i, i, p, i, i, i,
+                                     i, ctypes.c_float, p, p, p]
     for f in (lib.specserve_int4_mm, lib.specserve_int4q8_mm, lib.specserve_int8_mm, lib.specserve_blocks_mm,
               lib.specserve_attend, lib.specserve_rms_norm, lib.specserve_silu_mul, lib.specserve_layers):
         f.restype = None
@@ -243,23 +244,13 @@ class PackedBlocks:
     def __init__(self, w):
         n, k = w.codes.shape
         self.group, self.out_features = w.group, n
-        c = w.codes.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3)  # [blocks, tiles, 16 outputs, 4 inputs]
-        offset = w.offset
-        hb = w.bits - 4
-        if hb == 4:  # signed bytes, 4 inputs of an output together
-            self.lo = (c.to(torch.int16) - 128).to(torch.int8).contiguous().view(n // 16, k // 4, 64)
-            self.hi, offset = torch.zeros(0, dtype=torch.uint8), offset + 128
-        else:
-            low = c & 0x0F
-            self.lo = (low[..., :2] | low[..., 2:] << 4).contiguous().view(n // 16, k // 4, 32)
-        if 0 < hb < 4:
-            per = 4 // hb
-            high = c >> 4
-            pairs = (high[..., :2] | high[..., 2:] << 4).reshape(n // 16, k // 4 // per, per, 32).to(torch.int32)
-            shifted = sum(pairs[:, :, s] << (s * hb) for s in range(per))
-            self.hi = shifted.to(torch.uint8).contiguous()
-        elif hb == 0:
-            self.hi = torch.zeros(0, dtype=torch.uint8)
+        offset, hb = w.offset, w.bits - 4
+        codes = w.codes.contiguous()
+        self.lo = torch.empty((n // 16, k // 4, 64 if hb == 4 else 32), dtype=torch.uint8)
+        self.hi = torch.empty((n // 16, k // 4 // (4 // hb), 32) if hb in (1, 2) else 0, dtype=torch.uint8)
+        library().specserve_pack_codes(codes.data_ptr(), n, k, w.bits, self.lo.data_ptr(), self.hi.data_ptr())
+        if hb == 4:  # signed bytes: codes less 128
+            self.lo, offset = self.lo.view(torch.int8), offset + 128
         with_min, with_scale = w.has_min, bool((w.sc != 1).any())
 
         def by_block(parts: list[torch.Tensor], dtype) -> torch.Tensor:  # [N, X] each → [N/16, X, len, 16]

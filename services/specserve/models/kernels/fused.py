@@ -18,8 +18,8 @@ class _Linear(ctypes.Structure):  # csrc: struct Linear
 
 
 class FusedLayers:
-    """Every decoder layer of a bfloat16 model whose four linear layers all run on these kernels (no biases on
-    the attention's), as one `specserve_layers` call a step: a decode step's or a short verify block's ~20 torch
+    """Every decoder layer of a bfloat16 model whose four linear layers all run on these kernels (a bias on q|k|v
+    and per-head q/k norms too: Qwen2's, Qwen3's; none on the output's), as one `specserve_layers` call a step: a decode step's or a short verify block's ~20 torch
     ops a layer, with their dispatch, took a third of its time (docs/benchmarks.md). The same kernels in the
     same order as the per-op path, so its values are the per-op path's (tests/cpu/test_cpukernels.py)."""
 
@@ -29,20 +29,24 @@ class FusedLayers:
         n = len(layers)
         self._linears = (_Linear * (4 * n))()
         self.layers = []
-        for i, (norm_in, norm_post, structs, linears, window) in enumerate(layers):
+        for i, (norm_in, norm_post, structs, linears, window, extras) in enumerate(layers):
             view = (_Linear * 4).from_buffer(self._linears, 4 * i * ctypes.sizeof(_Linear))
             for j in range(4):
                 view[j] = structs[j]
-            self.layers.append((norm_in, norm_post, view, linears, window))
+            self.layers.append((norm_in, norm_post, view, linears, window, extras))
         self._norms_in = (ctypes.c_void_p * n)(*[layer[0].data_ptr() for layer in layers])
         self._norms_post = (ctypes.c_void_p * n)(*[layer[1].data_ptr() for layer in layers])
+        # q|k|v's bias, the q and k norms: a layer's tensor or null (the layers keep them alive)
+        self._b_qkv, self._q_norm, self._k_norm = (
+            (ctypes.c_void_p * n)(*[None if layer[5][j] is None else layer[5][j].data_ptr() for layer in layers])
+            for j in range(3))
         self._windows = (ctypes.c_int64 * n)(*[layer[4] for layer in layers])
         self.rows_below = rows_below  # steps of fewer rows than this (no layer's dense copy taking over)
         h = layers[0][0].shape[0]
         lin = layers[0][2]
         self.hidden, self.inter = h, lin[2].N // 2
         self.qkv = lin[0].N
-        self.max_groups = max(l.K // l.group if l.kind in (4, 5, 6) else 1 for _, _, ls, _, _ in layers for l in ls)
+        self.max_groups = max(l.K // l.group if l.kind in (4, 5, 6) else 1 for layer in layers for l in layer[2])
         self.int8_activations = False
         self._int4_kind()
 
@@ -50,7 +54,7 @@ class FusedLayers:
         """The int4 linears' kind for `ACTIVATIONS` now (4: bfloat16 activations, 5: int8), as `int4_mm` reads it."""
         if self.int8_activations != int8_activations():
             self.int8_activations = not self.int8_activations
-            for _, _, structs, _, _ in self.layers:
+            for _, _, structs, *_ in self.layers:
                 for s in structs:
                     if s.kind in (4, 5):
                         s.kind = 5 if self.int8_activations else 4
@@ -63,8 +67,7 @@ class FusedLayers:
         rows_below, layers = 1 << 30, []
         for layer in w.layers:
             linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
-            if layer.b_qkv is not None or layer.b_o is not None or any(
-                    not isinstance(q, QuantizedLinear) or q.kernel is None for q in linears):
+            if layer.b_o is not None or any(not isinstance(q, QuantizedLinear) or q.kernel is None for q in linears):
                 return None
             structs = (_Linear * 4)()
             for s, q in zip(structs, linears):
@@ -77,7 +80,8 @@ class FusedLayers:
                 if q.dense is not None:
                     rows_below = min(rows_below, q.dense_from)
             # the linears keep the addresses valid
-            layers.append((layer.norm_in, layer.norm_mlp, structs, linears, layer.window or 0))
+            extras = tuple(None if t is None else t.contiguous() for t in (layer.b_qkv, layer.q_norm, layer.k_norm))
+            layers.append((layer.norm_in, layer.norm_mlp, structs, linears, layer.window or 0, extras))
         return cls(layers, rows_below) if layers else None
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention, heads: int,
@@ -93,6 +97,6 @@ class FusedLayers:
         k, v = attention.k, attention.v
         library().specserve_layers(
             x.data_ptr(), t, self.hidden, len(self.layers), self._norms_in, self._norms_post, eps, self._linears,
-            cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
+            self._b_qkv, self._q_norm, self._k_norm, cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
             attention.info.data_ptr(), attention.count, heads, kv_heads, head_dim, attention.scale, self._windows,
             scratch.data_ptr(), xsum.data_ptr())

@@ -1225,6 +1225,38 @@ void specserve_rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *wei
 }
 
 
+// A blocks weight's codes [N, K] (one a byte) in the layout specserve_blocks_mm reads (struct Blocks), in one
+// pass: for each 16 outputs and 4 inputs, lo holds 8-bit codes less 128 [16][4], or low nibbles, inputs j and
+// j + 2 in one byte [16][2]; hi the bits above the nibble (5- and 6-bit codes), 4 / (bits - 4) tiles in a byte,
+// the first in the lowest bits.
+void specserve_pack_codes(const uint8_t *codes, int64_t N, int64_t K, int64_t bits, uint8_t *lo, uint8_t *hi) {
+  const int64_t tiles = K / 4, hb = bits - 4, per = (hb == 1 || hb == 2) ? 4 / hb : 1;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < N / 16; b++) {
+    for (int64_t t = 0; t < tiles; t++) {
+      for (int64_t o = 0; o < 16; o++) {
+        const uint8_t *c = codes + (b * 16 + o) * K + t * 4;
+        if (bits == 8) {
+          uint8_t *out = lo + (b * tiles + t) * 64 + o * 4;
+          for (int j = 0; j < 4; j++) out[j] = (uint8_t)(c[j] - 128);
+          continue;
+        }
+        uint8_t *out = lo + (b * tiles + t) * 32 + o * 2;
+        for (int j = 0; j < 2; j++) out[j] = (uint8_t)((c[j] & 0x0F) | (c[j + 2] & 0x0F) << 4);
+        if (per > 1) {
+          uint8_t *h = hi + (b * (tiles / per) + t / per) * 32 + o * 2;
+          const int shift = (int)((t % per) * hb);
+          for (int j = 0; j < 2; j++) {
+            const uint8_t pair = (uint8_t)((c[j] >> 4) | (c[j + 2] >> 4) << 4);
+            h[j] = (uint8_t)((t % per == 0 ? 0 : h[j]) | pair << shift);
+          }
+        }
+      }
+    }
+  }
+}
+
+
 // act[t, i] = bfloat16(bfloat16(silu(gate)) · up) for gate_up [T, 2I] (gate first): SiLU in float32.
 void specserve_silu_mul(const uint16_t *gate_up, int64_t T, int64_t I, uint16_t *act) {
   const vec one = set1(1.0f);
@@ -1281,10 +1313,13 @@ extern "C" {
 
 // One decoder layer over T rows of x [T, H] (updated in place) for sequences whose new blocks all go through
 // specserve_attend: the same kernels, in the same order and with the same roundings, as lean._lean_forward's
-// per-op path, in one call. lin: qkv, o, gate_up, down. scratch: bfloat16 of T · (2H + 2·QKV + heads·D + 3I)
-// (QKV = (heads + 2·kv_heads)·D, I = gate_up's N / 2); xsum: float32 of T · max(K / group).
+// per-op path, in one call. lin: qkv, o, gate_up, down. b_qkv: q|k|v's bias [QKV] or null (Qwen2); q_norm,
+// k_norm: RMS norms over each query and key head [D] or null (Qwen3). scratch: bfloat16 of
+// T · (2H + 2·QKV + heads·D + 3I) (QKV = (heads + 2·kv_heads)·D, I = gate_up's N / 2); xsum: float32 of
+// T · max(K / group).
 void specserve_layer(uint16_t *x, int64_t T, int64_t H, const uint16_t *norm_in, const uint16_t *norm_post, float eps,
-                     const Linear *lin, const uint16_t *cos, const uint16_t *sin, uint16_t *k, uint16_t *v,
+                     const Linear *lin, const uint16_t *b_qkv, const uint16_t *q_norm, const uint16_t *k_norm,
+                     const uint16_t *cos, const uint16_t *sin, uint16_t *k, uint16_t *v,
                      int64_t head_stride, const int64_t *info, int64_t nseq, int64_t heads, int64_t kv_heads,
                      int64_t D, float scale, int64_t window, uint16_t *scratch, float *xsum) {
   const int64_t QK = (heads + kv_heads) * D, QKV = QK + kv_heads * D, I = lin[2].N / 2;
@@ -1292,6 +1327,13 @@ void specserve_layer(uint16_t *x, int64_t T, int64_t H, const uint16_t *norm_in,
   uint16_t *gate_up = o + T * H, *act = gate_up + T * 2 * I;
   specserve_rms_norm(x, H, norm_in, T, H, eps, h);
   linear(lin[0], h, T, qkv, xsum);
+  if (b_qkv != nullptr)
+    for (int64_t t = 0; t < T; t++) residual_add(qkv + t * QKV, b_qkv, QKV);
+  if (q_norm != nullptr)  // in place, a head a row
+    for (int64_t t = 0; t < T; t++) {
+      specserve_rms_norm(qkv + t * QKV, D, q_norm, heads, D, eps, qkv + t * QKV);
+      specserve_rms_norm(qkv + t * QKV + heads * D, D, k_norm, kv_heads, D, eps, qkv + t * QKV + heads * D);
+    }
   rope(qkv, QKV, T, heads + kv_heads, D, cos, sin, qk);
   specserve_attend(qk, QK, qk + heads * D, QK, qkv + QK, QKV, k, v, head_stride, info, nseq, heads, kv_heads, D,
                    scale, window, att);
@@ -1305,15 +1347,19 @@ void specserve_layer(uint16_t *x, int64_t T, int64_t H, const uint16_t *norm_in,
 }
 
 // specserve_layer for layers [0, n) in one call (a caller's thread is off its interpreter's lock once a step, not
-// once a layer): layer i's norms norm_in[i], norm_post[i], linears lin[4i..4i+3], sliding window window[i], keys
-// and values at k, v + i · layer_stride.
+// once a layer): layer i's norms norm_in[i], norm_post[i], linears lin[4i..4i+3], b_qkv[i], q_norm[i] and
+// k_norm[i] (each null where the family has none), sliding window window[i], keys and values at k, v + i ·
+// layer_stride.
 void specserve_layers(uint16_t *x, int64_t T, int64_t H, int64_t n, const uint16_t *const *norm_in,
-                      const uint16_t *const *norm_post, float eps, const Linear *lin, const uint16_t *cos,
+                      const uint16_t *const *norm_post, float eps, const Linear *lin,
+                      const uint16_t *const *b_qkv, const uint16_t *const *q_norm, const uint16_t *const *k_norm,
+                      const uint16_t *cos,
                       const uint16_t *sin, uint16_t *k, uint16_t *v, int64_t layer_stride, int64_t head_stride,
                       const int64_t *info, int64_t nseq, int64_t heads, int64_t kv_heads, int64_t D, float scale,
                       const int64_t *window, uint16_t *scratch, float *xsum) {
   for (int64_t i = 0; i < n; i++)
-    specserve_layer(x, T, H, norm_in[i], norm_post[i], eps, lin + 4 * i, cos, sin, k + i * layer_stride,
+    specserve_layer(x, T, H, norm_in[i], norm_post[i], eps, lin + 4 * i, b_qkv[i], q_norm[i], k_norm[i], cos, sin,
+                    k + i * layer_stride,
                     v + i * layer_stride, head_stride, info, nseq, heads, kv_heads, D, scale, window[i], scratch, xsum);
 }
 
