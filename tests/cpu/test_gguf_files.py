@@ -18,6 +18,7 @@ from specserve.engine.proposers import ModelProposer, TargetVerifier
 from specserve.models import load_model, load_tokenizer
 from specserve.models.families.lean import model_sequence
 from specserve.models.formats import ggufmodel
+from specserve.models.formats.gguf import FileEmbedding
 from specserve.models.kernels import cpu
 from specserve.models.memory.pool import KVPool
 from specserve.scheduler.steps import ScheduledVerifier, StepScheduler
@@ -110,8 +111,14 @@ def test_kept_as_stored_the_kernel_paths_logits_are_the_dense_forwards(files, fa
     assert loaded.model.model.layers[0].mlp.down_proj.weight.numel() == 0  # no dense copy of the linears
     ids = load_tokenizer(str(path))(TEXT)["input_ids"]
     got = model_sequence(loaded.model).feed(ids, keep_logits=len(ids)).float()
+    reference = transformers_reading(path)
+    # the embedding stays in the file; the rows looked up are the dense table's, in the compute dtype
+    embedding = loaded.model.model.embed_tokens
+    assert isinstance(embedding, FileEmbedding) and not hasattr(embedding, "weight")
+    some = torch.tensor(ids + [0, len(vocabulary()) - 1, ids[0]])
+    assert torch.equal(embedding[some], reference.model.embed_tokens.weight[some].bfloat16())
     with torch.inference_mode():
-        want = transformers_reading(path)(torch.tensor([ids])).logits[0]
+        want = reference(torch.tensor([ids])).logits[0]
         elsewhere = transformers_reading(other)(torch.tensor([ids])).logits[0]
     assert want.std() > 1.0
     error = (got - want).abs()

@@ -202,7 +202,8 @@ class LeanWeights:
             self.head = packed_dense(cast(head)) if head_spec is None else \
                 QuantizedLinear(head, dtype, device, head_spec.dense_from)
         # indexed per call, cast only the rows used
-        self.embed = model.model.embed_tokens.weight if self.first else None
+        embedding = model.model.embed_tokens  # its weight, or a module that looks rows up itself (a GGUF file's)
+        self.embed = (embedding.weight if hasattr(embedding, "weight") else embedding) if self.first else None
         self.scale = arch.scale
         self.kernel_attention = arch.attn_softcap is None  # the CPU kernels' attention does not soft-cap
         self.device = device

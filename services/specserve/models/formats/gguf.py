@@ -162,6 +162,43 @@ def _gguf_tensor(tensor, method_note: list[str]) -> Quantized:
     return Int8Rows.quantize(dense)
 
 
+DENSE_TENSOR_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def dequantize_rows(raw: np.ndarray, kind: str, k: int) -> torch.Tensor:
+    """Rows [n, k] of a tensor of GGUF type `kind` from their raw bytes [n, bytes a row], as float32: the values
+    `gguf.quants.dequantize` gives (tests/cpu/test_gguf_blocks.py), through the block readers."""
+    n = len(raw)
+    if kind in ("Q4_0", "Q4_1"):
+        return _q4_blocks(raw, n, k, kind == "Q4_1").dequantize()
+    if kind in BLOCK_TYPES:
+        return read_blocks(raw, kind, n, k).dequantize()
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType[kind]), dtype=np.float32).reshape(n, k))
+
+
+class FileEmbedding(torch.nn.Module):
+    """A GGUF file's token embedding as the file stores it (memory-mapped, its pages shared and evictable): the
+    rows a step looks up are dequantized then, in the compute dtype, the values a dense copy would hold. It has
+    no `weight`: code that wants the whole table (a new feature head's) loads the file dense."""
+
+    def __init__(self, tensor: FileTensor, dtype: torch.dtype):
+        super().__init__()
+        self.tensor, self.dtype = tensor, dtype
+        self.embedding_dim, self.num_embeddings = tensor.shape[:2]
+        self.kind = tensor.tensor_type.name
+
+    @torch.compiler.disable  # numpy on the file's pages: outside a compiled step's graph
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:  # [T] → [T, hidden]
+        rows = self.tensor.data[ids.cpu().numpy()]
+        return dequantize_rows(rows, self.kind, self.embedding_dim).to(ids.device, self.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self[ids.reshape(-1)].view(*ids.shape, self.embedding_dim)
+
+
 def _unpermute_rows(w: Quantized, heads: int) -> Quantized:
     """llama.cpp stores q and k rows interleaved per rotary pair; HF (and the lean forward) keep halves."""
     n = w.codes.shape[0]

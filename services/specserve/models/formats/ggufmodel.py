@@ -25,7 +25,7 @@ import time
 import numpy as np
 import torch
 
-from specserve.models.formats.gguf import _GGUF_LAYER, file_reader
+from specserve.models.formats.gguf import _GGUF_LAYER, DENSE_TENSOR_TYPES, FileEmbedding, file_reader
 from specserve.models.kernels.cpu import cache_root
 
 _CHUNK = 1 << 24
@@ -152,8 +152,12 @@ def build_model(path: pathlib.Path, dtype: torch.dtype, device: str, keep_linear
     params = dict(model.named_parameters())
     reader = file_reader(path)
     started, done = time.monotonic(), 0
+    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    # kept as stored on a CPU: looked up from the file's pages (`gguf.FileEmbedding`), not held dense
+    file_embedding = keep_linears and torch.device(device).type == "cpu" and embedding is not None \
+        and embedding.tensor_type.name not in DENSE_TENSOR_TYPES
     for tensor in reader.tensors:
-        if keep_linears and _stored_linear(tensor.name):
+        if keep_linears and _stored_linear(tensor.name) or (file_embedding and tensor is embedding):
             continue
         name, values = _dequantized(tensor, processor, names)
         if name is None or name not in params:
@@ -168,6 +172,11 @@ def build_model(path: pathlib.Path, dtype: torch.dtype, device: str, keep_linear
             raise ValueError(f"{path.name} has no tensor for {name}; not a GGUF file of a {config.model_type} model")
         # read as stored by `gguf_linears`, which replaces it: its shape and device matter, not its values
         _assign(model, name, torch.zeros((), dtype=dtype, device=device).expand(param.shape))
+    if file_embedding:
+        if model.lm_head.weight.device.type == "meta":  # tied to the embedding: the head is read as stored too
+            _assign(model, "lm_head.weight", torch.zeros((), dtype=dtype, device=device).expand(
+                model.lm_head.weight.shape))
+        model.model.embed_tokens = FileEmbedding(embedding, dtype)
     print(f"specserve: {path.name}: {done} tensors read from the file in {time.monotonic() - started:.1f} s",
           file=sys.stderr, flush=True)
     return model.eval()

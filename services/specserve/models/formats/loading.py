@@ -326,7 +326,7 @@ def _drop_linears(model) -> None:
     """Free the HF modules' linear weights (and an untied head) once the lean forward holds its own."""
     for layer in model.model.layers:
         drop_linears(layer)
-    if model.lm_head.weight is not model.model.embed_tokens.weight:
+    if model.lm_head.weight is not getattr(model.model.embed_tokens, "weight", None):
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.new_empty(0), requires_grad=False)
 
 
