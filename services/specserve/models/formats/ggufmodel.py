@@ -57,7 +57,7 @@ def metadata_dir(path: pathlib.Path) -> pathlib.Path:
     target = cache_root() / "gguf" / f"{path.stem}-{digest[:16]}"
     if (target / "config.json").is_file():
         return target
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     started = time.monotonic()
     print(f"specserve: reading {path.name}'s config and tokenizer from its metadata once; cache: {target}",
@@ -70,7 +70,7 @@ def metadata_dir(path: pathlib.Path) -> pathlib.Path:
         config.save_pretrained(str(tmp))
         GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            tokenizer = _tokenizer(path, config)
         except (ValueError, KeyError, OSError) as exc:  # a file without (a convertible) tokenizer
             print(f"specserve: {path.name} carries no tokenizer transformers can read ({exc}); token ids only",
                   file=sys.stderr, flush=True)
@@ -86,6 +86,19 @@ def metadata_dir(path: pathlib.Path) -> pathlib.Path:
         raise
     print(f"specserve: {path.name}: metadata read in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
     return target
+
+
+def _tokenizer(path: pathlib.Path, config):
+    """The file's tokenizer in the class AutoTokenizer picks for `config`, given here: AutoTokenizer would read the
+    whole file's metadata again to find it (~10 s for a vocabulary of 150 k tokens; the class's own reader ~1 s)."""
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    try:
+        cls = TOKENIZER_MAPPING[type(config)]
+    except KeyError:
+        cls = TokenizersBackend
+    return cls.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def _causal_lm_class(config) -> str:
