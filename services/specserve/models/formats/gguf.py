@@ -16,6 +16,7 @@ import os
 import re
 import struct
 import sys
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -324,35 +325,60 @@ def gguf_architecture(path) -> str:
     return str(file_reader(path).metadata.get("general.architecture", "unknown"))
 
 
+class StoredLayers(Sequence):
+    """A file's decoder layers' linears as stored, each layer read when asked for ({role: `Quantized`}), so that a
+    load that packs layer by layer holds one layer's unpacked blocks at a time, not the model's."""
+
+    def __init__(self, path, tensors: list[dict], permuted: bool, heads: int, kv_heads: int):
+        self.path, self.tensors, self.permuted, self.heads, self.kv_heads = path, tensors, permuted, heads, kv_heads
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        layer = {}
+        for role, tensor in self.tensors[i].items():
+            w = _gguf_tensor(tensor, [])
+            if self.permuted and role in ("q", "k"):
+                w = _unpermute_rows(w, self.heads if role == "q" else self.kv_heads)
+            layer[role] = w
+        return layer
+
+
 def gguf_linears(path, config) -> dict:
-    """The linear weights of a GGUF file of `GGUF_STORED`'s architectures as stored: {"layers": [{q, k, v, o, gate, up, down}, ...],
-    "head": Quantized or None (tied to the embedding)}, each `Int4Groups`, `Blocks` or `Int8Rows`."""
+    """The linear weights of a GGUF file of `GGUF_STORED`'s architectures as stored: {"layers": `StoredLayers`
+    ({q, k, v, o, gate, up, down} a layer, read when indexed), "head": Quantized or None (tied to the embedding)},
+    each `Int4Groups`, `Blocks` or `Int8Rows`."""
     permuted = gguf_architecture(path) in GGUF_PERMUTED
-    layers: list[dict] = [{} for _ in range(config.num_hidden_layers)]
+    tensors: list[dict] = [{} for _ in range(config.num_hidden_layers)]
     head = embedding = None
     requantized: list[str] = []
     for tensor in file_reader(path).tensors:
         name = tensor.name
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
         if m and m.group(2) in _GGUF_LAYER:
-            w = _gguf_tensor(tensor, requantized)
-            role = _GGUF_LAYER[m.group(2)]
-            if role == "q" and permuted:
-                w = _unpermute_rows(w, config.num_attention_heads)
-            elif role == "k" and permuted:
-                w = _unpermute_rows(w, config.num_key_value_heads)
-            layers[int(m.group(1))][role] = w
+            tensors[int(m.group(1))][_GGUF_LAYER[m.group(2)]] = tensor
+            if _requantized(tensor):
+                requantized.append(tensor.tensor_type.name)
         elif name == "output.weight":
             head = _gguf_tensor(tensor, requantized)
         elif name == "token_embd.weight" and getattr(config, "tie_word_embeddings", False):
             embedding = tensor
     if head is None and embedding is not None:
         head = _gguf_tensor(embedding, requantized)
-    missing = [i for i, layer in enumerate(layers) if len(layer) != len(_GGUF_LAYER)]
+    missing = [i for i, layer in enumerate(tensors) if len(layer) != len(_GGUF_LAYER)]
     if missing:
         raise ValueError(f"{path}: layers {missing[:5]} lack some of {sorted(_GGUF_LAYER)}; not a GGUF of {sorted(GGUF_STORED)}")
     if requantized:
         kinds = ", ".join(sorted(set(requantized)))
         print(f"specserve: {path}: {len(requantized)} tensors of type {kinds} requantized to int8 rows",
               file=sys.stderr, flush=True)
+    layers = StoredLayers(path, tensors, permuted, config.num_attention_heads, config.num_key_value_heads)
     return {"layers": layers, "head": head, "source": gguf_weight_type(path)}
+
+
+def _requantized(tensor) -> bool:
+    """Whether `_gguf_tensor` requantizes this tensor to int8 rows (its type has no reader of ours)."""
+    return tensor.tensor_type.name not in ("Q4_0", "Q4_1", *BLOCK_TYPES)
