@@ -9,7 +9,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from specserve.bench import load, plot, served  # noqa: E402
+from specserve.bench import load, pair, plot, served  # noqa: E402
 
 
 @pytest.fixture
@@ -80,3 +80,20 @@ def test_the_paired_ratios_confidence_interval_is_students():
     assert served.mean_ci95([0.9]) is None
     wide, narrow = served.mean_ci95([0.8, 1.0] * 2), served.mean_ci95([0.8, 1.0] * 20)
     assert narrow[0] > wide[0] and narrow[1] < wide[1]  # more pairs, a tighter interval around the same mean
+
+
+def test_the_pair_plot_and_table_show_each_configuration(drawn, capsys):
+    figures, out = drawn
+    level = lambda n, v: {"concurrency": n, "aggregate_tokens_per_s": v}  # noqa: E731
+    report = {"date": "2026-12-06", "cpu": "AMD EPYC, 2 cores, avx512_bf16", "levels": [1, 16], "max_tokens": 128,
+              "runs": [{"name": "specserve (cold start)", "start_s": 97.8, "levels": []},
+                       {"name": "specserve (warm start)", "start_s": 48.8, "levels": [level(1, 21.5), level(16, 60.25)]},
+                       {"name": "llama-server", "start_s": 2.1, "levels": [level(1, 11.0), level(16, 37.4)]}]}
+    pair._plot(report, out / "pair.png")
+    words = " ".join(texts(figures[-1]))
+    for expected in ("AMD EPYC, 2 cores, avx512_bf16", "128 tokens", "16 streams: tok/s", "llama-server", "21.5",
+                     "37.4", "98", "start to healthy: s"):
+        assert expected in words, expected
+    pair._table(report)
+    table = capsys.readouterr().out
+    assert "specserve (cold start)" in table and "60.2" in table and "97.8" in table
