@@ -63,10 +63,11 @@ def blocks(kind: str, n: int, k: int, rng: np.random.Generator, reach: float = 0
     return raw.reshape(n, -1)
 
 
-def write_gguf(path: pathlib.Path, family: str, seed: int = 0, embedding: str = "Q6_K", head_reach: float = 0.4
-               ) -> pathlib.Path:
+def write_gguf(path: pathlib.Path, family: str, seed: int = 0, embedding: str = "Q6_K", head_reach: float = 0.4,
+               linears: str | None = None) -> pathlib.Path:
     """A two-layer model of `family` (FAMILIES) as a GGUF file at `path`. head_reach: how wide an untied head's
-    weights are (the same seed with another reach: the same model with flatter or sharper distributions)."""
+    weights are (the same seed with another reach: the same model with flatter or sharper distributions).
+    linears: one type for every linear (default: a Q4_K_M file's mix, `TYPES`)."""
     import gguf
 
     arch, shape, extra = FAMILIES[family]
@@ -115,6 +116,7 @@ def write_gguf(path: pathlib.Path, family: str, seed: int = 0, embedding: str = 
         norm(f"blk.{i}.attn_norm.weight", HIDDEN)
         norm(f"blk.{i}.ffn_norm.weight", HIDDEN)
         for name, kind in TYPES.items():
+            kind = linears or kind
             n, k = outs[name], ins.get(name, HIDDEN)
             w.add_tensor(f"blk.{i}.{name}.weight", blocks(kind, n, k, rng), raw_dtype=T[kind])
             if shape.get("bias") and name in ("attn_q", "attn_k", "attn_v"):

@@ -439,7 +439,8 @@ def test_a_dense_draft_named_for_a_cpu_is_int8_by_default():
 
     assert draft_quantization(None, "embedded-draft", None, "cpu") == "int8"
     assert draft_quantization("auto", "some/draft", "bfloat16", "cpu") == "int8"
-    # asked for, another dtype, a GGUF draft, a model passed loaded, or a GPU: as given
+    # asked for, another dtype, a GGUF draft (not found here; 5-bit and wider ones: tests/cpu/test_gguf_files.py),
+    # a model passed loaded, or a GPU: as given
     assert draft_quantization("none", "embedded-draft", None, "cpu") == "none"
     assert draft_quantization("int4", "embedded-draft", None, "cpu") == "int4"
     assert draft_quantization("auto", "embedded-draft", "float32", "cpu") == "auto"

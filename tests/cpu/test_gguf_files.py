@@ -146,6 +146,26 @@ def test_greedy_speculation_equals_gamma_0_on_the_kernel_path(files, family):
 
 
 @needs_kernels
+def test_a_draft_stored_in_wider_types_is_requantized_to_int4_by_default(files, tmp_path, capsys):
+    """A Q8_0 draft (as the 0.5B's Q5_0) becomes an int4 draft at load from the file's values, and says so;
+    speculation with it stays exact (greedy == γ = 0); quantization 'gguf' keeps it as stored."""
+    from specserve.models.formats.loading import load_draft
+
+    wide = write_gguf(tmp_path / "wide.gguf", "qwen2", seed=1, linears="Q8_0")
+    draft = load_draft(str(wide), device="cpu")
+    assert draft.quantization == "int4-g32" and "Q8_0 linears requantized to int4" in capsys.readouterr().err
+    assert load_draft(str(wide), device="cpu", quantization="gguf").quantization == "gguf-Q8_0"
+    assert load_draft(str(files["qwen2"][1]), device="cpu").quantization == "gguf-Q4_K"  # 4 bits: as stored
+    target = str(files["qwen2"][0])
+    decoder = SpeculativeDecoder(target, str(wide), gamma=3, draft_lookup=False)
+    assert decoder.draft.quantization == "int4-g32"
+    prompt = load_tokenizer(target)(TEXT)["input_ids"]
+    plain = decoder.generate(prompt, GREEDY, max_new_tokens=24, gamma=0)
+    spec = decoder.generate(prompt, GREEDY, max_new_tokens=24, gamma=3)
+    assert spec.token_ids == plain.token_ids and spec.stats.drafted > 0
+
+
+@needs_kernels
 @pytest.mark.parametrize("family", ["qwen2", "gemma2"])
 def test_batched_sessions_on_a_k_quant_target_each_equal_their_run_alone(files, family):
     target = load_model(str(files[family][0]), device="cpu")

@@ -98,10 +98,13 @@ class LeanWeights:
             return QuantizedLinear(concat(parts), dtype, device, spec.dense_from)
 
         def quantized(stored, weight: torch.Tensor, spec):
-            """A role's weight as the unsharded model holds it: dense, the file's, or quantized here."""
+            """A role's weight as the unsharded model holds it: dense, the file's, or quantized here (from the
+            file's values where there is a file: a cheaper draft than the file's own types)."""
             if spec is None:
                 return weight.detach()
-            return stored if stored is not None else quantize(weight.detach(), spec.method, spec.group)
+            if stored is None:
+                return quantize(weight.detach(), spec.method, spec.group)
+            return stored if spec.method == "gguf" else quantize(stored.dequantize(), spec.method, spec.group)
 
         device = model.lm_head.weight.device
         self.dtype = dtype

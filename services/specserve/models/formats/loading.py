@@ -172,11 +172,14 @@ def load_model(
     sliced = _sliced_part(path, name, shard, layers, method, device_map, torch_dtype, device)
     if sliced is not None:
         return _keep_shard(sliced, shard, layers)
+    # the linears from the file's blocks, as stored or requantized layer by layer (not through a dense model)
+    from_blocks = gguf is not None and (method == "gguf" or (method != "none" and
+                                                              gguf_weight_type(gguf) not in DENSE_TYPES))
     if gguf is not None:
         if device_map is not None:
             raise ValueError(f"{name}: a GGUF file loads on one device; shard it with tensor_parallel instead")
         with _LOADING:
-            model = ggufmodel.build_model(gguf, torch_dtype, device, keep_linears=method == "gguf")
+            model = ggufmodel.build_model(gguf, torch_dtype, device, keep_linears=from_blocks)
     else:
         try:
             with _LOADING:
@@ -190,7 +193,10 @@ def load_model(
     loaded = LoadedModel(model.eval(), _tokenizer_at(path), name)
     if method == "none":
         return loaded if shard is None else _keep_shard(loaded, shard, layers)
-    return _quantize(loaded, method, group, gguf, shard, layers)
+    if from_blocks and method != "gguf":
+        print(f"specserve: {name}: its {gguf_weight_type(gguf)} linears requantized to {method} at load (quantization "
+              "'gguf' keeps them as stored)", file=sys.stderr, flush=True)
+    return _quantize(loaded, method, group, gguf if from_blocks else None, shard, layers)
 
 
 def _sliced_part(path, name: str, shard: Shard | None, layers: tuple[int, int] | None, method: str,
@@ -239,18 +245,28 @@ def load_draft(draft: Any, dtype: Any = None, device: str | None = None, quantiz
 
 
 def draft_quantization(quantization: str | None, draft: Any, dtype: Any = None, device: Any = None) -> str | None:
-    """A model draft's quantization: "auto" for a dense draft on a CPU that runs specserve's int4/int8 kernels
-    (`cpu`) is int8, whose step there reads a quarter of float32's bytes for a few percent of the
-    acceptance (docs/benchmarks.md); a model passed loaded, a dtype other than bfloat16 asked, a GGUF draft or
-    another device: as given."""
+    """A model draft's quantization: "auto" on a CPU that runs specserve's int4/int8 kernels (`cpu`) is int8 for
+    a dense draft, whose step there reads a quarter of float32's bytes for a few percent of the acceptance, and
+    int4 for a GGUF draft stored in 5 bits or more (Q5_0, Q6_K, Q8_0, ...), requantized from the file's values:
+    a cheaper step for the same acceptance on a real pair (docs/benchmarks.md; exactness holds for any draft);
+    a model passed loaded, a dtype other than bfloat16 asked, a 4-bit GGUF draft or another device: as given."""
     if (quant.parse(quantization)[0] != "auto" or not isinstance(draft, (str, pathlib.Path))
-            or gguf_file(draft) is not None or resolve_dtype(dtype) not in (None, torch.bfloat16)):
+            or resolve_dtype(dtype) not in (None, torch.bfloat16)):
         return quantization
     if torch.device(device or default_device()).type != "cpu":
         return quantization
     from specserve.models.kernels import cpu
 
-    return "int8" if cpu.available() else quantization
+    if not cpu.available():
+        return quantization
+    gguf = gguf_file(draft)
+    if gguf is None:
+        return "int8"
+    return "int4" if gguf.is_file() and gguf_weight_type(gguf) in WIDE_TYPES else quantization
+
+
+# GGUF types a draft stored in which is requantized to int4 by default (`draft_quantization`)
+WIDE_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "F16", "BF16", "F32")
 
 
 def _refuse_prequantized(path, name: str) -> None:
@@ -293,7 +309,7 @@ def _quantize(loaded: LoadedModel, method: str, group: int, gguf: pathlib.Path |
         print("specserve: int8 weights multiply through aten._weight_int8pack_mm, which has no fast CUDA path: "
               "a 7B step took 8.4x bfloat16's on an H200 (docs/benchmarks.md); int4 or none is faster there",
               file=sys.stderr, flush=True)
-    stored = gguf_linears(gguf, model.config) if method == "gguf" else None
+    stored = gguf_linears(gguf, model.config) if gguf is not None else None
     model.specserve_quant = quant.QuantSpec(method, group, stored, quant.dense_from(loaded.device),
                                             stored["source"] if stored else "")
     lean_weights(model, loaded.dtype, shard, layers)
