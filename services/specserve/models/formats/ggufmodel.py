@@ -3,9 +3,10 @@
 The file's metadata becomes a small model directory once (config.json, generation_config.json and the
 tokenizer's files, converted by transformers' GGUF readers) in the cache, keyed by the file's sha256; every
 later use reads that directory, as it would an HF checkpoint's. The weights come from the file's tensors:
-norms, biases and the embedding dequantized (with llama.cpp's conventions undone, as transformers' GGUF
-loader does: q/k rows of Llama files, Gemma's 1 + w norms), and the linear layers either kept as stored
-(`formats.gguf.gguf_linears`; the HF modules get shape-only placeholders) or dequantized for a dense model.
+norms and biases dequantized (with llama.cpp's conventions undone, as transformers' GGUF loader does: q/k rows
+of Llama files, Gemma's 1 + w norms), and the linear layers either read from their blocks
+(`formats.gguf.gguf_linears`; the HF modules get shape-only placeholders; a quantized embedding stays in the
+file, `formats.gguf.FileEmbedding`) or dequantized for a dense model.
 
 It knows nothing of kernels or packing: `formats.loading` hands the linears to `kernels.quant`.
 """
