@@ -91,3 +91,44 @@ def stop_local_serve() -> None:
 
     serve.shutdown()
     ray.shutdown()
+
+
+def batched_and_alone(target, draft, vocab: int, prompt: list[int], sessions: int = 6):
+    """Seeded sampling sessions (temperature 1, a model draft, γ from the heuristic controller), each run alone on a
+    pool of its own, then all at once sharing one scheduler's steps: (together, alone, the most sessions that
+    shared a step)."""
+    from concurrent import futures
+
+    from specserve import SamplingParams
+    from specserve.engine.loop import speculate
+    from specserve.engine.proposers import ModelProposer, TargetVerifier
+    from specserve.models.memory.pool import KVPool
+    from specserve.scheduler.steps import ScheduledVerifier, StepScheduler
+    from specserve.speculation import PositionRNG, make_controller
+
+    def run(seed: int, scheduler, pool) -> list[int]:
+        params = SamplingParams(temperature=1.0, seed=seed, ignore_eos=True)
+        verifier = ScheduledVerifier(scheduler, TargetVerifier(target, vocab, pool.sequence()))
+        rounds = speculate(prompt[seed:] + prompt[:seed], ModelProposer(draft, vocab), verifier, make_controller(2),
+                           params, PositionRNG(seed), 12, vocab, set())
+        return [t for r in rounds for t in r.tokens]
+
+    def scheduled(expected: int):
+        pool = KVPool(target, tokens=1024, min_block=8)
+        return StepScheduler(pool, expected=lambda: expected, gather=0.5), pool
+
+    alone = []
+    for seed in range(sessions):
+        scheduler, pool = scheduled(1)
+        try:
+            alone.append(run(seed, scheduler, pool))
+        finally:
+            scheduler.close()
+    scheduler, pool = scheduled(sessions)
+    try:
+        with futures.ThreadPoolExecutor(sessions) as threads:
+            together = list(threads.map(lambda seed: run(seed, scheduler, pool), range(sessions)))
+        shared = max(scheduler.sessions_per_step)
+    finally:
+        scheduler.close()
+    return together, alone, shared

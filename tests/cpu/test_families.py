@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 import torch
 from specserve import SamplingParams, SpeculativeDecoder
-from specserve.engine.loop import speculate
-from specserve.engine.proposers import ModelProposer, TargetVerifier
 from specserve.models.families.arch import FAMILIES, arch_of
 from specserve.models.families.lean import LeanSequence, draft_sequence, unsupported_config
 from specserve.models.families.sequence import CachedSequence
@@ -21,10 +19,10 @@ from specserve.models.formats.loading import load_model
 from specserve.models.kernels import cpu
 from specserve.models.kernels.fused import FusedLayers
 from specserve.models.memory.pool import KVPool
-from specserve.scheduler.steps import ScheduledVerifier, StepScheduler
-from specserve.speculation import PositionRNG, make_controller, rejection
+from specserve.scheduler.steps import StepScheduler
+from specserve.speculation import rejection
 
-from tests.conftest import perturbed_copy
+from tests.conftest import batched_and_alone, perturbed_copy
 from tests.cpu.test_exactness import chi_square_pvalue
 from tests.families import CONFIGS, WINDOW, tiny_family
 from tests.reference import reference_probs
@@ -128,33 +126,8 @@ def test_batched_sessions_each_equal_their_run_alone(family):
     """Six seeded sampling sessions with a model draft sharing a scheduler's steps: each emits what it emits
     alone."""
     name, target = family
-    draft = perturbed_copy(target, 0.1)
-
-    def run(seed: int, scheduler: StepScheduler, pool: KVPool) -> list[int]:
-        params = SamplingParams(temperature=1.0, seed=seed, ignore_eos=True)
-        verifier = ScheduledVerifier(scheduler, TargetVerifier(target, VOCAB, pool.sequence()))
-        rounds = speculate(PROMPT[seed:] + PROMPT[:seed], ModelProposer(draft, VOCAB), verifier,
-                           make_controller(2), params, PositionRNG(seed), 12, VOCAB, set())
-        return [t for r in rounds for t in r.tokens]
-
-    def scheduled(expected: int):
-        pool = KVPool(target, tokens=1024, min_block=8)
-        return StepScheduler(pool, expected=lambda: expected, gather=0.5), pool
-
-    alone = []
-    for seed in range(6):
-        scheduler, pool = scheduled(1)
-        try:
-            alone.append(run(seed, scheduler, pool))
-        finally:
-            scheduler.close()
-    scheduler, pool = scheduled(6)
-    try:
-        with futures.ThreadPoolExecutor(6) as threads:
-            together = list(threads.map(lambda seed: run(seed, scheduler, pool), range(6)))
-        assert max(scheduler.sessions_per_step) >= 3, "the sessions did not share steps"
-    finally:
-        scheduler.close()
+    together, alone, shared = batched_and_alone(target, perturbed_copy(target, 0.1), VOCAB, PROMPT)
+    assert shared >= 3, "the sessions did not share steps"
     assert together == alone, name
 
 

@@ -7,23 +7,19 @@ rounding; speculation is exact on it (greedy == γ=0, batched == alone, chi-squa
 from __future__ import annotations
 
 import warnings
-from concurrent import futures
 
 import numpy as np
 import pytest
 import torch
 from specserve import SamplingParams, SpeculativeDecoder
-from specserve.engine.loop import speculate
-from specserve.engine.proposers import ModelProposer, TargetVerifier
 from specserve.models import load_model, load_tokenizer
 from specserve.models.families.lean import model_sequence
 from specserve.models.formats import ggufmodel
 from specserve.models.formats.gguf import FileEmbedding
 from specserve.models.kernels import cpu
-from specserve.models.memory.pool import KVPool
-from specserve.scheduler.steps import ScheduledVerifier, StepScheduler
-from specserve.speculation import PositionRNG, make_controller, rejection
+from specserve.speculation import rejection
 
+from tests.conftest import batched_and_alone
 from tests.cpu.test_exactness import chi_square_pvalue
 from tests.gguf_files import CHAT_TEMPLATE, FAMILIES, vocabulary, write_gguf
 from tests.reference import reference_probs
@@ -170,34 +166,9 @@ def test_a_draft_stored_in_wider_types_is_requantized_to_int4_by_default(files, 
 def test_batched_sessions_on_a_k_quant_target_each_equal_their_run_alone(files, family):
     target = load_model(str(files[family][0]), device="cpu")
     draft = load_model(str(files[family][1]), device="cpu")
-    vocab = target.vocab_size
     prompt = load_tokenizer(str(files[family][0]))(TEXT)["input_ids"]
-
-    def run(seed: int, scheduler: StepScheduler, pool: KVPool) -> list[int]:
-        params = SamplingParams(temperature=1.0, seed=seed, ignore_eos=True)
-        verifier = ScheduledVerifier(scheduler, TargetVerifier(target.model, vocab, pool.sequence()))
-        rounds = speculate(prompt[seed:] + prompt[:seed], ModelProposer(draft.model, vocab), verifier,
-                           make_controller(2), params, PositionRNG(seed), 12, vocab, set())
-        return [t for r in rounds for t in r.tokens]
-
-    def scheduled(expected: int):
-        pool = KVPool(target.model, tokens=1024, min_block=8)
-        return StepScheduler(pool, expected=lambda: expected, gather=0.5), pool
-
-    alone = []
-    for seed in range(5):
-        scheduler, pool = scheduled(1)
-        try:
-            alone.append(run(seed, scheduler, pool))
-        finally:
-            scheduler.close()
-    scheduler, pool = scheduled(5)
-    try:
-        with futures.ThreadPoolExecutor(5) as threads:
-            together = list(threads.map(lambda seed: run(seed, scheduler, pool), range(5)))
-        assert max(scheduler.sessions_per_step) >= 3, "the sessions did not share steps"
-    finally:
-        scheduler.close()
+    together, alone, shared = batched_and_alone(target.model, draft.model, target.vocab_size, prompt, sessions=5)
+    assert shared >= 3, "the sessions did not share steps"
     assert together == alone
 
 

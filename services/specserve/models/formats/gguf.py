@@ -148,36 +148,38 @@ def read_blocks(raw: np.ndarray, kind: str, n: int, k: int) -> Blocks:
                   per_row(mn, groups, np.int8, 0 if m is None else 1), offset, kind)
 
 
-def _gguf_tensor(tensor, method_note: list[str]) -> Quantized:
-    from gguf import GGMLQuantizationType as T
+STORED_TYPES = ("Q4_0", "Q4_1", *BLOCK_TYPES)  # the types read as stored (others are dequantized)
+
+
+def _as_stored(raw: np.ndarray, kind: str, n: int, k: int) -> Quantized | None:
+    """A tensor [n, k] of GGUF type `kind` from its raw bytes, as stored; None for a type outside `STORED_TYPES`."""
+    if kind in ("Q4_0", "Q4_1"):
+        return _q4_blocks(raw, n, k, kind == "Q4_1")
+    return read_blocks(raw, kind, n, k) if kind in BLOCK_TYPES else None
+
+
+def _dense(raw: np.ndarray, kind: str, n: int, k: int) -> torch.Tensor:
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    return torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType[kind]), dtype=np.float32).reshape(n, k))
+
+
+def _gguf_tensor(tensor, method_note: list[str]) -> Quantized:
     k, n = (int(s) for s in tensor.shape[:2])  # GGUF lists dimensions innermost first
-    kind = tensor.tensor_type
-    if kind in (T.Q4_0, T.Q4_1):
-        return _q4_blocks(tensor.data, n, k, kind == T.Q4_1)
-    if kind.name in BLOCK_TYPES:
-        return read_blocks(tensor.data, kind.name, n, k)
-    dense = torch.from_numpy(np.asarray(dequantize(tensor.data, kind), dtype=np.float32).reshape(n, k))
-    method_note.append(kind.name)
-    return Int8Rows.quantize(dense)
-
-
-DENSE_TENSOR_TYPES = ("F32", "F16", "BF16", "F64")
+    kind = tensor.tensor_type.name
+    stored = _as_stored(tensor.data, kind, n, k)
+    if stored is not None:
+        return stored
+    method_note.append(kind)
+    return Int8Rows.quantize(_dense(tensor.data, kind, n, k))
 
 
 def dequantize_rows(raw: np.ndarray, kind: str, k: int) -> torch.Tensor:
     """Rows [n, k] of a tensor of GGUF type `kind` from their raw bytes [n, bytes a row], as float32: the values
     `gguf.quants.dequantize` gives (tests/cpu/test_gguf_blocks.py), through the block readers."""
-    n = len(raw)
-    if kind in ("Q4_0", "Q4_1"):
-        return _q4_blocks(raw, n, k, kind == "Q4_1").dequantize()
-    if kind in BLOCK_TYPES:
-        return read_blocks(raw, kind, n, k).dequantize()
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    return torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType[kind]), dtype=np.float32).reshape(n, k))
+    stored = _as_stored(raw, kind, len(raw), k)
+    return stored.dequantize() if stored is not None else _dense(raw, kind, len(raw), k)
 
 
 class FileEmbedding(torch.nn.Module):
@@ -360,7 +362,7 @@ def gguf_linears(path, config) -> dict:
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
         if m and m.group(2) in _GGUF_LAYER:
             tensors[int(m.group(1))][_GGUF_LAYER[m.group(2)]] = tensor
-            if _requantized(tensor):
+            if tensor.tensor_type.name not in STORED_TYPES:  # `_gguf_tensor` requantizes it to int8 rows
                 requantized.append(tensor.tensor_type.name)
         elif name == "output.weight":
             head = _gguf_tensor(tensor, requantized)
@@ -378,7 +380,3 @@ def gguf_linears(path, config) -> dict:
     layers = StoredLayers(path, tensors, permuted, config.num_attention_heads, config.num_key_value_heads)
     return {"layers": layers, "head": head, "source": gguf_weight_type(path)}
 
-
-def _requantized(tensor) -> bool:
-    """Whether `_gguf_tensor` requantizes this tensor to int8 rows (its type has no reader of ours)."""
-    return tensor.tensor_type.name not in ("Q4_0", "Q4_1", *BLOCK_TYPES)

@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from specserve.models.formats.gguf import _GGUF_LAYER, DENSE_TENSOR_TYPES, FileEmbedding, file_reader
+from specserve.models.formats.gguf import _GGUF_LAYER, DENSE_TYPES, FileEmbedding, file_reader
 from specserve.models.kernels.cpu import cache_root
 
 _CHUNK = 1 << 24
@@ -108,10 +108,21 @@ def _causal_lm_class(config) -> str:
     return AutoModelForCausalLM._model_mapping[type(config)].__name__
 
 
-def _processor(architecture: str, config):
+def _skeleton(path: pathlib.Path, dtype: torch.dtype):
+    """(the file's HF model with its parameters on the meta device (rotary buffers computed), transformers'
+    tensor processor for its architecture, GGUF tensor name → parameter name)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    from specserve.models.formats.gguf import gguf_architecture
+
+    config = AutoConfig.from_pretrained(str(metadata_dir(path)))
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    architecture = gguf_architecture(path)
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    return model, processor, _hf_names(model, architecture)
 
 
 def _hf_names(model, architecture: str) -> dict[str, str]:
@@ -152,24 +163,15 @@ def build_model(path: pathlib.Path, dtype: torch.dtype, device: str, keep_linear
 
     keep_linears: the decoder layers' linears and the head are left as shape-only placeholders (read as stored by
     `gguf_linears` afterwards); else every weight is dequantized (a dense model, e.g. float32)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from specserve.models.formats.gguf import gguf_architecture
-
-    config = AutoConfig.from_pretrained(str(metadata_dir(path)))
-    with init_empty_weights(include_buffers=False):  # parameters on the meta device; rotary buffers computed
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    architecture = gguf_architecture(path)
-    processor = _processor(architecture, config)
-    names = _hf_names(model, architecture)
+    model, processor, names = _skeleton(path, dtype)
+    config = model.config
     params = dict(model.named_parameters())
     reader = file_reader(path)
     started, done = time.monotonic(), 0
     embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     # kept as stored on a CPU: looked up from the file's pages (`gguf.FileEmbedding`), not held dense
     file_embedding = keep_linears and torch.device(device).type == "cpu" and embedding is not None \
-        and embedding.tensor_type.name not in DENSE_TENSOR_TYPES
+        and embedding.tensor_type.name not in DENSE_TYPES
     for tensor in reader.tensors:
         if keep_linears and _stored_linear(tensor.name) or (file_embedding and tensor is embedding):
             continue
@@ -204,17 +206,7 @@ def _assign(model, name: str, value: torch.Tensor) -> None:
 
 def read_tensor(path: pathlib.Path, hf_name: str) -> torch.Tensor:
     """One tensor of a GGUF file by its HF name (e.g. "model.embed_tokens.weight"), dequantized to float32."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from specserve.models.formats.gguf import gguf_architecture
-
-    config = AutoConfig.from_pretrained(str(metadata_dir(path)))
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config)
-    architecture = gguf_architecture(path)
-    processor = _processor(architecture, config)
-    names = _hf_names(model, architecture)
+    model, processor, names = _skeleton(path, torch.float32)
     for tensor in file_reader(path).tensors:
         if names.get(tensor.name) == hf_name:
             return _dequantized(tensor, processor, names)[1].reshape(model.get_parameter(hf_name).shape)
