@@ -1,14 +1,14 @@
 """The GPU half of issue 49 in one call: the CUDA tests, then the data-plane bench's head runs, each part under
 its own time limit and all of them under one budget, and a verdict on each goal from the JSON they wrote.
 
-    python -m specserve.bench.gpucheck --parts cold,warm --budget-s 560 --out $OUT   # a lent GPU's first call
+    python -m specserve.bench.gpucheck --parts cold,warm --budget-s 560 --out $OUT   # a GPU machine's first command
     python -m specserve.bench.gpucheck --parts steps,tests --budget-s 300 --out $OUT  # its second (a warm machine)
     python -m specserve.bench.gpucheck --report call1 call2   # the goals from both calls' files, back here
     python -m specserve.bench.gpucheck --smoke --out /tmp/gpucheck   # the whole sequence on a CPU, tiny shapes
 
-A GPU is lent now and then for 15 minutes, its start included, at most 10 a call; this runs the measurements
+On a GPU machine with 15 minutes of time, its start included, at most 10 a command, this runs the measurements
 in the order they matter, skips a part that its budget would not leave room for (and says so), and stops no
-part mid-way but at its own limit. The device image lacks some wheels (docs/benchmarks.md "How to measure"):
+part mid-way but at its own limit. A GPU image may lack some wheels (docs/benchmarks.md "How to measure"):
 download them on the CPU machine into `.whl/` and carry it; this installs them into /tmp/site first.
 
 Parts, as docs/benchmarks.md runs them (7B shape, the synthetic feature head, alpha 0.7, defaults: steps
