@@ -101,14 +101,16 @@ def test_a_wrong_weight_is_seen_by_the_reference():
 @pytest.mark.skipif(len(ISAS_HERE) < 2, reason="one build runs on this CPU")
 @pytest.mark.parametrize("kind", list(BLOCK_TYPES))
 def test_both_builds_compute_the_same_bits(kind, monkeypatch):
-    n, k = 32, 512
+    # 5 blocks of 16 outputs: tiles of 4 (2) blocks and a block left over, for 1, 3 and 9 (8 + 1) rows
+    n, k = 80, 512
     w = read_blocks(random_blocks(kind, n, k, seed=3), kind, n, k)
     x = torch.randn(9, k).bfloat16()
-    outs = []
-    for isa in ISAS_HERE:
-        monkeypatch.setattr(cpu, "ISA", isa)
-        outs.append(QuantizedLinear(w, torch.bfloat16, "cpu")(x))
-    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    for rows in (1, 3, 9):
+        outs = []
+        for isa in ISAS_HERE:
+            monkeypatch.setattr(cpu, "ISA", isa)
+            outs.append(QuantizedLinear(w, torch.bfloat16, "cpu")(x[:rows]))
+        assert all(torch.equal(outs[0], o) for o in outs[1:]), rows
 
 
 @needs_kernels

@@ -1064,7 +1064,134 @@ void blocks_tile(const Blocks &w, const int32_t *pairs, int64_t K, const float *
     for (int t = 0; t < NT; t++) store_bf16(out + m * N + (nb + t) * 16, load_f32(acc[m][t]));
 }
 
+#if defined(__AVX512VNNI__)
+// block_codes for blocks nb and nb + 1 at once, block nb's in the low 256 bits.
+template <int HB>
+inline void two_block_codes(const Blocks &w, int64_t K, int64_t nb, int64_t t, __m512i &lo, __m512i &hi) {
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  const uint8_t *c = w.lo + (nb * (K / 4) + t) * 32;
+  ahead(c);
+  ahead(c + (K / 4) * 32);
+  const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)c)),
+                                       _mm256_loadu_si256((const __m256i *)(c + (K / 4) * 32)), 1);
+  lo = _mm512_and_si512(v, low);
+  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  if constexpr (HB > 0) {
+    constexpr int per = 4 / HB;
+    const uint8_t *h = w.hi + (nb * (K / 4 / per) + t / per) * 32;
+    ahead(h);
+    const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)h)),
+                                         _mm256_loadu_si256((const __m256i *)(h + (K / 4 / per) * 32)), 1);
+    const __m128i s = _mm_cvtsi32_si128((int)((t % per) * HB)), s4 = _mm_cvtsi32_si128((int)((t % per) * HB + 4));
+    const __m512i mask = _mm512_set1_epi8((char)((1 << HB) - 1));
+    lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(u, s), mask), 4));
+    hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(u, s4), mask), 4));
+  }
+}
+
+// blocks_tile with vpdpbusd (4 products into a 32-bit lane, exact): codes of at most 6 bits for an even NT, as
+// int4q8_tile_vnni lays them out (a lane one output's four inputs, outputs permuted and put back at the end); 8-bit
+// codes for any NT, their 64-byte tiles already a lane per output, unsigned as code + 128 with 128 · sum(xq) taken
+// off. The same integer sums, and per lane the same float operations in the same order, as blocks_tile.
+template <int HB, int MR, int NT>
+void blocks_tile_vnni(const Blocks &w, const int32_t *pairs, int64_t K, const float *d, const float *xsum,
+                      const int32_t *total, int64_t nb, uint16_t *out, int64_t N) {
+  constexpr int P = HB == 8 ? NT : NT / 2;  // 512-bit sums a row: a block each (8-bit), else a pair of blocks
+  const int64_t G = w.group, groups = K / G, spans = K / w.span, per = w.span / G;
+  const int64_t dmw = 1 + w.has_min, scw = w.has_scale + w.has_min;
+  const __m512i in_a = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
+  const __m512i in_b = _mm512_set_epi32(31, 30, 29, 28, 23, 22, 21, 20, 15, 14, 13, 12, 7, 6, 5, 4);
+  const __m512 offset = _mm512_set1_ps(w.offset);
+  alignas(64) float acc_a[MR][P][16], acc_b[MR][HB == 8 ? 1 : P][16];
+  for (int m = 0; m < MR; m++)
+    for (int q = 0; q < P; q++) {
+      _mm512_store_ps(acc_a[m][q], _mm512_setzero_ps());
+      if constexpr (HB != 8) _mm512_store_ps(acc_b[m][q], _mm512_setzero_ps());
+    }
+  auto scale_bias = [&](int64_t t, int64_t g, __m512 &scale, __m512 &bias) {  // as blocks_tile's
+    const uint16_t *dm = w.dm + ((nb + t) * spans + g / per) * dmw * 16;
+    const int8_t *scm = w.scm + ((nb + t) * groups + g) * scw * 16;
+    scale = w.has_scale ? mul(load_f16(dm), load_i8(scm)) : load_f16(dm);
+    bias = fmadd(offset, scale, w.has_min ? mul(load_f16(dm + 16), load_i8(scm + 16 * w.has_scale)) : zero());
+  };
+  auto add = [&](float *acc, __m512i sums, __m512 scale, __m512 bias, int m, int64_t g) {
+    __m512 a = _mm512_load_ps(acc);
+    a = fmadd(_mm512_cvtepi32_ps(sums), mul(scale, set1(d[m * groups + g])), a);
+    a = fmadd(set1(xsum[m * groups + g]), bias, a);
+    _mm512_store_ps(acc, a);
+  };
+  for (int64_t g = 0; g < groups; g++) {
+    __m512i a[MR][P], b[MR][HB == 8 ? 1 : P];
+    for (int m = 0; m < MR; m++)
+      for (int q = 0; q < P; q++) {
+        a[m][q] = _mm512_setzero_si512();
+        if constexpr (HB != 8) b[m][q] = _mm512_setzero_si512();
+      }
+    for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
+      for (int q = 0; q < P; q++) {
+        __m512i wa, wb;
+        if constexpr (HB == 8) {
+          const uint8_t *c = w.lo + ((nb + q) * (K / 4) + k / 4) * 64;
+          ahead(c);
+          wa = _mm512_xor_si512(_mm512_loadu_si512((const void *)c), _mm512_set1_epi8((char)0x80));
+        } else {
+          __m512i lo, hi;
+          two_block_codes<HB>(w, K, nb + 2 * q, k / 4, lo, hi);
+          wa = _mm512_unpacklo_epi16(lo, hi);
+          wb = _mm512_unpackhi_epi16(lo, hi);
+        }
+        for (int m = 0; m < MR; m++) {
+          int32_t quad;  // inputs k .. k + 3: the pairs' words hold [x0 x1 x0 x1] [x2 x3 x2 x3], so bytes 2-5
+          memcpy(&quad, (const char *)(pairs + (m * K + k) / 2) + 2, 4);
+          const __m512i x = _mm512_set1_epi32(quad);
+          a[m][q] = _mm512_dpbusd_epi32(a[m][q], wa, x);
+          if constexpr (HB != 8) b[m][q] = _mm512_dpbusd_epi32(b[m][q], wb, x);
+        }
+      }
+    }
+    for (int q = 0; q < P; q++) {
+      if constexpr (HB == 8) {
+        __m512 scale, bias;
+        scale_bias(q, g, scale, bias);
+        for (int m = 0; m < MR; m++)
+          add(acc_a[m][q], _mm512_sub_epi32(a[m][q], _mm512_set1_epi32(128 * total[m * groups + g])), scale, bias,
+              m, g);
+      } else {
+        __m512 scale0, bias0, scale1, bias1;
+        scale_bias(2 * q, g, scale0, bias0);
+        scale_bias(2 * q + 1, g, scale1, bias1);
+        const __m512 scale_a = _mm512_permutex2var_ps(scale0, in_a, scale1);
+        const __m512 bias_a = _mm512_permutex2var_ps(bias0, in_a, bias1);
+        const __m512 scale_b = _mm512_permutex2var_ps(scale0, in_b, scale1);
+        const __m512 bias_b = _mm512_permutex2var_ps(bias0, in_b, bias1);
+        for (int m = 0; m < MR; m++) {
+          add(acc_a[m][q], a[m][q], scale_a, bias_a, m, g);
+          add(acc_b[m][q], b[m][q], scale_b, bias_b, m, g);
+        }
+      }
+    }
+  }
+  const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  for (int m = 0; m < MR; m++)
+    for (int q = 0; q < P; q++) {
+      if constexpr (HB == 8) {
+        store_bf16(out + m * N + (nb + q) * 16, _mm512_load_ps(acc_a[m][q]));
+      } else {
+        const __m512 ra = _mm512_load_ps(acc_a[m][q]), rb = _mm512_load_ps(acc_b[m][q]);
+        store_bf16(out + m * N + (nb + 2 * q) * 16, _mm512_permutex2var_ps(ra, first, rb));
+        store_bf16(out + m * N + (nb + 2 * q + 1) * 16, _mm512_permutex2var_ps(ra, second, rb));
+      }
+    }
+}
+#endif
+
+// Blocks per tile: on AVX-512 VNNI an even number (blocks_tile_vnni pairs them), as the int8-activation tiles.
+#if defined(__AVX512VNNI__)
+constexpr int blocks_per_tile(int rows) { return q8_blocks(rows); }
+#else
 constexpr int blocks_per_tile(int rows) { return rows == 1 ? 4 : rows <= 3 ? 2 : 1; }
+#endif
 
 // One linear layer of a fused step: kind 4 (int4 groups), 5 (int4 groups, int8 activations), 6 (GGUF blocks: codes
 // points to a Blocks) or 8 (int8 rows), in the layout of the mm kernels.
@@ -1139,9 +1266,16 @@ void specserve_blocks_mm(const uint16_t *x, int64_t M, int64_t K, const Blocks *
   auto run = [&](auto hb) {
     constexpr int HB = decltype(hb)::value;
     row_passes<blocks_per_tile>(M, N, [&](auto r, auto nt, int64_t m0, int64_t nb) {
-      blocks_tile<HB, decltype(r)::value, decltype(nt)::value>(*w, xq + m0 * K / 2, K, xd + m0 * groups,
-                                                               xsum + m0 * groups, xt + m0 * groups, nb,
-                                                               out + m0 * N, N);
+      constexpr int MR = decltype(r)::value, NT = decltype(nt)::value;
+#if defined(__AVX512VNNI__)
+      if constexpr (HB == 8 || NT % 2 == 0) {
+        blocks_tile_vnni<HB, MR, NT>(*w, xq + m0 * K / 2, K, xd + m0 * groups, xsum + m0 * groups, xt + m0 * groups,
+                                     nb, out + m0 * N, N);
+        return;
+      }
+#endif
+      blocks_tile<HB, MR, NT>(*w, xq + m0 * K / 2, K, xd + m0 * groups, xsum + m0 * groups, xt + m0 * groups, nb,
+                              out + m0 * N, N);
     });
   };
   switch (w->bits) {
