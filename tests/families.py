@@ -37,13 +37,16 @@ CONFIGS = {
     "gemma3": ("Gemma3TextConfig", {"head_dim": 8, "sliding_window": WINDOW, "query_pre_attn_scalar": 12,
                                     "final_logit_softcapping": 5.0,
                                     "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    # fewer layers than Gemma 3's sliding pattern (6): every layer slides, no full-attention rope is built
+    "gemma3-sliding": ("Gemma3TextConfig", {"head_dim": 8, "sliding_window": 16, "query_pre_attn_scalar": 12,
+                                            "num_hidden_layers": 2}),
 }
 
 GEMMA_EMBED = 1.0
 CAUSAL_LM = {"Gemma3TextConfig": "Gemma3ForCausalLM"}
 
 
-SPREAD = {"gemma3": 0.1}  # wider, its greedy output repeats one token
+SPREAD = {"gemma3": 0.1, "gemma3-sliding": 0.1}  # wider, its greedy output repeats one token
 
 
 # heads of 32 channels, what specserve's CPU kernels take (`kernels.cpu.step_kernels`)

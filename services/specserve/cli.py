@@ -174,14 +174,22 @@ def build_parser() -> argparse.ArgumentParser:
     kr.add_argument("--shm", default=None, help="size of the memory-backed /dev/shm, Ray's object store (default 8Gi)")
 
     srv = sub.add_parser("serve", help="serve over HTTP (OpenAI-compatible) and gRPC on Ray Serve")
-    srv.add_argument("--config", default=None, help="a Serve config file, e.g. cluster/local-cpu.yaml "
-                     "(then the model/port flags are ignored)")
+    srv.add_argument("--config", default=None, help="a Serve config file, e.g. cluster/local-cpu.yaml; a flag "
+                     "given beside it replaces the file's value (and says so)")
     _add_model_args(srv)
     srv.add_argument("--gamma", type=_gamma, default="auto", help="default γ: int, 'auto' or 'heuristic'")
     srv.add_argument("--no-pipeline", action="store_true", help="do not overlap drafting with verification")
     _add_lookup_arg(srv)
     srv.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                      help="split the target's layers over N ranks (Ray actors on one node; on GPUs one each)")
+    srv.add_argument("--gpus", type=float, default=None, metavar="N",
+                     help="GPUs Ray reserves for the target (for each tensor-parallel rank); default: 1 where this "
+                     "machine has CUDA GPUs and no --address, else 0 (the CPU)")
+    srv.add_argument("--draft-gpus", type=float, default=None, metavar="N",
+                     help="a model draft in a worker of its own with N GPUs (0.5: half of one, shared); default: in "
+                     "the target worker, on its device")
+    srv.add_argument("--replicas", type=int, default=1, metavar="N",
+                     help="Serve replicas, each with workers (models) of its own, behind Serve's proxy")
     srv.add_argument("--no-prefix-caching", action="store_true",
                      help="prefill every prompt in full (default: reuse the cached keys/values of a shared prefix)")
     srv.add_argument("--max-sessions", type=int, default=None, metavar="N",
@@ -196,7 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with 8+ sessions open, split them among N compute threads of the target worker (default: "
                      "2 with 2+ threads; 1: one step over all)")
     srv.add_argument("--model-name", default=None, help="model id clients pass (default: the target's name)")
-    srv.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 to listen on all interfaces)")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="the address HTTP and gRPC listen on (0.0.0.0: every interface, which needs --api-key or "
+                     "--insecure)")
+    srv.add_argument("--insecure", action="store_true",
+                     help="serve without an API key on an address beyond loopback (refused otherwise)")
     srv.add_argument("--api-key", default=None,
                      help="clients must send 'Authorization: Bearer KEY' (gRPC: metadata 'authorization'); default: "
                      "$SPECSERVE_API_KEY, else none")
@@ -327,6 +339,15 @@ def _kuberay(args) -> int:
     return 0
 
 
+def given_flags(argv: list[str] | None) -> set[str]:
+    """The dests of the `serve` flags the command line names (whatever their values)."""
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for action in subparsers.choices["serve"]._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv))) - {"command"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "generate":
@@ -338,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from specserve.serve.run import serve_main
 
-        return serve_main(args)
+        return serve_main(args, given_flags(argv))
     # bench, in process or --served, from here on
     if not 1 <= args.prompts <= PER_WORKLOAD:
         print(f"specserve bench: --prompts must be 1-{PER_WORKLOAD} (prompts per workload), got {args.prompts}",

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pathlib
 
 import pytest
+import yaml
 
-from specserve.cli import build_parser
-from specserve.serve.run import config_from_flags, load_serve_config
+from specserve.cli import build_parser, given_flags
+from specserve.serve.run import apply_flags, check_exposure, config_from_flags, load_serve_config
 
 CLUSTER = pathlib.Path(__file__).resolve().parents[2] / "cluster"
 
@@ -27,7 +28,8 @@ def test_broken_config_names_the_problem(tmp_path):
     bad.write_text((CLUSTER / "local-cpu.yaml").read_text().replace("gamma: auto", "gamma: sometimes"))
     with pytest.raises(ValueError, match="gamma"):
         load_serve_config(bad)
-    bad.write_text((CLUSTER / "local-cpu.yaml").read_text().replace("num_cpus: 1", "num_cpus: -1"))
+    bad.write_text((CLUSTER / "local-cpu.yaml").read_text().replace(
+        "gamma: auto", "gamma: auto\n      target_resources:\n        num_cpus: -1"))
     with pytest.raises(ValueError, match="num_cpus"):
         load_serve_config(bad)
     with pytest.raises(FileNotFoundError):
@@ -98,7 +100,7 @@ def test_the_default_draft_is_the_distilled_one_where_it_is_colocated_or_has_a_g
 
 
 @pytest.mark.parametrize("name, colocated, draft_worker", [
-    ("local-cpu.yaml", False, False),  # the n-gram draft runs in the coordinator
+    ("local-cpu.yaml", True, False),  # the shipped draft in the target worker, as `specserve serve` runs it
     ("gpu-node.yaml", True, False),  # draft and target share the GPU: one process
     ("heterogeneous.yaml", False, True),  # the draft on a GPU of its own
     ("tensor-parallel.yaml", False, True),
@@ -129,3 +131,101 @@ def test_tensor_parallel_from_the_flag_and_what_is_refused():
             WorkersConfig(**bad)
     stages = WorkersConfig(target_stages=[{"tensor_parallel": 2}, {"tensor_parallel": 4}]).target_stages
     assert [s.tensor_parallel for s in stages] == [2, 4]  # a group inside each stage
+
+
+def _with_flags(path, *flags):
+    argv = ["serve", "--config", str(path), *flags]
+    config = load_serve_config(path)
+    notes = apply_flags(config, build_parser().parse_args(argv), given_flags(argv))
+    return config, notes
+
+
+def test_local_cpu_config_is_what_serve_runs_without_flags():
+    from specserve.serve import AppConfig
+
+    config = load_serve_config(CLUSTER / "local-cpu.yaml")
+    flags = config_from_flags(build_parser().parse_args(["serve"]))
+    assert config["http_options"] == flags["http_options"]
+    assert config["grpc_options"]["port"] == flags["grpc_options"]["port"]
+    assert AppConfig(**config["applications"][0]["args"]) == AppConfig(**flags["applications"][0]["args"])
+
+
+def test_flags_beside_a_config_replace_its_values_and_say_so():
+    config, notes = _with_flags(CLUSTER / "local-cpu.yaml", "--http-port", "8123", "--api-key", "K", "--target",
+                                "model.gguf", "--tensor-parallel", "2", "--no-lookup", "--quantization", "auto")
+    app = config["applications"][0]["args"]
+    assert config["http_options"] == {"host": "127.0.0.1", "port": 8123} and config["grpc_options"]["port"] == 9000
+    assert app["target"] == "model.gguf" and app["api_key"] == "K" and app["draft_lookup"] is False
+    assert app["target_resources"] == {"tensor_parallel": 2} and "quantization" not in app
+    assert app["draft"] == "default" and app["gamma"] == "auto"  # flags not given leave the file's values
+    assert "--http-port 8123 replaces the config's http_options.port (8000)" in notes
+    assert "--target model.gguf replaces application 'specserve''s target (embedded)" in notes
+    assert not any("K" in note.split() for note in notes)  # a key is not printed
+    # a flag given at its default value still replaces the file's (the file says 8001, the flag 8000)
+    config, _ = _with_flags(CLUSTER / "gpu-node.yaml", "--http-port", "8000", "--host", "127.0.0.1")
+    assert config["http_options"]["host"] == "127.0.0.1"
+
+
+def test_a_model_flag_for_several_applications_is_refused_by_name(tmp_path):
+    config = load_serve_config(CLUSTER / "local-cpu.yaml")
+    second = dict(config["applications"][0], name="other", route_prefix="/other")
+    config["applications"].append(second)
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(ValueError, match="--draft.*2 specserve applications"):
+        _with_flags(path, "--draft", "ngram")
+    config, _ = _with_flags(path, "--api-key", "K")  # a key is every application's
+    assert [app["args"]["api_key"] for app in config["applications"]] == ["K", "K"]
+
+
+def test_listening_beyond_loopback_asks_for_a_key(monkeypatch):
+    monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
+    open_config = load_serve_config(CLUSTER / "gpu-node.yaml")
+    with pytest.raises(ValueError, match="0.0.0.0.*--api-key.*--insecure"):
+        check_exposure(open_config)
+    for flags in (["--api-key", "K"], ["--insecure"], ["--host", "127.0.0.1"]):
+        check_exposure(_with_flags(CLUSTER / "gpu-node.yaml", *flags)[0])
+    monkeypatch.setenv("SPECSERVE_API_KEY", "K")
+    check_exposure(open_config)
+    check_exposure(config_from_flags(build_parser().parse_args(["serve"])))  # the default: loopback
+    with pytest.raises(ValueError, match="192.168.1.5"):
+        monkeypatch.delenv("SPECSERVE_API_KEY")
+        check_exposure(config_from_flags(build_parser().parse_args(["serve", "--host", "192.168.1.5"])))
+
+
+def _app_args(*flags):
+    return config_from_flags(build_parser().parse_args(["serve", *flags]))["applications"][0]["args"]
+
+
+def test_gpus_by_default_where_this_machine_has_them(monkeypatch):
+    from specserve.serve import run
+    from specserve.workers import WorkersConfig
+
+    def workers(args):
+        return WorkersConfig(**{k: v for k, v in args.items() if k in WorkersConfig.model_fields})
+
+    monkeypatch.setattr(run, "local_gpus", lambda: 0)
+    assert "target_resources" not in _app_args()  # a CPU machine: the CPU
+    monkeypatch.setattr(run, "local_gpus", lambda: 2)
+    args = _app_args("--target", "t", "--draft", "d")
+    config = workers(args)
+    assert config.target_resources.num_gpus == 1 and config.target_resources.bundle()["GPU"] == 1
+    assert config.colocated()  # the draft beside the target, on its GPU
+    assert run.placement(args) == ["target t: 1 GPU, reserved by Ray", "draft d: in the target worker, on its device"]
+    # a rank a GPU: Ray reserves one for each
+    config = workers(_app_args("--tensor-parallel", "4"))
+    assert (config.target_resources.num_gpus, config.target_resources.tensor_parallel) == (1, 4)
+    assert workers(_app_args("--gpus", "0")).target_resources.num_gpus == 0  # asked for the CPU
+    assert workers(_app_args("--address", "auto")).target_resources.num_gpus == 0  # a cluster: say --gpus
+    assert workers(_app_args("--address", "auto", "--gpus", "2")).target_resources.num_gpus == 2
+    # a draft with a GPU (share) of its own runs in a worker of its own
+    args = _app_args("--target", "t", "--draft", "d", "--draft-gpus", "0.5")
+    config = workers(args)
+    assert config.draft_resources.num_gpus == 0.5 and not config.colocated() and config.has_draft_worker()
+    assert run.placement(args)[1] == "draft d: a worker of its own on 0.5 GPU, reserved by Ray"
+    # beside a config file, one field of its resources
+    config, notes = _with_flags(CLUSTER / "heterogeneous.yaml", "--gpus", "1", "--draft-gpus", "1")
+    app = config["applications"][0]["args"]
+    assert app["target_resources"]["num_gpus"] == 1 and app["target_resources"]["accelerator_type"] == "H100"
+    assert app["draft_resources"]["num_gpus"] == 1
+    assert any(note.startswith("--gpus 1.0 replaces application 'specserve''s target_resources.num_gpus") for note in notes)

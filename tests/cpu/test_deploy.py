@@ -59,7 +59,13 @@ def test_manifest_is_the_render_of_its_cluster_config(path, monkeypatch):
     fresh = render_file(args.config, args.name, image=args.image, models_claim=args.models_claim,
                         worker_memory=args.worker_memory, shm=args.shm)
     assert fresh == path.read_text(), f"re-render: specserve kuberay {command} --out {path.relative_to(ROOT)}"
-    assert yaml.safe_load(manifest["spec"]["serveConfigV2"]) == yaml.safe_load((ROOT / args.config).read_text())
+    source = yaml.safe_load((ROOT / args.config).read_text())
+    source["http_options"]["host"] = "0.0.0.0"  # the pod's every interface, behind the serve Service
+    assert yaml.safe_load(manifest["spec"]["serveConfigV2"]) == source
+    for pod in pod_templates(manifest):  # each pod's key from the Secret, which must exist
+        env = pod["template"]["spec"]["containers"][0]["env"]
+        assert {"name": "SPECSERVE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "specserve-api-key",
+                                                                            "key": "api-key"}}} in env
 
 
 @pytest.mark.parametrize("path", RAYSERVICES, ids=lambda p: p.stem)

@@ -131,6 +131,18 @@ def test_batched_sessions_each_equal_their_run_alone(family):
     assert together == alone, name
 
 
+def test_a_gemma3_whose_layers_all_slide_runs_pooled():
+    """A Gemma 3 with fewer layers than its sliding pattern (a small or pruned model): every layer is a sliding one,
+    HF builds the local rope alone, and greedy output is HF generate's past the window."""
+    target = tiny_family("gemma3-sliding")
+    assert set(target.config.layer_types) == {"sliding_attention"}
+    assert not hasattr(target.model.rotary_emb, "full_attention_inv_freq")
+    prompt = [random.Random(3).randrange(VOCAB) for _ in range(20)]  # longer than the window of 16
+    decoder = SpeculativeDecoder(target, None, gamma=0)
+    assert decoder.kv_pool is not None, "it did not run on the pool"
+    assert decoder.generate(prompt, GREEDY, 24).token_ids == hf_greedy(target, prompt, 24)
+
+
 CHI_FAMILIES = ["llama3", "qwen3", "gemma2"]  # Llama 3.x rope, q/k norms, a sliding window and soft-capping
 CHI_VOCAB, CHI_RUNS = 12, 1200
 

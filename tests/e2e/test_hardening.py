@@ -13,6 +13,8 @@ import collections
 import concurrent.futures
 import json
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import httpx2 as httpx
@@ -121,6 +123,16 @@ def test_bodies_over_the_limit_are_413_before_parsing(server):
         response = client.post(server["http"] + "/v1/completions", content=body,
                                headers={"Content-Type": "application/json"})
     assert response.status_code == 413 and "max_body_bytes" in response.json()["error"]["message"]
+    # Python's urllib sends the whole body before it reads (no Expect: 100-continue), with and without a length
+    for headers in ({"Content-Type": "application/json"}, {"Content-Type": "application/json",
+                                                           "Transfer-Encoding": "chunked"}):
+        data = body if "Transfer-Encoding" not in headers else iter([body[i:i + (1 << 20)]
+                                                                     for i in range(0, len(body), 1 << 20)])
+        request = urllib.request.Request(server["http"] + "/v1/completions", data=data, headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=120)
+        assert refused.value.code == 413, headers
+        assert "max_body_bytes" in json.loads(refused.value.read())["error"]["message"]
     assert post(server, "/v1/completions", BASE).status_code == 200  # and the server is fine
 
 

@@ -27,6 +27,7 @@ def cluster():
         "small": cluster.add_node(num_cpus=1, resources={"small_gpu": 1}),
         "large": cluster.add_node(num_cpus=1, resources={"large_gpu": 2}),
         "large2": cluster.add_node(num_cpus=1, resources={"large_gpu": 2}),
+        "gpus": cluster.add_node(num_cpus=1, num_gpus=2),  # Ray's fake GPUs: no CUDA here, the models use the CPU
     }
     ray.init(address=cluster.address, log_to_driver=False)
     yield nodes
@@ -53,6 +54,34 @@ def test_draft_and_target_land_where_the_config_says(cluster, tmp_path):
         params = SamplingParams(temperature=1.0, seed=5, ignore_eos=True)
         tokens, _ = served(target_actor, draft_actor, params)
         # as served: prompt lookup first, then the model draft
+        local = SpeculativeDecoder(config.target, config.draft, gamma=3, dtype="float32", draft_top_k=4)
+        assert tokens == local.generate(PROMPT, params, 30).token_ids
+    finally:
+        ray.kill(target_actor)
+        ray.kill(draft_actor)
+
+
+def test_gpu_flags_have_ray_reserve_gpus(cluster, tmp_path):
+    """`--gpus 1 --draft-gpus 1`: both workers land on the one node with GPUs, each holding one of its two."""
+    from specserve.cli import build_parser
+    from specserve.serve.run import config_from_flags
+
+    target = tiny_llama(0, vocab=64, layers=2, hidden=32, scale=8, dtype=torch.float32)
+    target.save_pretrained(str(tmp_path / "target"))
+    perturbed_copy(target, 0.3).save_pretrained(str(tmp_path / "draft"))
+    flags = ["serve", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--dtype", "float32",
+             "--gpus", "1", "--draft-gpus", "1"]
+    args = config_from_flags(build_parser().parse_args(flags))["applications"][0]["args"]
+    config = WorkersConfig(**{k: v for k, v in args.items() if k in WorkersConfig.model_fields}, draft_top_k=4)
+    target_actor, draft_actor = start_workers(config)
+    try:
+        assert draft_actor is not None  # a draft with a GPU of its own: a worker of its own
+        for actor in (target_actor, draft_actor):
+            assert ray.get(actor.node_id.remote()) == cluster["gpus"].node_id
+        gpus = [ray.get(actor.gpu_ids.remote()) for actor in (target_actor, draft_actor)]
+        assert all(len(ids) == 1 for ids in gpus) and gpus[0] != gpus[1], gpus
+        params = SamplingParams(temperature=1.0, seed=5, ignore_eos=True)
+        tokens, _ = served(target_actor, draft_actor, params)
         local = SpeculativeDecoder(config.target, config.draft, gamma=3, dtype="float32", draft_top_k=4)
         assert tokens == local.generate(PROMPT, params, 30).token_ids
     finally:

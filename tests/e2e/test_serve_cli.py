@@ -108,20 +108,22 @@ def _wait_healthy(base: str, proc: subprocess.Popen, seconds: float = 180) -> No
 
 def test_serve_command_serves_and_stops_cleanly(tmp_path):
     root = save_tokenized_pair(tmp_path / "models")
-    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+    http_port, grpc_port, metrics_port, file_port = free_port(), free_port(), free_port(), free_port()
     config = {
-        "http_options": {"host": "127.0.0.1", "port": http_port},
+        "http_options": {"host": "127.0.0.1", "port": file_port},
         "grpc_options": {"port": grpc_port},  # the Generator servicer function is added by specserve serve
         "applications": [{
             "name": "specserve", "route_prefix": "/", "import_path": "specserve.serve:build_app",
-            "args": {"target": str(root / "target"), "draft": "ngram", "dtype": "float32", "model_name": "tiny",
+            "args": {"target": str(root / "target"), "draft": "ngram", "dtype": "float32", "model_name": "small",
                      "target_resources": {"torch_threads": 1}},
         }],
     }
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
+    # flags beside the file replace its values: the HTTP port and the model's name
     proc = subprocess.Popen([sys.executable, "-m", "specserve", "serve", "--config", str(path),
-                             "--metrics-port", str(metrics_port)],
+                             "--metrics-port", str(metrics_port), "--http-port", str(http_port),
+                             "--model-name", "tiny"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "SPECSERVE_API_KEY": "open-sesame"})
     base = f"http://127.0.0.1:{http_port}"
@@ -172,10 +174,18 @@ def test_serve_command_serves_and_stops_cleanly(tmp_path):
         assert stub.Generate(request, metadata=(("authorization", "Bearer open-sesame"),), timeout=60).completion_tokens == 3
         owners = _listening_pids(_descendants(proc.pid))
         assert owners[http_port] == owners[grpc_port] != replica, (owners, replica)
+        assert not _listening(file_port)
     finally:
+        started = _descendants(proc.pid) - {proc.pid}
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output
+    # returned = stopped: its processes have ended and its ports are free for the next start
+    left = {pid for pid in started if pathlib.Path(f"/proc/{pid}").exists()
+            and pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"}
+    assert not left, [_cmdline(pid) for pid in left]
+    assert not _listening(http_port) and not _listening(grpc_port)
+    assert f"--http-port {http_port} replaces the config's http_options.port ({file_port})" in output
     assert "/v1/completions" in output and "shutting down" in output  # it told the user how to call it
     assert "ingress: the application's replica answers" in output
     assert f"127.0.0.1:{metrics_port}/metrics" in output
@@ -187,6 +197,14 @@ def test_serve_command_rejects_a_bad_config(tmp_path):
     result = subprocess.run([sys.executable, "-m", "specserve", "serve", "--config", str(path)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "gamma" in result.stderr
+
+
+def test_serve_command_wants_a_key_beyond_loopback():
+    result = subprocess.run([sys.executable, "-m", "specserve", "serve", "--host", "0.0.0.0",
+                             "--http-port", str(free_port())], capture_output=True, text=True, timeout=120,
+                            env={k: v for k, v in os.environ.items() if k != "SPECSERVE_API_KEY"})
+    assert result.returncode == 2 and "no API key" in result.stderr and "--insecure" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and "Started a local Ray" not in result.stderr
 
 
 def test_serve_command_says_a_port_is_taken():

@@ -596,5 +596,8 @@ def build_app(args: dict[str, Any] | None = None):
     # Serve holds requests past max_ongoing_requests in its own unbounded queue: let ours (max_queued, with its
     # timeout and 503) see them all, with room for /health and the like beside them
     ongoing = config.max_sessions + config.max_queued + 64
-    return SpecServe.options(max_ongoing_requests=ongoing).bind(config.model_dump())
+    # each replica starts workers of its own (target, draft, coordinator): N replicas hold the models N times
+    replicas = {"autoscaling_config": config.autoscaling_config} if config.autoscaling_config is not None \
+        else {"num_replicas": config.num_replicas}
+    return SpecServe.options(max_ongoing_requests=ongoing, **replicas).bind(config.model_dump())
 

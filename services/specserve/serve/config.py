@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -75,6 +75,23 @@ class AppConfig(WorkersConfig):
         "KEY`); otherwise HTTP 401 / UNAUTHENTICATED. Default: the SPECSERVE_API_KEY environment variable where the "
         "config is validated, else no key (open, as on localhost). /health stays open for probes.",
     )
+    num_replicas: int = Field(
+        1, ge=1,
+        description="Serve replicas of the application. Each starts workers of its own (the target, a draft, the "
+        "coordinator) and serves the requests Serve routes to it: N replicas hold the models N times (on GPUs, "
+        "N x the GPUs a target asks for). Several replicas answer through Serve's proxy.",
+    )
+    autoscaling_config: dict[str, Any] | None = Field(
+        None,
+        description="Serve's autoscaling_config for the application's replicas (min_replicas, max_replicas, "
+        "target_ongoing_requests, upscale_delay_s, ...), instead of a fixed num_replicas; a replica added takes as "
+        "long to start as the first (its models load).",
+    )
+    insecure: bool = Field(
+        False,
+        description="Serve without an API key although the server listens beyond loopback (http_options.host "
+        "0.0.0.0, a LAN address): without it `specserve serve` refuses to start so.",
+    )
     special_tokens_in_messages: bool = Field(
         False,
         description="Chat message text that spells a special token (e.g. <|im_start|>) becomes that control token. "
@@ -95,6 +112,17 @@ class AppConfig(WorkersConfig):
         if self.pipelined == "auto":
             return self.draft_resources.num_gpus > 0 and self.target_resources.num_gpus > 0
         return bool(self.pipelined)
+
+    @model_validator(mode="after")
+    def _autoscaling(self):
+        if self.autoscaling_config is not None:
+            from ray.serve.config import AutoscalingConfig
+
+            try:
+                AutoscalingConfig(**self.autoscaling_config)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"autoscaling_config: {exc}") from None
+        return self
 
     @model_validator(mode="after")
     def _max_tokens(self):

@@ -40,6 +40,9 @@ def plan(config: dict[str, Any], mode: str, address: str | None) -> str | None:
     prefix = apps[0].get("route_prefix", "/")
     if prefix not in ("/", None):
         return f"route_prefix {prefix!r}: the proxy routes prefixes"
+    args = apps[0].get("args") or {}
+    if args.get("autoscaling_config") is not None or int(args.get("num_replicas", 1)) > 1:
+        return "several replicas share the ports through Serve's proxy"
     return None
 
 

@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import pathlib
+import signal
 import socket
+import time
 from typing import Any
 
 GRPC_HOST_ENV = "SPECSERVE_GRPC_HOST"
 _HOOK = "specserve.serve.listen.bind_grpc_proxy_to_host"
 
 
-def _loopback(host: str) -> bool:
+def loopback(host: str) -> bool:
+    """Whether `host` is this machine alone (a host name other than localhost is not known to be)."""
     if host == "localhost":
         return True
     try:
@@ -42,7 +46,7 @@ def _wildcard(host: str) -> bool:
 def ray_init_options(host: str) -> dict[str, Any]:
     """Extra `ray.init` arguments for a local Ray serving on `host`."""
     options: dict[str, Any] = {}
-    if _loopback(host):
+    if loopback(host):
         options["_node_ip_address"] = "127.0.0.1"  # Ray's services, metrics and our workers on loopback only
         _single_machine_ray()
     if not _wildcard(host):
@@ -71,7 +75,7 @@ def bind_grpc_proxy_to_host() -> None:
     except ImportError:  # a Ray without Serve's proxy helpers: nothing to rebind
         return
     _rebind(default_impl, "add_grpc_address", host)
-    if _loopback(host):  # the proxy reaches a replica at the node's address, loopback there (`ray_init_options`)
+    if loopback(host):  # the proxy reaches a replica at the node's address, loopback there (`ray_init_options`)
         _rebind(replica, "add_port_to_grpc_server", host)
 
 
@@ -103,3 +107,43 @@ def free_port(host: str = "127.0.0.1") -> int:
             port = s.getsockname()[1]
         if port not in RAY_DEFAULT_PORTS:
             return port
+
+
+def own_processes() -> set[int]:
+    """The processes under this one (a local Ray's services and workers): Linux /proc, else none known."""
+    children: dict[int, list[int]] = {}
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    found, todo = set(), list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        found.add(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def stop_processes(pids: set[int], grace_s: float = 10.0) -> list[int]:
+    """Wait up to grace_s for pids to end, then SIGTERM the rest (SIGKILL 5 s later). Returns those signalled."""
+    deadline = time.monotonic() + grace_s
+    while (left := [p for p in pids if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
+        for pid in [p for p in left if _running(p)]:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + wait
+        while any(_running(p) for p in left) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return left

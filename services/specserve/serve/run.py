@@ -11,6 +11,7 @@ import pathlib
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 import yaml
@@ -18,9 +19,9 @@ from pydantic import ValidationError
 
 from specserve.serve import ingress
 from specserve.serve.app import GRPC_SERVICER_FUNCTION
-from specserve.serve.config import AppConfig
+from specserve.serve.config import API_KEY_ENV, AppConfig
 from specserve.serve.grpc_api import GENERATED_FUNCTION
-from specserve.serve.listen import ray_init_options
+from specserve.serve.listen import loopback, own_processes, ray_init_options, stop_processes
 from specserve.workers.quiet import quiet_env, yield_control_plane
 
 DEFAULT_HTTP_PORT = 8000
@@ -58,6 +59,129 @@ def model_args(args, gamma: int | str) -> dict[str, Any]:
     return app_args
 
 
+# `specserve serve` flags that set an application's args (dest -> the arg), each given flag overriding a config file's
+APP_FLAGS = {"target": "target", "draft": "draft", "dtype": "dtype", "gamma": "gamma", "gamma_max": "gamma_max",
+             "quantization": "quantization", "draft_quantization": "draft_quantization", "no_pipeline": "pipelined",
+             "no_lookup": "draft_lookup", "no_prefix_caching": "prefix_caching", "max_sessions": "max_sessions",
+             "stream_interval_ms": "stream_interval_ms", "stream_chunks_per_s": "stream_chunks_per_s",
+             "compute_lanes": "compute_lanes", "model_name": "model_name", "replicas": "num_replicas",
+             "api_key": "api_key",
+             "insecure": "insecure"}
+# flags that set one field of a role's resources (dest -> (role, field))
+RESOURCE_FLAGS = {"tensor_parallel": ("target_resources", "tensor_parallel"), "gpus": ("target_resources", "num_gpus"),
+                  "draft_gpus": ("draft_resources", "num_gpus")}
+# flags that set where the server listens (dest -> (section, field))
+LISTEN_FLAGS = {"host": ("http_options", "host"), "http_port": ("http_options", "port"),
+                "grpc_port": ("grpc_options", "port")}
+# an application's args every specserve application of a config takes from a flag (the rest name one model)
+SHARED_ARGS = {"api_key", "insecure"}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def apply_flags(config: dict[str, Any], args, given: set[str]) -> list[str]:
+    """Flags given on the command line over a config file's values (in place). Returns a line for each value a flag
+    replaced; a model flag for a config of several specserve applications is refused (ValueError), as it names one."""
+    notes = []
+    for dest, (section, key) in LISTEN_FLAGS.items():
+        if dest in given:
+            options = config.setdefault(section, {}) or {}
+            config[section] = options
+            if key in options and options[key] != getattr(args, dest):
+                notes.append(f"{_flag(dest)} {getattr(args, dest)} replaces the config's {section}.{key} "
+                             f"({options[key]})")
+            options[key] = getattr(args, dest)
+    flagged = config_from_flags(args)["applications"][0]["args"]
+    apps = [app for app in config.get("applications") or [] if app.get("import_path", "").startswith("specserve.serve")]
+    model_flags = sorted(_flag(d) for d in given if d in RESOURCE_FLAGS or d in APP_FLAGS and APP_FLAGS[d] not in
+                         SHARED_ARGS)
+    if model_flags and len(apps) != 1:
+        raise ValueError(f"{', '.join(model_flags)} set one application's args, and the config has {len(apps)} "
+                         "specserve applications: set them in the file")
+    for app in apps:
+        app_args = app.setdefault("args", {}) or {}
+        app["args"] = app_args
+        name = app.get("name", "default")
+        for dest in sorted(given & RESOURCE_FLAGS.keys()):  # one field of the file's resources
+            role, key = RESOURCE_FLAGS[dest]
+            resources = dict(app_args.get(role) or {})
+            before, resources[key] = resources.get(key), getattr(args, dest)
+            app_args[role] = resources
+            if before is not None and before != resources[key]:
+                notes.append(f"{_flag(dest)} {resources[key]} replaces application {name!r}'s {role}.{key} ({before})")
+        for dest in sorted(given & APP_FLAGS.keys()):
+            key = APP_FLAGS[dest]
+            before = app_args.get(key)
+            if key in flagged:
+                app_args[key] = flagged[key]
+            else:  # a flag at its default value (e.g. --quantization auto): the application's default
+                app_args.pop(key, None)
+            if before is not None and before != app_args.get(key):
+                shown = "(set)" if key == "api_key" else app_args.get(key)
+                notes.append(f"{_flag(dest)} {shown} replaces application {name!r}'s {key} "
+                             f"({'(set)' if key == 'api_key' else before})")
+    return notes
+
+
+def local_gpus() -> int:
+    """CUDA GPUs this machine's torch sees (0 without CUDA)."""
+    import torch
+
+    try:
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - a broken CUDA install serves on the CPU
+        return 0
+
+
+def placement(app_args: dict[str, Any]) -> list[str]:
+    """Where each model of a specserve application runs, in a line a role."""
+    config = AppConfig(**app_args)
+
+    def device(res) -> str:
+        if res.num_gpus > 0:
+            each = f"{res.num_gpus:g} GPU" + ("" if res.num_gpus <= 1 else "s")
+            kind = f" ({res.accelerator_type})" if res.accelerator_type else ""
+            return (f"{each}{kind} a rank x {res.tensor_parallel} ranks" if res.tensor_parallel > 1
+                    else f"{each}{kind}") + ", reserved by Ray"
+        ranks = f" x {res.tensor_parallel} ranks" if res.tensor_parallel > 1 else ""
+        return f"the CPU ({res.threads()} threads{ranks})"
+
+    if config.target_stages:
+        target = f"{len(config.target_stages)} pipeline stages: " + "; ".join(device(s) for s in config.target_stages)
+    else:
+        target = device(config.target_resources)
+    lines = [f"target {config.target}: {target}"]
+    if config.draft == "none":
+        lines.append("draft: none (plain decoding)")
+    elif config.draft == "ngram" or (config.draft == "default" and config.target != "embedded"):
+        lines.append("draft: prompt lookup (n-gram) " + ("in a worker of its own" if config.ngram_worker
+                                                        else "in the coordinator"))
+    elif config.colocated():
+        lines.append(f"draft {config.draft}: in the target worker, on its device")
+    else:
+        lines.append(f"draft {config.draft}: a worker of its own on {device(config.draft_resources)}")
+    return lines
+
+
+def check_exposure(config: dict[str, Any]) -> None:
+    """A server that listens beyond loopback asks every specserve application for an API key, unless one says
+    `insecure: true` (--insecure): else ValueError saying how to go on."""
+    host = str((config.get("http_options") or {}).get("host", "127.0.0.1"))
+    if loopback(host):
+        return
+    for app in config.get("applications") or []:
+        if not app.get("import_path", "").startswith("specserve.serve"):
+            continue
+        app_config = AppConfig(**(app.get("args") or {}))
+        if app_config.api_key is None and not app_config.insecure:
+            raise ValueError(
+                f"the server would listen on {host} (beyond this machine) with no API key, open to anyone who can "
+                f"reach it: give one (--api-key, ${API_KEY_ENV} or the application's api_key), listen on 127.0.0.1 "
+                "(--host), or serve openly on purpose (--insecure, or insecure: true in the application's args)")
+
+
 def config_from_flags(args) -> dict[str, Any]:
     app_args = model_args(args, args.gamma)
     if args.no_pipeline:
@@ -74,12 +198,26 @@ def config_from_flags(args) -> dict[str, Any]:
         app_args["stream_interval_ms"] = args.stream_interval_ms
     if getattr(args, "stream_chunks_per_s", None) is not None:
         app_args["stream_chunks_per_s"] = args.stream_chunks_per_s
+    if getattr(args, "replicas", 1) != 1:
+        app_args["num_replicas"] = args.replicas
     if getattr(args, "compute_lanes", None) is not None:
         app_args["compute_lanes"] = args.compute_lanes
+    target: dict[str, Any] = {}
     if getattr(args, "tensor_parallel", 1) != 1:
-        app_args["target_resources"] = {"tensor_parallel": args.tensor_parallel}
+        target["tensor_parallel"] = args.tensor_parallel
+    gpus = getattr(args, "gpus", 0)
+    if gpus is None:  # a local server on a machine with CUDA GPUs: the target on one (a rank on each)
+        gpus = 1 if not getattr(args, "address", None) and local_gpus() else 0
+    if gpus:
+        target["num_gpus"] = gpus
+    if target:
+        app_args["target_resources"] = target
+    if getattr(args, "draft_gpus", None):
+        app_args["draft_resources"] = {"num_gpus": args.draft_gpus}
     if getattr(args, "api_key", None):
         app_args["api_key"] = args.api_key
+    if getattr(args, "insecure", False):
+        app_args["insecure"] = True
     return {
         "http_options": {"host": args.host, "port": args.http_port},
         "grpc_options": {"port": args.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER_FUNCTION]},
@@ -175,14 +313,27 @@ def spec_path(spec: str) -> str:
         return f"its config could not be read here ({type(exc).__name__}); the workers will say"
 
 
-def serve_main(args) -> int:
+def serve_main(args, given: set[str] | None = None) -> int:
+    """given: the flags the command line named (with --config, those override the file's values)."""
     import ray
     from ray import serve
 
     try:
-        config = load_serve_config(args.config) if args.config else config_from_flags(args)
-        if not args.config:
+        if args.config:
+            config = load_serve_config(args.config)
+            for note in apply_flags(config, args, given or set()):
+                print(f"[specserve] {note}", flush=True)
+            for app in config.get("applications") or []:
+                if app.get("import_path", "").startswith("specserve.serve"):
+                    AppConfig(**(app.get("args") or {}))
+        else:
+            config = config_from_flags(args)
             AppConfig(**config["applications"][0]["args"])
+        check_exposure(config)
+        for app in config.get("applications") or []:
+            if app.get("import_path", "").startswith("specserve.serve"):
+                for line in placement(app.get("args") or {}):
+                    print(f"[specserve] {line}", flush=True)
         if not args.address:  # the workers run here: which CPU path their bfloat16 (quantized) steps take
             from specserve.models.kernels import cpu
 
@@ -228,6 +379,14 @@ def serve_main(args) -> int:
         return 1
     finally:
         print("[specserve] shutting down", flush=True)
+        started = own_processes() if not args.address else set()
         serve.shutdown()
         ray.shutdown()
+        # return only once the ports are free: Ray's processes end on their own a while after it shuts down
+        if stragglers := stop_processes(started):
+            print(f"[specserve] stopped {len(stragglers)} process(es) of the local Ray that outlived it", flush=True)
+        for name, port in (("HTTP", http_port), ("gRPC", grpc_port)):
+            deadline = time.monotonic() + 10
+            while not args.address and ingress.port_in_use(host, port) and time.monotonic() < deadline:
+                time.sleep(0.1)
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from concurrent import futures
 from typing import Any
@@ -28,7 +29,7 @@ from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
 from specserve.scheduler.colocated import ScheduledDraft
 from specserve.scheduler.steps import StepScheduler, one_thread_torch
 from specserve.v1 import workers_pb2_grpc
-from specserve.workers.config import RoleResources, WorkersConfig
+from specserve.workers.config import DEFAULT_KV_TOKENS, RoleResources, WorkersConfig
 from specserve.workers.quiet import data_plane_priority
 
 log = logging.getLogger("specserve.workers")
@@ -112,6 +113,12 @@ class _GrpcActor:
 
         return ray.get_runtime_context().get_node_id()
 
+    def gpu_ids(self) -> list:
+        """The GPUs Ray reserved for this worker (none on the CPU)."""
+        import ray
+
+        return list(ray.get_runtime_context().get_accelerator_ids().get("GPU", []))
+
     def active_sessions(self) -> int:
         return len(self.servicer.sessions)
 
@@ -179,7 +186,7 @@ class TargetWorkerActor(_GrpcActor):
         if tensor_parallel > 1:
             from specserve.workers.ranks import start_group
 
-            kv_tokens = (scheduling or {}).get("kv_cache_tokens", 65536)
+            kv_tokens = (scheduling or {}).get("kv_cache_tokens") or DEFAULT_KV_TOKENS
             loaded, tp, self._followers, self._store = start_group(
                 target, dtype, quantization, tensor_parallel, kv_tokens, threads or os.cpu_count() or 1,
                 rank_options or {}, self._rank_lost, run=lambda f, *args: compute.call(f, *args).result())
@@ -192,7 +199,8 @@ class TargetWorkerActor(_GrpcActor):
             self._info["stages"] = len(stages)
             sched = scheduling or {}
             # every attach and forward of this pool runs on the compute thread: new sessions may copy running ones
-            staged = compute.call(StagedPool, stages, model_config(target), sched.get("kv_cache_tokens", 65536),
+            staged = compute.call(StagedPool, stages, model_config(target),
+                                  sched.get("kv_cache_tokens") or DEFAULT_KV_TOKENS,
                                   sched.get("prefix_caching", True), True).result()
             new_sequence = model = None
         else:
@@ -208,10 +216,20 @@ class TargetWorkerActor(_GrpcActor):
             new_sequence, model = None, loaded.model
         self.model = model
         self.vocab = self._info["vocab"]
+        scheduling = dict(scheduling or {})
+        fraction = scheduling.pop("kv_memory_fraction", None)
+        if scheduling.get("kv_cache_tokens") is None:
+            if model is None or tp is not None:
+                scheduling["kv_cache_tokens"] = DEFAULT_KV_TOKENS
+            else:
+                scheduling["kv_cache_tokens"], how = _kv_size(model, draft, fraction)
+                self._info["kv_pool"] = how
+                print(f"specserve: KV pools: {how}", file=sys.stderr, flush=True)
+        self._info["kv_cache_tokens"] = scheduling["kv_cache_tokens"]
         head = draft is not None and is_head(draft)
         self._start(
             TargetWorkerServicer(model, self.vocab, threads, new_sequence, scheduler=compute, tp=tp, pool=staged,
-                                 features=head, **(scheduling or {})),
+                                 features=head, **scheduling),
             workers_pb2_grpc.add_TargetWorkerServicer_to_server, session_idle_s, token,
         )
         self._info["warm_up"] = self._warm_up("target", self.servicer.pool, range(1, gamma_max + 2))
@@ -298,6 +316,24 @@ def describe_model(spec: Any) -> dict[str, Any]:
             "num_layers": int(config.num_hidden_layers)}
 
 
+def _kv_size(model, draft: Any, fraction: float | None) -> tuple[int, str]:
+    """(positions, how sized) for the KV pools of a loaded target and the draft still to load beside it."""
+    import torch
+
+    from specserve.models.memory.sizing import bytes_per_position, kv_positions, weights_bytes
+
+    param = next(model.parameters())
+    dtype = param.dtype if param.dtype.is_floating_point else torch.bfloat16
+    per, reserve = bytes_per_position(model.config, dtype), 0
+    if draft is not None and not is_head(draft):  # its pool is sized alike; its weights are still to come
+        try:
+            per += bytes_per_position(model_config(draft), dtype)
+        except Exception:  # noqa: BLE001 - a draft config not readable here: the load will say what is wrong
+            pass
+        reserve = weights_bytes(draft)
+    return kv_positions(per, param.device, fraction, reserve)
+
+
 def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, gamma_max: int = 8,
                   token: str | None = None):
     """Create the target and draft actors with the configured placement; returns (target, draft | None).
@@ -321,7 +357,7 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
             if stage.tensor_parallel > 1:
                 check_model(target_spec, stage.tensor_parallel, f"target_stages[{i}].tensor_parallel")
         stages, groups = start_stages(target_spec, config.dtype, config.quantization, config.target_stages, layers,
-                                      config.kv_cache_tokens)
+                                      config.fixed_kv_tokens())
     scheduling = config.scheduling()
     colocated = draft_spec if config.colocated(draft_spec) else None
     resources, placement = config.target_resources, {}
@@ -339,12 +375,14 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
         groups.append(placement["scheduling_strategy"].placement_group)
     if groups:
         _RANK_GROUPS[target_actor._actor_id.hex()] = groups
-    vocab = ray.get(target_actor.info.remote())["vocab"]
+    info = ray.get(target_actor.info.remote())
+    vocab = info["vocab"]
     draft_actor = None
     if config.has_draft_worker(draft_spec) and colocated is None:
         draft_actor = _remote(DraftWorkerActor, config.draft_resources, config.max_restarts).remote(
             draft_spec, vocab, config.dtype, config.draft_top_k, config.draft_resources.threads(),
-            config.kv_cache_tokens, config.session_idle_s, token, config.draft_quantization, config.prefix_caching,
+            config.kv_cache_tokens or info.get("kv_cache_tokens") or DEFAULT_KV_TOKENS, config.session_idle_s, token,
+            config.draft_quantization, config.prefix_caching,
             served_name=served_name,
         )
     return target_actor, draft_actor

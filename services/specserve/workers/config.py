@@ -8,6 +8,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+DEFAULT_KV_TOKENS = 65536  # pools sized before a model is loaded (tensor-parallel ranks, pipeline stages)
+
+
 class RoleResources(BaseModel):
     """Ray resources one worker role asks for; Ray places the actor on a node that has them."""
 
@@ -99,12 +102,21 @@ class WorkersConfig(BaseModel):
         "pool (the families of docs/serving.md's table: Llama 2/3.x, Mistral, Qwen2/2.5/3, Phi-3, OLMo 2, Gemma 1/2/3; "
         "others run one session at a time). false: one session at a time, each with its own cache (the unbatched path, for comparisons).",
     )
-    kv_cache_tokens: int = Field(
-        65536, ge=256,
-        description="Token positions the target's KV pool holds across all sessions, preallocated. Bytes = this x 2 "
-        "x layers x kv_heads x head_dim x dtype size (23,040 per token for the embedded target in bf16: 1.4 GiB). "
-        "A session gets a power-of-two block (at most 2x its tokens); a new one that does not fit waits for "
-        "running sessions to end (kv_wait_s), then fails with HTTP 503 / RESOURCE_EXHAUSTED.",
+    kv_cache_tokens: int | None = Field(
+        None, ge=256,
+        description="Token positions the target's KV pool (and a model draft's) holds across all sessions, "
+        "preallocated. Bytes = this x 2 x layers x kv_heads x head_dim x dtype size (23,040 per token for the "
+        "embedded target in bf16). None: sized from the memory free once the target is loaded "
+        "(kv_memory_fraction; 65,536 for a tensor-parallel or staged target). A session gets a power-of-two block "
+        "(at most 2x its tokens); a new one that does not fit waits for running sessions to end (kv_wait_s), then "
+        "fails with HTTP 503 / RESOURCE_EXHAUSTED.",
+    )
+    kv_memory_fraction: float | None = Field(
+        None, gt=0, le=1,
+        description="Where kv_cache_tokens is not set, the KV pools take: on a GPU this fraction of its total memory "
+        "less what is in use once the target is loaded (default 0.9, as vLLM's gpu_memory_utilization), on a CPU "
+        "this fraction of the machine's available RAM (default 0.25), at most 8 GiB; a colocated draft's weights "
+        "are set aside first. Start-up prints the positions the pools got.",
     )
     kv_wait_s: float = Field(
         60.0, ge=0,
@@ -159,6 +171,11 @@ class WorkersConfig(BaseModel):
         "which pass stage to stage. Targets of docs/serving.md's supported architectures. Empty = one target actor holding the whole model.",
     )
 
+    def fixed_kv_tokens(self) -> int:
+        """The positions of pools that are sized before any model loads (stages, ranks): kv_cache_tokens, else
+        DEFAULT_KV_TOKENS."""
+        return self.kv_cache_tokens or DEFAULT_KV_TOKENS
+
     def draft_device_of_its_own(self) -> bool:
         r = self.draft_resources
         return bool(r.num_gpus > 0 or r.accelerator_type or r.resources)
@@ -185,6 +202,7 @@ class WorkersConfig(BaseModel):
     def scheduling(self) -> dict[str, Any]:
         """The target worker's batching arguments (`TargetWorkerServicer`'s scheduling keywords)."""
         return {"batching": self.batching, "kv_cache_tokens": self.kv_cache_tokens,
+                "kv_memory_fraction": self.kv_memory_fraction,
                 "max_step_tokens": self.max_step_tokens, "prefill_chunk": self.prefill_chunk,
                 "prefix_caching": self.prefix_caching, "kv_wait_s": self.kv_wait_s,
                 "compute_lanes": self.compute_lanes}

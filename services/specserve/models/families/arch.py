@@ -206,7 +206,9 @@ def model_ropes(model, a: Arch) -> list[Rope]:
     rotary = model.model.rotary_emb
     types = _rope_params(config)
     layer_types = getattr(config, "layer_types", None)
-    names = [t for t in types if t] or [""]
+    present = set(layer_types[: config.num_hidden_layers]) if layer_types else None
+    # the rope types some layer uses (HF builds no rope for a type no layer has: an all-sliding Gemma 3)
+    names = [t for t in types if t and (present is None or t in present)] or [""]
     ropes = []
     for name in names:
         prefix = f"{name}_" if name else ""
