@@ -30,6 +30,9 @@ def test_a_cpu_gives_a_share_of_available_ram_capped():
     cpu = torch.device("cpu")
     assert kv_positions(1000, cpu, memory=(8 * GIB, 16 * GIB))[0] == 2 * GIB // 1000 // 256 * 256
     assert kv_positions(1000, cpu, memory=(200 * GIB, 256 * GIB))[0] == CPU_CAP_BYTES // 1000 // 256 * 256
+    # no more than can be used: the positions of 64 sessions of the whole context
+    positions, how = kv_positions(1000, cpu, memory=(8 * GIB, 16 * GIB), most=64 * 2048)
+    assert positions == 64 * 2048 and "64 sessions of the model's whole context" in how
     free, total = free_memory(cpu)  # this machine's own
     assert 0 < free <= total
 
@@ -43,9 +46,9 @@ def test_a_target_and_its_colocated_draft_are_sized_together(tmp_path, monkeypat
     draft.save_pretrained(str(tmp_path / "draft"))
     per_t, per_d = bytes_per_position(target.config, torch.float32), bytes_per_position(draft.config, torch.float32)
     assert per_t == 2 * 2 * target.config.num_key_value_heads * (32 // target.config.num_attention_heads) * 4
-    budget = 0.01 * 4 * GIB
-    assert _kv_size(target, None, 0.01)[0] == int(budget // per_t) // 256 * 256
-    together, how = _kv_size(target, str(tmp_path / "draft"), 0.01)
+    budget = 0.0002 * 4 * GIB  # below 64 sessions of its whole context
+    assert _kv_size(target, None, 0.0002)[0] == int(budget // per_t) // 256 * 256
+    together, how = _kv_size(target, str(tmp_path / "draft"), 0.0002)
     reserve = (tmp_path / "draft" / "model.safetensors").stat().st_size
     assert together == int((budget - reserve) // (per_t + per_d)) // 256 * 256
     assert "set aside for the draft" in how and "available RAM" in how

@@ -320,7 +320,7 @@ def _kv_size(model, draft: Any, fraction: float | None) -> tuple[int, str]:
     """(positions, how sized) for the KV pools of a loaded target and the draft still to load beside it."""
     import torch
 
-    from specserve.models.memory.sizing import bytes_per_position, kv_positions, weights_bytes
+    from specserve.models.memory.sizing import MOST_SESSIONS, bytes_per_position, kv_positions, weights_bytes
 
     param = next(model.parameters())
     dtype = param.dtype if param.dtype.is_floating_point else torch.bfloat16
@@ -331,7 +331,8 @@ def _kv_size(model, draft: Any, fraction: float | None) -> tuple[int, str]:
         except Exception:  # noqa: BLE001 - a draft config not readable here: the load will say what is wrong
             pass
         reserve = weights_bytes(draft)
-    return kv_positions(per, param.device, fraction, reserve)
+    context = getattr(model.config, "max_position_embeddings", None) or 4096
+    return kv_positions(per, param.device, fraction, reserve, most=MOST_SESSIONS * context)
 
 
 def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, gamma_max: int = 8,

@@ -15,6 +15,7 @@ import torch
 GPU_FRACTION, CPU_FRACTION = 0.9, 0.25
 CPU_CAP_BYTES = 8 << 30
 MIN_POSITIONS = 256
+MOST_SESSIONS = 64  # no pool is sized past this many sessions of the model's whole context
 
 
 def bytes_per_position(config, dtype: torch.dtype) -> int:
@@ -38,10 +39,10 @@ def free_memory(device: torch.device) -> tuple[int, int]:
 
 
 def kv_positions(per_position: int, device: torch.device, fraction: float | None = None, reserve: int = 0,
-                 memory: tuple[int, int] | None = None) -> tuple[int, str]:
+                 memory: tuple[int, int] | None = None, most: int | None = None) -> tuple[int, str]:
     """(positions, how they were sized) for pools of `per_position` bytes a position in all; reserve: bytes still
-    to be loaded on the device; memory: (free, total), measured here when None. ValueError when fewer than
-    MIN_POSITIONS fit."""
+    to be loaded on the device; memory: (free, total), measured here when None; most: positions no more of which
+    can be used. ValueError when fewer than MIN_POSITIONS fit."""
     free, total = memory if memory is not None else free_memory(device)
     gib = 1 << 30
     if device.type == "cuda":
@@ -55,6 +56,9 @@ def kv_positions(per_position: int, device: torch.device, fraction: float | None
     if reserve:
         source += f", {reserve / gib:.1f} GiB set aside for the draft"
     positions = int(max(budget, 0) // per_position) // MIN_POSITIONS * MIN_POSITIONS
+    if most is not None and positions > most:
+        positions = max(MIN_POSITIONS, most // MIN_POSITIONS * MIN_POSITIONS)
+        source += f"; {positions} are {MOST_SESSIONS} sessions of the model's whole context"
     if positions < MIN_POSITIONS:
         raise ValueError(f"kv_cache_tokens: the KV pools would get {positions} positions ({source}); free memory, "
                          "raise kv_memory_fraction or set kv_cache_tokens")
