@@ -9,10 +9,12 @@ must fail each check. The dashboard's queries may only name series the code expo
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import pathlib
 import re
 import shlex
+import subprocess
 
 import kubernetes_validate
 import pytest
@@ -179,6 +181,12 @@ def test_dockerfile_installs_like_the_readme():
     assert "bash install.sh" in dockerfile
     assert "bash install.sh" in (ROOT / "README.md").read_text()
     assert "specserve:0.1.0" in dockerfile  # the tag the manifests use
+    for code in re.findall(r'python3 -c "([^"]+)"', dockerfile):  # what the image runs at build time exists
+        for module, names in re.findall(r"from ([\w.]+) import ([\w, ]+)", code):
+            imported = importlib.import_module(module)
+            assert all(hasattr(imported, name.strip()) for name in names.split(",")), code
+    refused = subprocess.run(["bash", str(ROOT / "install.sh"), "--gpu"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "--cpu, --cuda" in refused.stderr  # an option it does not know: nothing runs
 
 
 def test_grafana_dashboard_queries_only_exported_metrics():
