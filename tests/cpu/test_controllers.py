@@ -75,7 +75,7 @@ def test_a_draft_s_catch_up_does_not_teach_auto_the_cost_of_a_draft_step():
     """A round after rounds the model draft did not run drafts only once the draft has fed every token since (on
     a GPU an eager multi-token forward: ~13 ms for the 135M-shape draft, against 1.8 ms for a captured step).
     Taken for the cost of its one drafted token, a few such probes priced the draft out for good (no draft could
-    pay at that cost, so auto stopped probing) where γ=3 ran 1.54x faster than γ=0 (H100, docs/benchmarks.md).
+    pay at that cost, so auto stopped probing) where γ=3 ran 1.54x faster than γ=0 (H100, docs/benchmarks-log.md).
     Rounds whose draft fed more than its usual 1-2 tokens do not teach that cost."""
     verify = {n: 0.0070 for n in range(1, 10)}
 

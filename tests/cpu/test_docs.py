@@ -1,5 +1,6 @@
-"""The README and docs/ stay true: every relative link (and its #anchor) resolves, and the README's configuration
-table lists every application field with its real default."""
+"""The README and docs/ stay true: every relative link (and its #anchor) resolves, the README's configuration
+table lists every application field with its real default, and the product speaks of the product, not of how it
+was developed."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def test_slug_matches_githubs_rule():
 
 
 # fields whose default the table describes in words rather than as a literal
-DESCRIBED = {"model_name", "api_key", "target_resources", "draft_resources", "stream_chunks_per_s", "compute_lanes"}
+DESCRIBED = {"model_name", "api_key", "target_resources", "draft_resources", "stream_chunks_per_s", "compute_lanes",
+             "kv_cache_tokens", "kv_memory_fraction"}
 
 
 def _literal(value) -> str:
@@ -78,3 +80,16 @@ def test_readme_configuration_table_lists_every_field_with_its_default():
         if rows[name].strip() != f"`{_literal(default)}`":
             wrong[name] = (rows[name].strip(), _literal(default))
     assert not wrong, wrong
+
+
+# words about how the project was developed, not about the product (a request's "session" is the product's own)
+DEVELOPMENT = re.compile(r"\bissues? \d+|\bissue-\d+|\bstop \d+|\blease[sd]?\b|\bsittings?\b|device tool|device image|"
+                         r"must-show|\bnewcomer", re.I)
+PRODUCT = [*PAGES, *sorted((ROOT / "cluster").glob("*.yaml")), *sorted((ROOT / "services").rglob("*.py")),
+           ROOT / "Dockerfile", ROOT / "install.sh"]
+
+
+def test_the_product_speaks_of_the_product():
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}" for path in PRODUCT
+             for n, line in enumerate(path.read_text().splitlines(), 1) if DEVELOPMENT.search(line)]
+    assert not found, found

@@ -167,7 +167,7 @@ def test_auto_drafts_a_fused_block_at_the_depth_it_chose_and_prices_each_step_th
     """Where the device drafts whole blocks, stopping mid-block saves nothing: `auto` picks the depth up front
     (not an open-ended γ_max block cut after the fact), the block is as long as that depth, and the round's draft
     time is divided by the steps the device ran. Cut blocks divided a γ_max block's time by the tokens kept; on
-    an H100 served `auto` then drafted at mean γ 0.15 where γ=3 paid 1.37x (docs/benchmarks.md)."""
+    an H100 served `auto` then drafted at mean γ 0.15 where γ=3 paid 1.37x (docs/benchmarks-log.md)."""
     model = tiny_llama(4, vocab=VOCAB, layers=1, hidden=16)
     target = tiny_llama(5, vocab=VOCAB, layers=1, hidden=16)
     seen, asked, _ = _auto_rounds(model, target, fused=False)

@@ -1,4 +1,4 @@
-"""The GPU half of issue 49 in one call: the CUDA tests, then the data-plane bench's head runs, each part under
+"""The GPU checks of the fast steps and the feature head in one call: the CUDA tests, then the data-plane bench's head runs, each part under
 its own time limit and all of them under one budget, and a verdict on each goal from the JSON they wrote.
 
     python -m specserve.bench.gpucheck --parts cold,warm --budget-s 560 --out $OUT   # a GPU machine's first command
@@ -57,7 +57,7 @@ SMOKE = [
                        "--sweep-gammas", "0,2,3,auto", "--load-alpha", "0.7", "--max-tokens", "16"]),
     ("tests", 5, 120, ["pytest", "-q", "tests/cpu/test_head.py", "-k", "greedy_through_a_head_equals"]),
 ]
-# the goals (issue 49's must-show): step at most 1.4x its floor; a head step at most 0.1x the verify; auto at
+# the goals: step at most 1.4x its floor; a head step at most 0.1x the verify; auto at
 # least 2x its own gamma=0 in process; under load auto at least 0.97x gamma=0 at every level, above it at 16
 # streams; a warm start within 60 s
 STEP_OF_FLOOR, HEAD_OF_VERIFY, AUTO_SPEEDUP, LOAD_FLOOR, LOAD_ABOVE_AT, WARM_START_S = 1.4, 0.1, 2.0, 0.97, 16, 60.0
