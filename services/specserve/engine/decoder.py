@@ -27,6 +27,7 @@ from specserve.engine.proposers import LookupOrModelProposer, ModelProposer, Ngr
 from specserve.engine.session import SessionFactory, gamma_spec
 from specserve.engine.stats import GenerationStats
 from specserve.models import LoadedModel, load_model, resolve_draft
+from specserve.models.drafts.eagle3 import Eagle3Head, Eagle3Sequence, is_eagle3, load_eagle3
 from specserve.models.drafts.head import HeadPool, HeadSequence, is_head, load_head
 from specserve.models.families.lean import draft_dtype, model_sequence, unsupported_reason
 from specserve.models.formats.loading import load_draft
@@ -118,6 +119,9 @@ class SpeculativeDecoder:
         if is_head(draft):  # a head on the target's features: beside the target, no model of its own to load
             self.draft_kind = "head"
             self.head = load_head(draft, self.target, draft_quantization)
+        elif is_eagle3(draft):  # a public EAGLE-3 head: the same, on hidden states of three of the target's layers
+            self.draft_kind = "head"
+            self.head = load_eagle3(draft, self.target)
         if self.draft_kind == "model":
             self.draft = load_draft(draft, dtype, str(self.target.device) if device is None else device,
                                     draft_quantization)
@@ -136,7 +140,7 @@ class SpeculativeDecoder:
         if unsupported_reason(self.target.model) is None:
             tokens = kv_cache_tokens or 2 * (self.target.max_positions or 4096)
             self.kv_pool = KVPool(self.target.model, tokens, prefix_caching=prefix_caching,
-                                  features=self.head is not None)
+                                  features=self.head.aux if isinstance(self.head, Eagle3Head) else self.head is not None)
         elif self.head is not None:
             raise ValueError(f"a feature head drafts from the pooled forward's features; the target has "
                              f"{unsupported_reason(self.target.model)}")
@@ -155,7 +159,7 @@ class SpeculativeDecoder:
         # a head drafts through a pool beside the target's where that pool has a step runner (its steps then run
         # as the target's: captured, compiled), else on a cache of its own
         self.head_pool: HeadPool | None = None
-        if self.head is not None and self.kv_pool.runner is not None:
+        if self.head is not None and self.kv_pool.runner is not None and not isinstance(self.head, Eagle3Head):
             self.head_pool = HeadPool(self.head, self.kv_pool, self.kv_pool.allocator.capacity)
         for role, pool in (("target", self.kv_pool), ("draft", self.draft_pool or self.head_pool)):
             if pool is not None and pool.runner is not None and pool.runner.compile_mode:  # compiled steps (CUDA)
@@ -171,8 +175,11 @@ class SpeculativeDecoder:
             return NgramProposer(vocab)
         if self.draft_kind == "head":
             target_sequence = target_sequence if target_sequence is not None else self.target_sequence()
-            sequence = self.head_pool.sequence(target_sequence) if self.head_pool is not None \
-                else HeadSequence(self.head, target_sequence)
+            if isinstance(self.head, Eagle3Head):
+                sequence = Eagle3Sequence(self.head, target_sequence)
+            else:
+                sequence = self.head_pool.sequence(target_sequence) if self.head_pool is not None \
+                    else HeadSequence(self.head, target_sequence)
             model = ModelProposer(self.head, vocab, self.draft_top_k, name="head", sequence=sequence)
             return LookupOrModelProposer(model) if (self.draft_lookup if lookup is None else lookup) else model
         if self.draft_kind == "model":

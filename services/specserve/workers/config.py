@@ -77,7 +77,8 @@ class WorkersConfig(BaseModel):
     draft: str = Field(
         "default",
         description="HF id/dir, .gguf file, 'embedded-draft', 'ngram', 'none', 'head:PATH' (a feature head "
-        "`specserve distill --head` wrote: drafts inside the target worker from its features), or 'default' (the "
+        "`specserve distill --head` wrote: drafts inside the target worker from its features; an EAGLE-3 head, "
+        "'eagle3:PATH', drafts in process only for now), or 'default' (the "
         "shipped distilled draft for the embedded target when the draft worker has a GPU, else 'ngram').",
     )
     dtype: str | None = Field(None, description="'float32', 'bfloat16', 'float64' (slow; for exactness checks) or None "
@@ -206,6 +207,16 @@ class WorkersConfig(BaseModel):
                 "max_step_tokens": self.max_step_tokens, "prefill_chunk": self.prefill_chunk,
                 "prefix_caching": self.prefix_caching, "kv_wait_s": self.kv_wait_s,
                 "compute_lanes": self.compute_lanes}
+
+    @model_validator(mode="after")
+    def _eagle3_in_process(self) -> WorkersConfig:
+        from specserve.models.drafts.eagle3 import is_eagle3
+
+        if isinstance(self.draft, str) and is_eagle3(self.draft):
+            raise ValueError("draft: an EAGLE-3 head drafts in process for now (SpeculativeDecoder, `specserve "
+                             "generate --draft eagle3:PATH`); a served target worker takes a model draft or a "
+                             "specserve feature head (head:PATH)")
+        return self
 
     @model_validator(mode="after")
     def _check_quantization(self) -> WorkersConfig:

@@ -75,23 +75,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], keeps: list[int],
                  arena: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None,
-                 hidden: torch.Tensor | None = None, features: torch.Tensor | None = None, head: bool = True
-                 ) -> torch.Tensor:
+                 hidden: torch.Tensor | None = None, features: torch.Tensor | None = None, head: bool = True,
+                 aux: tuple[int, ...] | None = None) -> torch.Tensor:
     """`_lean_forward`, on a GPU without cuDNN's attention: it builds an execution plan for each new shape,
     and a served batch's shapes change every step (its lengths grow), so every step paid for a new plan
     (docs/benchmarks.md, one H100)."""
     if w.device.type != "cuda":
-        return _lean_forward(w, caches, new_tokens, keeps, arena, hidden, features, head)
+        return _lean_forward(w, caches, new_tokens, keeps, arena, hidden, features, head, aux)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        return _lean_forward(w, caches, new_tokens, keeps, arena, hidden, features, head)
+        return _lean_forward(w, caches, new_tokens, keeps, arena, hidden, features, head, aux)
 
 
 def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], keeps: list[int],
                   arena: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None,
-                  hidden: torch.Tensor | None = None, features: torch.Tensor | None = None, head: bool = True
-                  ) -> torch.Tensor:
+                  hidden: torch.Tensor | None = None, features: torch.Tensor | None = None, head: bool = True,
+                  aux: tuple[int, ...] | None = None) -> torch.Tensor:
     """ONE forward over the new tokens of several sequences, each against its own cache.
 
     caches[j] has `tokens` (the tokens its cache holds; the new ones go right after) and `kv(layer)` -> (k, v),
@@ -108,7 +108,8 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
     features: the pool's feature arena ([positions, hidden], with `arena`): every new token's normed final
     hidden state (what the head multiplies) is written at its arena row, for a draft head that reads the
     target's features (`models.drafts.head`). head=False: every new row's final hidden state, before the final norm
-    (the feature head's own steps).
+    (the feature head's own steps). aux: the layers whose input hidden states the feature arena keeps instead,
+    side by side ([positions, len(aux) x hidden]: an EAGLE-3 head's, `models.drafts.eagle3`), computed op by op.
     """
     starts = [len(c.tokens) for c in caches]
     sizes = [len(t) for t in new_tokens]
@@ -132,12 +133,18 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
         padded = _PaddedAttention.plan(w, arena, starts, sizes, offsets) if arena is not None else None
         looped = [j for j in range(len(caches)) if padded is None or j not in padded.members]
     masks: dict = {}  # (sequence, window) -> its block's mask, made once per forward
-    fused = _fused_layers(w, total) if kernel is not None and not looped and w.tp is None else None
+    fused = _fused_layers(w, total) if kernel is not None and not looped and w.tp is None and not aux else None
+    slots = None
+    if features is not None:
+        slots = torch.cat([torch.arange(b + s, b + s + n) for b, s, n in zip(arena[2], starts, sizes)]).to(w.device)
     if fused is not None:  # every layer in one kernel call each
         x = x.contiguous() if hidden is None else x.clone()  # updated in place: never the caller's states
         cos, sin = cs[0]
         fused.run(x, cos, sin, kernel, w.heads, w.kv_heads, w.head_dim, w.eps)
     for i, layer in enumerate(w.layers if fused is None else ()):
+        for at, layer_id in enumerate(aux or ()):
+            if layer_id == i:
+                features[slots, at * x.shape[1] : (at + 1) * x.shape[1]] = x.to(features.dtype)
         q, k, v = rotated_qkv(w, layer, x, cs)
         outs = []
         for j in looped:
@@ -162,15 +169,15 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
         x = layer_output(w, layer, x, att)
     if w.head is None or not head:
         return x
-    if features is not None:  # every new row's, normed once for the arena and the head both
+    normed = features is not None and not aux
+    if normed:  # every new row's, normed once for the arena and the head both
         x = norm(w, x, w.norm)
-        slots = torch.cat([torch.arange(b + s, b + s + n) for b, s, n in zip(arena[2], starts, sizes)])
-        features.index_copy_(0, slots.to(w.device), x.to(features.dtype))
+        features.index_copy_(0, slots, x.to(features.dtype))
     if len(caches) == 1:
         rows = x[total - keeps[0] :]
     else:
         rows = x[torch.cat([torch.arange(offsets[j + 1] - keep, offsets[j + 1]) for j, keep in enumerate(keeps)])]
-    return head_logits(w, rows, normed=features is not None)
+    return head_logits(w, rows, normed=normed)
 
 
 def embed(w: LeanWeights, ids: torch.Tensor) -> torch.Tensor:

@@ -134,7 +134,7 @@ class KVPool:
     def __init__(self, model, tokens: int, dtype: torch.dtype | None = None, max_length: int | None = None,
                  min_block: int = 32, runner: bool | None = None, max_width: int = 9, tp: Collective | None = None,
                  prefix_caching: bool = False, share_running: bool = False, compile_steps: bool | str | None = None,
-                 layers: tuple[int, int] | None = None, features: bool = False):
+                 layers: tuple[int, int] | None = None, features: bool | tuple[int, ...] = False):
         param = next(model.parameters())
         self.tp = tp
         self.staged = layers is not None
@@ -146,10 +146,14 @@ class KVPool:
         shape = (len(self.w.layers), self.w.kv_heads, self.allocator.capacity + 1, self.w.head_dim)
         self.k = torch.empty(shape, dtype=self.w.dtype, device=self.w.device)
         self.v = torch.empty_like(self.k)
-        # each position's normed final hidden state, for a draft head on the target's features (`models.drafts.head`)
-        self.features = torch.empty(self.k.shape[2], model.config.hidden_size, dtype=self.w.dtype,
-                                    device=self.w.device) if features and self.w.head is not None else None
-        runner = False if layers is not None else wants_runner(self.w.device, tp) if runner is None else runner
+        # each position's normed final hidden state, for a draft head on the target's features (`models.drafts.head`),
+        # or (features: layer ids) the hidden states entering those layers side by side (`models.drafts.eagle3`)
+        self.aux_layers = tuple(features) if isinstance(features, (tuple, list)) else None
+        width = model.config.hidden_size * (len(self.aux_layers) if self.aux_layers else 1)
+        self.features = torch.empty(self.k.shape[2], width, dtype=self.w.dtype, device=self.w.device) \
+            if features and self.w.head is not None else None
+        runner = False if layers is not None or self.aux_layers else \
+            wants_runner(self.w.device, tp) if runner is None else runner
         # max_width: the widest step it takes (a verify of gamma_max + 1 tokens)
         self.runner = StepRunner(self.w, (self.k, self.v), self.max_length, max_width=max_width,
                                  compile=compile_steps, features=self.features) if runner else None
@@ -411,7 +415,7 @@ class KVPool:
         logits = self._static_step(seqs, new_tokens, keeps)
         if logits is None:
             logits = lean_forward(self.w, seqs, new_tokens, keeps, (self.k, self.v, [seq.block[0] for seq in seqs]),
-                                  features=self.features)
+                                  features=self.features, aux=self.aux_layers)
         return logits
 
     @torch.inference_mode()
