@@ -183,8 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                      help="split the target's layers over N ranks (Ray actors on one node; on GPUs one each)")
     srv.add_argument("--gpus", type=float, default=None, metavar="N",
-                     help="GPUs Ray reserves for the target (for each tensor-parallel rank); default: 1 where this "
-                     "machine has CUDA GPUs and no --address, else 0 (the CPU)")
+                     help="GPUs Ray reserves for the target (for each tensor-parallel rank); default: 1 where the Ray "
+                     "cluster has GPUs (one for each rank), else 0 (the CPU)")
     srv.add_argument("--draft-gpus", type=float, default=None, metavar="N",
                      help="a model draft in a worker of its own with N GPUs (0.5: half of one, shared); default: in "
                      "the target worker, on its device")

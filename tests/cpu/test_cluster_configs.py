@@ -156,6 +156,10 @@ def test_flags_beside_a_config_replace_its_values_and_say_so():
     app = config["applications"][0]["args"]
     assert config["http_options"] == {"host": "127.0.0.1", "port": 8123} and config["grpc_options"]["port"] == 9000
     assert app["target"] == "model.gguf" and app["api_key"] == "K" and app["draft_lookup"] is False
+    config, _ = _with_flags(CLUSTER / "local-cpu.yaml", "--host", "10.0.0.5", "--grpc-port", "9123", "--draft",
+                            "ngram")
+    assert config["http_options"]["host"] == "10.0.0.5" and config["grpc_options"]["port"] == 9123
+    assert config["applications"][0]["args"]["draft"] == "ngram"
     assert app["target_resources"] == {"tensor_parallel": 2} and "quantization" not in app
     assert app["draft"] == "default" and app["gamma"] == "auto"  # flags not given leave the file's values
     assert "--http-port 8123 replaces the config's http_options.port (8000)" in notes
@@ -197,30 +201,29 @@ def _app_args(*flags):
     return config_from_flags(build_parser().parse_args(["serve", *flags]))["applications"][0]["args"]
 
 
-def test_gpus_by_default_where_this_machine_has_them(monkeypatch):
+def test_gpus_by_default_where_ray_has_them():
     from specserve.serve import run
     from specserve.workers import WorkersConfig
 
-    def workers(args):
-        return WorkersConfig(**{k: v for k, v in args.items() if k in WorkersConfig.model_fields})
+    def defaults(*flags, gpus: float):
+        config = config_from_flags(build_parser().parse_args(["serve", *flags]))
+        run.default_gpus(config, gpus)
+        args = config["applications"][0]["args"]
+        return WorkersConfig(**{k: v for k, v in args.items() if k in WorkersConfig.model_fields}), args
 
-    monkeypatch.setattr(run, "local_gpus", lambda: 0)
-    assert "target_resources" not in _app_args()  # a CPU machine: the CPU
-    monkeypatch.setattr(run, "local_gpus", lambda: 2)
-    args = _app_args("--target", "t", "--draft", "d")
-    config = workers(args)
+    config, _ = defaults(gpus=0)
+    assert config.target_resources.num_gpus == 0  # a Ray without GPUs: the CPU
+    config, args = defaults("--target", "t", "--draft", "d", gpus=2)
     assert config.target_resources.num_gpus == 1 and config.target_resources.bundle()["GPU"] == 1
     assert config.colocated()  # the draft beside the target, on its GPU
     assert run.placement(args) == ["target t: 1 GPU, reserved by Ray", "draft d: in the target worker, on its device"]
-    # a rank a GPU: Ray reserves one for each
-    config = workers(_app_args("--tensor-parallel", "4"))
-    assert (config.target_resources.num_gpus, config.target_resources.tensor_parallel) == (1, 4)
-    assert workers(_app_args("--gpus", "0")).target_resources.num_gpus == 0  # asked for the CPU
-    assert workers(_app_args("--address", "auto")).target_resources.num_gpus == 0  # a cluster: say --gpus
-    assert workers(_app_args("--address", "auto", "--gpus", "2")).target_resources.num_gpus == 2
+    config, _ = defaults("--tensor-parallel", "2", gpus=2)  # a GPU a rank: Ray reserves one for each
+    assert (config.target_resources.num_gpus, config.target_resources.tensor_parallel) == (1, 2)
+    assert defaults("--tensor-parallel", "4", gpus=2)[0].target_resources.num_gpus == 0  # too few: the CPU
+    config = config_from_flags(build_parser().parse_args(["serve", "--gpus", "2"]))
+    assert config["applications"][0]["args"]["target_resources"] == {"num_gpus": 2}  # asked for: as asked
     # a draft with a GPU (share) of its own runs in a worker of its own
-    args = _app_args("--target", "t", "--draft", "d", "--draft-gpus", "0.5")
-    config = workers(args)
+    config, args = defaults("--target", "t", "--draft", "d", "--draft-gpus", "0.5", gpus=0)
     assert config.draft_resources.num_gpus == 0.5 and not config.colocated() and config.has_draft_worker()
     assert run.placement(args)[1] == "draft d: a worker of its own on 0.5 GPU, reserved by Ray"
     # beside a config file, one field of its resources

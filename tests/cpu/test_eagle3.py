@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from specserve import SamplingParams, SpeculativeDecoder
 from specserve.models.drafts.eagle3 import aux_layers, is_eagle3
 from specserve.models.memory.pool import KVPool
+from specserve.speculation import rejection
 from tests.conftest import tiny_llama
 from tests.cpu.test_exactness import chi_square_pvalue
 from tests.eagle3_files import write_eagle3
@@ -63,9 +64,10 @@ def test_greedy_with_an_eagle3_head_is_target_only_decoding(target, tmp_path):
 CHI_VOCAB, CHI_RUNS = 12, 1200
 
 
-def test_sampled_tokens_follow_the_target_distribution(tmp_path):
+def test_sampled_tokens_follow_the_target_distribution(tmp_path, monkeypatch):
     """The first two sampled tokens at temperature 1 against the target's joint distribution computed from its
-    forward; the head scores 8 of the 12 tokens only (q is zero elsewhere)."""
+    forward; the head scores 8 of the 12 tokens only (q is zero elsewhere). A sampler without the residual step
+    is rejected by the same test."""
     target = tiny_llama(3, vocab=CHI_VOCAB, layers=6, hidden=32, scale=2, heads=4, kv_heads=2)
     path = write_eagle3(tmp_path / "head", target, draft_vocab=8, seed=4, spread=0.5)
     prompt = [1, 5, 2, 7, 3, 3, 8, 0, 4]
@@ -75,13 +77,20 @@ def test_sampled_tokens_follow_the_target_distribution(tmp_path):
     p1 = reference_probs(first, 1.0, 0, 1.0)
     joint = np.stack([p1[a] * reference_probs(seconds[a], 1.0, 0, 1.0) for a in range(CHI_VOCAB)])
     decoder = SpeculativeDecoder(target, f"eagle3:{path}", gamma=2, draft_lookup=False)
-    found, drafted, accepted = np.zeros((CHI_VOCAB, CHI_VOCAB)), 0, 0
-    for seed in range(CHI_RUNS):
-        res = decoder.generate(prompt, SamplingParams(temperature=1.0, seed=seed, ignore_eos=True), 2)
-        found[res.token_ids[0], res.token_ids[1]] += 1
-        drafted, accepted = drafted + res.stats.drafted, accepted + res.stats.accepted
+
+    def counts():
+        found, drafted, accepted = np.zeros((CHI_VOCAB, CHI_VOCAB)), 0, 0
+        for seed in range(CHI_RUNS):
+            res = decoder.generate(prompt, SamplingParams(temperature=1.0, seed=seed, ignore_eos=True), 2)
+            found[res.token_ids[0], res.token_ids[1]] += 1
+            drafted, accepted = drafted + res.stats.drafted, accepted + res.stats.accepted
+        return found, drafted, accepted
+
+    found, drafted, accepted = counts()
     assert chi_square_pvalue(found, joint) > 1e-3
     assert drafted and 0 < accepted < drafted  # the head's tokens were both kept and rejected
+    monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: p)
+    assert chi_square_pvalue(counts()[0], joint) < 1e-3, "the test cannot tell a missing residual step"
 
 
 def test_a_checkpoint_that_does_not_fit_is_refused_by_name(target, tmp_path):

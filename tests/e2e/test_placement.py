@@ -89,6 +89,39 @@ def test_gpu_flags_have_ray_reserve_gpus(cluster, tmp_path):
         ray.kill(draft_actor)
 
 
+def test_the_default_command_puts_the_target_on_a_gpu_and_each_rank_on_one(cluster, tmp_path):
+    """`specserve serve --target T --draft D` (no GPU flags) on a Ray with (fake) GPUs: the target on one of them, its
+    draft beside it; with `--tensor-parallel 2`, a GPU for each rank."""
+    from specserve.cli import build_parser
+    from specserve.serve.run import config_from_flags, default_gpus
+
+    target = tiny_llama(0, vocab=64, layers=2, hidden=32, scale=8, dtype=torch.float32, kv_heads=2)
+    target.save_pretrained(str(tmp_path / "target"))
+    perturbed_copy(target, 0.3).save_pretrained(str(tmp_path / "draft"))
+
+    def started(*flags):
+        config = config_from_flags(build_parser().parse_args(["serve", "--target", str(tmp_path / "target"), *flags]))
+        default_gpus(config, ray.cluster_resources().get("GPU", 0))
+        args = config["applications"][0]["args"]
+        return start_workers(WorkersConfig(**{k: v for k, v in args.items() if k in WorkersConfig.model_fields}))
+
+    target_actor, draft_actor = started("--draft", str(tmp_path / "draft"), "--dtype", "float32")
+    try:
+        assert draft_actor is None  # colocated: in the target worker, on its GPU
+        assert ray.get(target_actor.node_id.remote()) == cluster["gpus"].node_id
+        assert len(ray.get(target_actor.gpu_ids.remote())) == 1
+    finally:
+        release_workers(target_actor)
+        ray.kill(target_actor)
+    target_actor, _ = started("--draft", "none", "--dtype", "float32", "--tensor-parallel", "2")
+    try:
+        ranks = ray.get(target_actor.rank_gpu_ids.remote())
+        assert len(ranks) == 2 and all(len(ids) == 1 for ids in ranks) and ranks[0] != ranks[1], ranks
+    finally:
+        release_workers(target_actor)
+        ray.kill(target_actor)
+
+
 def test_role_resources_map_to_ray_options():
     options = RoleResources(num_gpus=4, accelerator_type="H100", torch_threads=3).actor_options()
     assert options == {

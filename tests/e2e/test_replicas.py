@@ -42,7 +42,7 @@ def test_two_replicas_with_their_own_workers_answer_as_one(server):
     workers = [a for a in actors().values() if a["ActorClassName"] == "TargetWorkerActor" and a["State"] == "ALIVE"]
     assert len(workers) == 2 and len({a["Pid"] for a in workers}) == 2  # a target worker for each replica
     bodies = [{"prompt": f"Tell me about the number {i}.", "max_tokens": 16, "temperature": 1.0, "seed": i,
-               "ignore_eos": True} for i in range(8)]
+               "ignore_eos": True} for i in range(32)]
     alone = [_complete(server, body) for body in bodies]
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
         together = list(pool.map(lambda body: _complete(server, body), bodies))

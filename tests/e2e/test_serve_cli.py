@@ -123,9 +123,9 @@ def test_serve_command_serves_and_stops_cleanly(tmp_path):
     # flags beside the file replace its values: the HTTP port and the model's name
     proc = subprocess.Popen([sys.executable, "-m", "specserve", "serve", "--config", str(path),
                              "--metrics-port", str(metrics_port), "--http-port", str(http_port),
-                             "--model-name", "tiny"],
+                             "--model-name", "tiny", "--api-key", "open-sesame"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "SPECSERVE_API_KEY": "open-sesame"})
+                            env={k: v for k, v in os.environ.items() if k != "SPECSERVE_API_KEY"})
     base = f"http://127.0.0.1:{http_port}"
     key = {"Authorization": "Bearer open-sesame"}
     try:
@@ -133,7 +133,7 @@ def test_serve_command_serves_and_stops_cleanly(tmp_path):
         body = {"prompt": "Hello", "max_tokens": 5, "temperature": 0}
         reply = requests.post(base + "/v1/completions", json=body, headers=key, timeout=60).json()
         assert reply["model"] == "tiny" and reply["usage"]["completion_tokens"] == 5
-        # the API key (from $SPECSERVE_API_KEY): 401 without it or with another, before the body is even read
+        # the API key (--api-key beside the file): 401 without it or with another, before the body is even read
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "open-sesame"}):
             for path_, sent in (("/v1/completions", body), ("/v1/completions", {"max_tokens": -1})):
                 denied = requests.post(base + path_, json=sent, headers=headers, timeout=60)

@@ -125,14 +125,20 @@ def apply_flags(config: dict[str, Any], args, given: set[str]) -> list[str]:
     return notes
 
 
-def local_gpus() -> int:
-    """CUDA GPUs this machine's torch sees (0 without CUDA)."""
-    import torch
-
-    try:
-        return torch.cuda.device_count()
-    except Exception:  # noqa: BLE001 - a broken CUDA install serves on the CPU
-        return 0
+def default_gpus(config: dict[str, Any], available: float) -> None:
+    """On a Ray with GPUs (`available`), a GPU for each rank of every specserve application's target that asks for
+    none (in place); a draft stays beside it. Where fewer GPUs than ranks are there, the CPU."""
+    for app in config.get("applications") or []:
+        if not app.get("import_path", "").startswith("specserve.serve"):
+            continue
+        app_args = app.setdefault("args", {}) or {}
+        app["args"] = app_args
+        resources = dict(app_args.get("target_resources") or {})
+        if resources.get("num_gpus") or app_args.get("target_stages"):
+            continue
+        if available >= int(resources.get("tensor_parallel", 1)):
+            resources["num_gpus"] = 1
+            app_args["target_resources"] = resources
 
 
 def placement(app_args: dict[str, Any]) -> list[str]:
@@ -205,11 +211,8 @@ def config_from_flags(args) -> dict[str, Any]:
     target: dict[str, Any] = {}
     if getattr(args, "tensor_parallel", 1) != 1:
         target["tensor_parallel"] = args.tensor_parallel
-    gpus = getattr(args, "gpus", 0)
-    if gpus is None:  # a local server on a machine with CUDA GPUs: the target on one (a rank on each)
-        gpus = 1 if not getattr(args, "address", None) and local_gpus() else 0
-    if gpus:
-        target["num_gpus"] = gpus
+    if getattr(args, "gpus", None):  # unset: `default_gpus` once Ray says what it has
+        target["num_gpus"] = args.gpus
     if target:
         app_args["target_resources"] = target
     if getattr(args, "draft_gpus", None):
@@ -330,10 +333,6 @@ def serve_main(args, given: set[str] | None = None) -> int:
             config = config_from_flags(args)
             AppConfig(**config["applications"][0]["args"])
         check_exposure(config)
-        for app in config.get("applications") or []:
-            if app.get("import_path", "").startswith("specserve.serve"):
-                for line in placement(app.get("args") or {}):
-                    print(f"[specserve] {line}", flush=True)
         if not args.address:  # the workers run here: which CPU path their bfloat16 (quantized) steps take
             from specserve.models.kernels import cpu
 
@@ -365,6 +364,12 @@ def serve_main(args, given: set[str] | None = None) -> int:
         options.update(ray_init_options((config.get("http_options") or {}).get("host", "127.0.0.1")))
         quiet_env()  # and its periodic work out of the forwards' way (`workers.quiet`)
     ray.init(address=args.address or "local", include_dashboard=False, **options)
+    if not args.config and "gpus" not in (given or set()):  # the defaults: a GPU for the target where Ray has one
+        default_gpus(deployed, ray.cluster_resources().get("GPU", 0))
+    for app in deployed.get("applications") or []:
+        if app.get("import_path", "").startswith("specserve.serve"):
+            for line in placement(app.get("args") or {}):
+                print(f"[specserve] {line}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

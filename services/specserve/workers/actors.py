@@ -257,6 +257,12 @@ class TargetWorkerActor(_GrpcActor):
         colocated = self.servicer.colocated
         return colocated.draft.pool if colocated is not None else None
 
+    def rank_gpu_ids(self) -> list[list]:
+        """The GPUs Ray reserved for each tensor-parallel rank, this worker's first."""
+        import ray
+
+        return [self.gpu_ids(), *ray.get([f.gpu_ids.remote() for f in self._followers])]
+
     def rank_pids(self) -> list[int]:
         """The process ids of tensor-parallel ranks 1.. (none without tensor parallelism)."""
         import ray

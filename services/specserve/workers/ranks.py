@@ -77,6 +77,12 @@ class TargetRankActor:
     def ping(self) -> int:
         return self.shard.rank
 
+    def gpu_ids(self) -> list:
+        """The GPUs Ray reserved for this rank (none on the CPU)."""
+        import ray
+
+        return list(ray.get_runtime_context().get_accelerator_ids().get("GPU", []))
+
     def pid(self) -> int:
         return os.getpid()
 
