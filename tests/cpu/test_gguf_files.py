@@ -60,6 +60,17 @@ def transformers_reading(path):
     return model
 
 
+def test_a_first_start_reads_several_files_metadata_side_by_side(tmp_path, monkeypatch):
+    """`read_metadata`: each file's config and tokenizer from a process of its own, into the cache a load then
+    finds (the same directory `metadata_dir` gives)."""
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+    paths = [write_gguf(tmp_path / "a.gguf", "qwen2", seed=3), write_gguf(tmp_path / "b.gguf", "llama", seed=4)]
+    ggufmodel.read_metadata([*map(str, paths), "ngram"])
+    made = sorted((tmp_path / "cache" / "gguf").glob("*/config.json"))
+    assert [p.parent.name.split("-")[0] for p in made] == ["a", "b"]
+    assert {ggufmodel.metadata_dir(p) for p in paths} == {p.parent for p in made}
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_config_and_tokenizer_come_from_the_files_metadata(files, family):
     path = files[family][0]

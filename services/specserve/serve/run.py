@@ -337,6 +337,9 @@ def serve_main(args, given: set[str] | None = None) -> int:
             from specserve.models.kernels import cpu
 
             print(f"[specserve] bfloat16 CPU steps: {cpu.describe()}", flush=True)
+        from specserve.models.formats.ggufmodel import read_metadata
+
+        read_metadata([spec for _, spec, _ in model_paths(config)])  # a first start's GGUF files, side by side
         for role, spec, batched in model_paths(config):
             path = spec_path(spec) if batched else "one session at a time (batching: false)"
             print(f"[specserve] {role} {spec}: {path}", flush=True)

@@ -51,11 +51,29 @@ def file_digest(path: pathlib.Path) -> str:
     return digest
 
 
+def read_metadata(paths: list) -> None:
+    """Several GGUF files' `metadata_dir`s made at once where not cached yet, a process a file (each takes seconds of
+    Python in transformers' GGUF reader): a first start of a target and its draft reads both side by side."""
+    todo = [pathlib.Path(p) for p in paths if str(p).endswith(".gguf") and pathlib.Path(p).is_file()]
+    todo = [p for p in todo if not (_metadata_target(p) / "config.json").is_file()]
+    if len(todo) < 2:
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(len(todo), mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(metadata_dir, todo))
+
+
+def _metadata_target(path: pathlib.Path) -> pathlib.Path:
+    return cache_root() / "gguf" / f"{path.stem}-{file_digest(path)[:16]}"
+
+
 def metadata_dir(path: pathlib.Path) -> pathlib.Path:
     """A model directory holding the GGUF file's config, generation config and tokenizer (no weights), made from
     its metadata once into the cache and reused by every later load of the same file."""
     digest = file_digest(path)
-    target = cache_root() / "gguf" / f"{path.stem}-{digest[:16]}"
+    target = _metadata_target(path)
     if (target / "config.json").is_file():
         return target
     from transformers import AutoConfig, GenerationConfig
