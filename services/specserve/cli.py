@@ -44,7 +44,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="embedded", help="HF id/dir, .gguf file, or 'embedded' (default)")
     p.add_argument("--draft", default="default",
                    help="HF id/dir, .gguf file, 'embedded-draft', 'ngram', 'none', 'head:PATH' (a feature head; served: in the "
-                   "target worker), 'eagle3:PATH' (a public EAGLE-3 head: in process for now), or 'default': the shipped "
+                   "target worker), 'eagle3:PATH' (a public EAGLE-3 head; served: in the target worker), or 'default': the shipped "
                    "distilled draft for the embedded target, else ngram (bench: a comma-separated list runs each)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float64"],
                    help="default: bf16 where fast, else fp32; float64 (slow) for checking exactness to rounding")

@@ -118,12 +118,10 @@ def test_a_checkpoint_that_does_not_fit_is_refused_by_name(target, tmp_path):
         SpeculativeDecoder(target, f"eagle3:{tmp_path / 'nowhere'}")
 
 
-def test_served_workers_refuse_an_eagle3_head_by_name(target, tmp_path):
-    from pydantic import ValidationError
-
+def test_a_served_eagle3_head_runs_in_the_target_worker(target, tmp_path):
     from specserve.workers import WorkersConfig
 
     path = write_eagle3(tmp_path / "head", target, draft_vocab=48)
     for spec in (f"eagle3:{path}", str(path)):
-        with pytest.raises(ValidationError, match="EAGLE-3 head drafts in process"):
-            WorkersConfig(draft=spec)
+        config = WorkersConfig(draft=spec)
+        assert config.colocated() and not config.has_draft_worker()

@@ -22,6 +22,7 @@ from specserve.engine.loop import Round
 from specserve.engine.profile import draft_step_time, profile_context, verify_profile
 from specserve.engine.proposers import LookupOrModelProposer, ModelProposer, Proposer, TargetVerifier
 from specserve.engine.session import SessionFactory
+from specserve.models.drafts.eagle3 import Eagle3Head, Eagle3Sequence
 from specserve.models.drafts.head import HeadPool, is_head
 from specserve.models.families.lean import draft_dtype, model_sequence, unsupported_reason
 from specserve.models.memory.pool import KVPool
@@ -41,6 +42,13 @@ class ScheduledDraft:
         self.scheduler, self.model, self.vocab, self.top_k_q, self.name = scheduler, model, vocab, top_k_q, name
         self.pool: KVPool | None = None
         self.head = is_head(model)
+        self.eagle3 = isinstance(model, Eagle3Head)
+        self.reads_target = self.head or self.eagle3  # drafts from the features of the session's target sequence
+        if self.eagle3:
+            if target_pool is None or target_pool.aux_layers != model.aux:
+                raise ValueError("an EAGLE-3 head drafts beside a batched target whose pool keeps its layers' states")
+            self.fused = False
+            return
         if self.head:
             if target_pool is None or target_pool.features is None:
                 raise ValueError("a feature head drafts beside a batched target whose pool keeps features")
@@ -58,7 +66,9 @@ class ScheduledDraft:
 
     def proposer(self, target_sequence=None) -> ModelProposer:
         """A session's draft; a head's reads `target_sequence`, the session's sequence in the target pool."""
-        if self.head:
+        if self.eagle3:
+            sequence = ScheduledEagle3Sequence(self.scheduler, Eagle3Sequence(self.model, target_sequence))
+        elif self.head:
             sequence = ScheduledHeadSequence(self.scheduler, self.pool.sequence(target_sequence), self.pool, self.fused)
         else:
             seq = self.pool.sequence() if self.pool is not None else model_sequence(self.model)
@@ -72,6 +82,29 @@ class ScheduledHeadSequence(ScheduledSequence):
 
     def feed_subset(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
         return super().feed_subset(new_tokens, keep_logits) if new_tokens else self.inner.equal_logits()
+
+
+class ScheduledEagle3Sequence:
+    """An EAGLE-3 session's cache (`Eagle3Sequence`) with its steps on the compute thread, where the target's pool
+    and its kept hidden states are consistent; a session's steps one at a time (not batched with others')."""
+
+    fused = False
+
+    def __init__(self, scheduler: StepScheduler, seq: Eagle3Sequence):
+        self.scheduler, self.inner = scheduler, seq
+        self.token_subset, self.vocab = seq.token_subset, seq.vocab
+
+    def subset_logits_after(self, tokens: list[int]) -> torch.Tensor:
+        return self.scheduler.call(self.inner.subset_logits_after, tokens).result()
+
+    def feed_subset(self, new_tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
+        return self.scheduler.call(self.inner.feed_subset, new_tokens, keep_logits).result()
+
+    def logits_after(self, tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
+        return self.scheduler.call(self.inner.logits_after, tokens, keep_logits).result()
+
+    def release(self) -> None:
+        self.scheduler.call(self.inner.release).result()
 
 
 class ColocatedSessions:
@@ -99,7 +132,7 @@ class ColocatedSessions:
         verify = self.scheduler.call(verify_profile, self.target, self.vocab, self.gamma_max + 1, 64, 3,
                                      sequence).result()
         target = None
-        if self.draft.head:  # the head reads the features of a target sequence that has seen the context
+        if self.draft.reads_target:  # the head reads the features of a target sequence that has seen the context
             target = pool.sequence()
             self.scheduler.call(target.feed, profile_context(self.vocab)[:-1]).result()
         seconds = draft_step_time(self.proposer(lookup=False, target_sequence=target), self.vocab)

@@ -311,6 +311,11 @@ def spec_path(spec: str) -> str:
             config = model_config(spec.removeprefix("head:"))
             return (f"a feature head of {config.num_hidden_layers} layer(s) over {config.token_subset_size} tokens, "
                     "in the target worker, its steps batched (a pool beside the target's)")
+        from specserve.models.drafts.eagle3 import is_eagle3
+
+        if is_eagle3(spec):
+            return ("an EAGLE-3 head in the target worker, on the hidden states of three of its layers (its sessions' "
+                    "head steps one at a time)")
         return describe_path(model_config(spec))
     except Exception as exc:  # noqa: BLE001 - a start-up note: the load itself reports what is wrong
         return f"its config could not be read here ({type(exc).__name__}); the workers will say"

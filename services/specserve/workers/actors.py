@@ -22,6 +22,7 @@ import grpc
 from specserve.engine.profile import draft_step_time, verify_profile
 from specserve.engine.proposers import NgramProposer
 from specserve.models import load_model
+from specserve.models.drafts.eagle3 import is_eagle3, load_eagle3, spec_aux_layers
 from specserve.models.drafts.head import is_head, load_head
 from specserve.models.formats.loading import load_draft, model_config, resolve_model_path
 from specserve.rpc.auth import server_interceptors
@@ -227,9 +228,12 @@ class TargetWorkerActor(_GrpcActor):
                 print(f"specserve: KV pools: {how}", file=sys.stderr, flush=True)
         self._info["kv_cache_tokens"] = scheduling["kv_cache_tokens"]
         head = draft is not None and is_head(draft)
+        eagle = draft is not None and not head and is_eagle3(draft)
+        # a head reads the target's final features; an EAGLE-3 head the hidden states entering three of its layers
+        features = spec_aux_layers(draft, model.config.num_hidden_layers) if eagle and model is not None else head
         self._start(
             TargetWorkerServicer(model, self.vocab, threads, new_sequence, scheduler=compute, tp=tp, pool=staged,
-                                 features=head, **scheduling),
+                                 features=features, **scheduling),
             workers_pb2_grpc.add_TargetWorkerServicer_to_server, session_idle_s, token,
         )
         self._info["warm_up"] = self._warm_up("target", self.servicer.pool, range(1, gamma_max + 2))
@@ -239,6 +243,8 @@ class TargetWorkerActor(_GrpcActor):
             if head:  # a feature head: one layer beside the target, reading its pool's features
                 model, name = (compute.call(load_head, draft, loaded, draft_quantization).result(),
                                str(draft).removeprefix("head:"))
+            elif eagle:  # the same, reading the layers' hidden states the pool keeps for it
+                model, name = compute.call(load_eagle3, draft, loaded).result(), str(draft).removeprefix("eagle3:")
             else:
                 drafted = compute.call(load_draft, draft, dtype, str(loaded.device), draft_quantization).result()
                 if drafted.vocab_size != self.vocab:

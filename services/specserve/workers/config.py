@@ -61,6 +61,12 @@ class RoleResources(BaseModel):
         return options
 
 
+def _is_eagle3(draft: Any) -> bool:
+    from specserve.models.drafts.eagle3 import is_eagle3
+
+    return is_eagle3(draft)
+
+
 def is_head(draft: Any) -> bool:
     """Whether a draft spec names a feature head (`models.drafts.head`), without importing the models."""
     if isinstance(draft, str):
@@ -77,8 +83,8 @@ class WorkersConfig(BaseModel):
     draft: str = Field(
         "default",
         description="HF id/dir, .gguf file, 'embedded-draft', 'ngram', 'none', 'head:PATH' (a feature head "
-        "`specserve distill --head` wrote: drafts inside the target worker from its features; an EAGLE-3 head, "
-        "'eagle3:PATH', drafts in process only for now), or 'default' (the "
+        "`specserve distill --head` wrote: drafts inside the target worker from its features), 'eagle3:PATH' (a public "
+        "EAGLE-3 head: the same, on three of the target's layers), or 'default' (the "
         "shipped distilled draft for the embedded target when the draft worker has a GPU, else 'ngram').",
     )
     dtype: str | None = Field(None, description="'float32', 'bfloat16', 'float64' (slow; for exactness checks) or None "
@@ -186,7 +192,7 @@ class WorkersConfig(BaseModel):
         draft = self.draft if draft is None else draft
         if isinstance(draft, str) and draft in ("none", "ngram"):
             return False
-        if is_head(draft):  # a feature head reads the target's features: always beside it
+        if is_head(draft) or _is_eagle3(draft):  # a head reads the target's features: always beside it
             return True
         if self.draft_placement == "auto":
             return not self.draft_device_of_its_own() and not self.target_stages
@@ -207,16 +213,6 @@ class WorkersConfig(BaseModel):
                 "max_step_tokens": self.max_step_tokens, "prefill_chunk": self.prefill_chunk,
                 "prefix_caching": self.prefix_caching, "kv_wait_s": self.kv_wait_s,
                 "compute_lanes": self.compute_lanes}
-
-    @model_validator(mode="after")
-    def _eagle3_in_process(self) -> WorkersConfig:
-        from specserve.models.drafts.eagle3 import is_eagle3
-
-        if isinstance(self.draft, str) and is_eagle3(self.draft):
-            raise ValueError("draft: an EAGLE-3 head drafts in process for now (SpeculativeDecoder, `specserve "
-                             "generate --draft eagle3:PATH`); a served target worker takes a model draft or a "
-                             "specserve feature head (head:PATH)")
-        return self
 
     @model_validator(mode="after")
     def _check_quantization(self) -> WorkersConfig:

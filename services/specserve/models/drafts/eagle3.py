@@ -13,7 +13,7 @@ The reduced vocabulary is a token subset as a specserve head's (`models.drafts.h
 which the rejection sampler takes as it takes any draft's, so the output is the target's distribution. Sessions
 draft through the same `_FeaturePositions` bookkeeping as a feature head; the target's pool keeps the three
 layers' hidden states per position (`KVPool(features=aux layers)`), and the head's steps run op by op on a
-cache of its own.
+cache of its own (served: on the target worker's compute thread, `scheduler.colocated.ScheduledEagle3Sequence`).
 """
 
 from __future__ import annotations
@@ -74,6 +74,17 @@ def aux_layers(config: dict, target_layers: int) -> tuple[int, ...]:
     if not all(1 <= layer < target_layers for layer in layers):
         raise ValueError(f"EAGLE-3 head: it reads the target's layers {layers}, and the target has {target_layers}")
     return layers
+
+
+def spec_aux_layers(spec, target_layers: int) -> tuple[int, ...]:
+    """`aux_layers` of the head a spec names, from its config alone (before its weights load)."""
+    if isinstance(spec, Eagle3Head):
+        return spec.aux
+    path = pathlib.Path(str(spec).removeprefix(PREFIX)) / "config.json"
+    try:
+        return aux_layers(json.loads(path.read_text()), target_layers)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"draft {spec!r}: no EAGLE-3 config.json at {path.parent} ({exc})") from None
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
