@@ -20,7 +20,7 @@ for arg in "$@"; do
   esac
 done
 # torch first, pinned: a bare `torch` requirement pulls whatever build pip finds first, of any version.
-"$PY" -m pip install --quiet "${TORCH_FROM[@]}" "torch==2.13.0"
+"$PY" -m pip install --quiet ${TORCH_FROM[@]+"${TORCH_FROM[@]}"} "torch==2.13.0"
 if [ "$DEV" = 1 ]; then
   "$PY" -m pip install --quiet -e ".[dev]"
   # the playground's browser test drives Debian's headless Chromium (it skips where there is none)
