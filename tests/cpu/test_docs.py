@@ -84,7 +84,7 @@ def test_readme_configuration_table_lists_every_field_with_its_default():
 
 # words about how the project was developed, not about the product (a request's "session" is the product's own)
 DEVELOPMENT = re.compile(r"\bissues? \d+|\bissue-\d+|\bstop \d+|\blease[sd]?\b|\bsittings?\b|device tool|device image|"
-                         r"must-show|\bnewcomer", re.I)
+                         r"must-show|\bnewcomer|\b(?:GPU|H100|H200) session|next GPU session\b", re.I)
 PRODUCT = [*PAGES, *sorted((ROOT / "cluster").glob("*.yaml")), *sorted((ROOT / "services").rglob("*.py")),
            ROOT / "Dockerfile", ROOT / "install.sh"]
 
