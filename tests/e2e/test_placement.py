@@ -35,13 +35,40 @@ def cluster():
     cluster.shutdown()
 
 
-def test_draft_and_target_land_where_the_config_says(cluster, tmp_path):
-    target = tiny_llama(0, vocab=64, layers=2, hidden=32, scale=8, dtype=torch.float32)
+def _pair(tmp_path, kv_heads: int = 1) -> tuple[str, str]:
+    """A tiny target and a close draft saved under tmp_path: their directories."""
+    target = tiny_llama(0, vocab=64, layers=2, hidden=32, scale=8, dtype=torch.float32, kv_heads=kv_heads)
     target.save_pretrained(str(tmp_path / "target"))
     perturbed_copy(target, 0.3).save_pretrained(str(tmp_path / "draft"))
+    return str(tmp_path / "target"), str(tmp_path / "draft")
+
+
+def _as_in_process(config: WorkersConfig, target_actor, draft_actor) -> None:
+    """A seeded generation through the workers is what the in-process decoder gives (prompt lookup first, then the
+    model draft, as served)."""
+    params = SamplingParams(temperature=1.0, seed=5, ignore_eos=True)
+    tokens, _ = served(target_actor, draft_actor, params)
+    local = SpeculativeDecoder(config.target, config.draft, gamma=3, dtype="float32", draft_top_k=4)
+    assert tokens == local.generate(PROMPT, params, 30).token_ids
+
+
+def _from_flags(*flags: str, ray_gpus: float | None = None) -> WorkersConfig:
+    """The workers' config `specserve serve FLAGS` makes; ray_gpus: what Ray has, for the default placement."""
+    from specserve.cli import build_parser
+    from specserve.serve.run import config_from_flags, default_gpus
+
+    config = config_from_flags(build_parser().parse_args(["serve", "--dtype", "float32", *flags]))
+    if ray_gpus is not None:
+        default_gpus(config, ray_gpus)
+    args = config["applications"][0]["args"]
+    return WorkersConfig(**{k: v for k, v in args.items() if k in WorkersConfig.model_fields}, draft_top_k=4)
+
+
+def test_draft_and_target_land_where_the_config_says(cluster, tmp_path):
+    target, draft = _pair(tmp_path)
     config = WorkersConfig(
-        target=str(tmp_path / "target"),
-        draft=str(tmp_path / "draft"),
+        target=target,
+        draft=draft,
         dtype="float32",
         draft_top_k=4,
         draft_resources=RoleResources(num_cpus=0.5, resources={"small_gpu": 1}, torch_threads=1),
@@ -51,11 +78,7 @@ def test_draft_and_target_land_where_the_config_says(cluster, tmp_path):
     try:
         assert ray.get(target_actor.node_id.remote()) in {cluster["large"].node_id, cluster["large2"].node_id}
         assert ray.get(draft_actor.node_id.remote()) == cluster["small"].node_id
-        params = SamplingParams(temperature=1.0, seed=5, ignore_eos=True)
-        tokens, _ = served(target_actor, draft_actor, params)
-        # as served: prompt lookup first, then the model draft
-        local = SpeculativeDecoder(config.target, config.draft, gamma=3, dtype="float32", draft_top_k=4)
-        assert tokens == local.generate(PROMPT, params, 30).token_ids
+        _as_in_process(config, target_actor, draft_actor)
     finally:
         ray.kill(target_actor)
         ray.kill(draft_actor)
@@ -63,16 +86,8 @@ def test_draft_and_target_land_where_the_config_says(cluster, tmp_path):
 
 def test_gpu_flags_have_ray_reserve_gpus(cluster, tmp_path):
     """`--gpus 1 --draft-gpus 1`: both workers land on the one node with GPUs, each holding one of its two."""
-    from specserve.cli import build_parser
-    from specserve.serve.run import config_from_flags
-
-    target = tiny_llama(0, vocab=64, layers=2, hidden=32, scale=8, dtype=torch.float32)
-    target.save_pretrained(str(tmp_path / "target"))
-    perturbed_copy(target, 0.3).save_pretrained(str(tmp_path / "draft"))
-    flags = ["serve", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--dtype", "float32",
-             "--gpus", "1", "--draft-gpus", "1"]
-    args = config_from_flags(build_parser().parse_args(flags))["applications"][0]["args"]
-    config = WorkersConfig(**{k: v for k, v in args.items() if k in WorkersConfig.model_fields}, draft_top_k=4)
+    target, draft = _pair(tmp_path)
+    config = _from_flags("--target", target, "--draft", draft, "--gpus", "1", "--draft-gpus", "1")
     target_actor, draft_actor = start_workers(config)
     try:
         assert draft_actor is not None  # a draft with a GPU of its own: a worker of its own
@@ -80,10 +95,7 @@ def test_gpu_flags_have_ray_reserve_gpus(cluster, tmp_path):
             assert ray.get(actor.node_id.remote()) == cluster["gpus"].node_id
         gpus = [ray.get(actor.gpu_ids.remote()) for actor in (target_actor, draft_actor)]
         assert all(len(ids) == 1 for ids in gpus) and gpus[0] != gpus[1], gpus
-        params = SamplingParams(temperature=1.0, seed=5, ignore_eos=True)
-        tokens, _ = served(target_actor, draft_actor, params)
-        local = SpeculativeDecoder(config.target, config.draft, gamma=3, dtype="float32", draft_top_k=4)
-        assert tokens == local.generate(PROMPT, params, 30).token_ids
+        _as_in_process(config, target_actor, draft_actor)
     finally:
         ray.kill(target_actor)
         ray.kill(draft_actor)
@@ -92,20 +104,9 @@ def test_gpu_flags_have_ray_reserve_gpus(cluster, tmp_path):
 def test_the_default_command_puts_the_target_on_a_gpu_and_each_rank_on_one(cluster, tmp_path):
     """`specserve serve --target T --draft D` (no GPU flags) on a Ray with (fake) GPUs: the target on one of them, its
     draft beside it; with `--tensor-parallel 2`, a GPU for each rank."""
-    from specserve.cli import build_parser
-    from specserve.serve.run import config_from_flags, default_gpus
-
-    target = tiny_llama(0, vocab=64, layers=2, hidden=32, scale=8, dtype=torch.float32, kv_heads=2)
-    target.save_pretrained(str(tmp_path / "target"))
-    perturbed_copy(target, 0.3).save_pretrained(str(tmp_path / "draft"))
-
-    def started(*flags):
-        config = config_from_flags(build_parser().parse_args(["serve", "--target", str(tmp_path / "target"), *flags]))
-        default_gpus(config, ray.cluster_resources().get("GPU", 0))
-        args = config["applications"][0]["args"]
-        return start_workers(WorkersConfig(**{k: v for k, v in args.items() if k in WorkersConfig.model_fields}))
-
-    target_actor, draft_actor = started("--draft", str(tmp_path / "draft"), "--dtype", "float32")
+    target, draft = _pair(tmp_path, kv_heads=2)
+    gpus = ray.cluster_resources().get("GPU", 0)
+    target_actor, draft_actor = start_workers(_from_flags("--target", target, "--draft", draft, ray_gpus=gpus))
     try:
         assert draft_actor is None  # colocated: in the target worker, on its GPU
         assert ray.get(target_actor.node_id.remote()) == cluster["gpus"].node_id
@@ -113,7 +114,8 @@ def test_the_default_command_puts_the_target_on_a_gpu_and_each_rank_on_one(clust
     finally:
         release_workers(target_actor)
         ray.kill(target_actor)
-    target_actor, _ = started("--draft", "none", "--dtype", "float32", "--tensor-parallel", "2")
+    target_actor, _ = start_workers(_from_flags("--target", target, "--draft", "none", "--tensor-parallel", "2",
+                                                ray_gpus=gpus))
     try:
         ranks = ray.get(target_actor.rank_gpu_ids.remote())
         assert len(ranks) == 2 and all(len(ids) == 1 for ids in ranks) and ranks[0] != ranks[1], ranks

@@ -109,22 +109,6 @@ def free_port(host: str = "127.0.0.1") -> int:
             return port
 
 
-def own_processes() -> set[int]:
-    """The processes under this one (a local Ray's services and workers): Linux /proc, else none known."""
-    children: dict[int, list[int]] = {}
-    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
-        try:
-            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):  # gone meanwhile
-            continue
-    found, todo = set(), list(children.get(os.getpid(), []))
-    while todo:
-        pid = todo.pop()
-        found.add(pid)
-        todo.extend(children.get(pid, []))
-    return found
-
-
 def _running(pid: int) -> bool:
     try:
         return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"

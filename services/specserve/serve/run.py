@@ -7,6 +7,7 @@ Blocks until Ctrl-C / SIGTERM, then shuts down what it started.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import signal
 import sys
@@ -21,8 +22,8 @@ from specserve.serve import ingress
 from specserve.serve.app import GRPC_SERVICER_FUNCTION
 from specserve.serve.config import API_KEY_ENV, AppConfig
 from specserve.serve.grpc_api import GENERATED_FUNCTION
-from specserve.serve.listen import loopback, own_processes, ray_init_options, stop_processes
-from specserve.workers.quiet import quiet_env, yield_control_plane
+from specserve.serve.listen import loopback, ray_init_options, stop_processes
+from specserve.workers.quiet import descendants, quiet_env, yield_control_plane
 
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_GRPC_PORT = 9000
@@ -77,6 +78,14 @@ LISTEN_FLAGS = {"host": ("http_options", "host"), "http_port": ("http_options", 
 SHARED_ARGS = {"api_key", "insecure"}
 
 
+def specserve_apps(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The config's specserve applications, each with an `args` dict (made where it has none)."""
+    apps = [app for app in config.get("applications") or [] if app.get("import_path", "").startswith("specserve.serve")]
+    for app in apps:
+        app["args"] = app.get("args") or {}
+    return apps
+
+
 def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
@@ -94,16 +103,14 @@ def apply_flags(config: dict[str, Any], args, given: set[str]) -> list[str]:
                              f"({options[key]})")
             options[key] = getattr(args, dest)
     flagged = config_from_flags(args)["applications"][0]["args"]
-    apps = [app for app in config.get("applications") or [] if app.get("import_path", "").startswith("specserve.serve")]
+    apps = specserve_apps(config)
     model_flags = sorted(_flag(d) for d in given if d in RESOURCE_FLAGS or d in APP_FLAGS and APP_FLAGS[d] not in
                          SHARED_ARGS)
     if model_flags and len(apps) != 1:
         raise ValueError(f"{', '.join(model_flags)} set one application's args, and the config has {len(apps)} "
                          "specserve applications: set them in the file")
     for app in apps:
-        app_args = app.setdefault("args", {}) or {}
-        app["args"] = app_args
-        name = app.get("name", "default")
+        app_args, name = app["args"], app.get("name", "default")
         for dest in sorted(given & RESOURCE_FLAGS.keys()):  # one field of the file's resources
             role, key = RESOURCE_FLAGS[dest]
             resources = dict(app_args.get(role) or {})
@@ -128,11 +135,8 @@ def apply_flags(config: dict[str, Any], args, given: set[str]) -> list[str]:
 def default_gpus(config: dict[str, Any], available: float) -> None:
     """On a Ray with GPUs (`available`), a GPU for each rank of every specserve application's target that asks for
     none (in place); a draft stays beside it. Where fewer GPUs than ranks are there, the CPU."""
-    for app in config.get("applications") or []:
-        if not app.get("import_path", "").startswith("specserve.serve"):
-            continue
-        app_args = app.setdefault("args", {}) or {}
-        app["args"] = app_args
+    for app in specserve_apps(config):
+        app_args = app["args"]
         resources = dict(app_args.get("target_resources") or {})
         if resources.get("num_gpus") or app_args.get("target_stages"):
             continue
@@ -177,10 +181,8 @@ def check_exposure(config: dict[str, Any]) -> None:
     host = str((config.get("http_options") or {}).get("host", "127.0.0.1"))
     if loopback(host):
         return
-    for app in config.get("applications") or []:
-        if not app.get("import_path", "").startswith("specserve.serve"):
-            continue
-        app_config = AppConfig(**(app.get("args") or {}))
+    for app in specserve_apps(config):
+        app_config = AppConfig(**app["args"])
         if app_config.api_key is None and not app_config.insecure:
             raise ValueError(
                 f"the server would listen on {host} (beyond this machine) with no API key, open to anyone who can "
@@ -331,9 +333,8 @@ def serve_main(args, given: set[str] | None = None) -> int:
             config = load_serve_config(args.config)
             for note in apply_flags(config, args, given or set()):
                 print(f"[specserve] {note}", flush=True)
-            for app in config.get("applications") or []:
-                if app.get("import_path", "").startswith("specserve.serve"):
-                    AppConfig(**(app.get("args") or {}))
+            for app in specserve_apps(config):
+                AppConfig(**app["args"])
         else:
             config = config_from_flags(args)
             AppConfig(**config["applications"][0]["args"])
@@ -374,10 +375,9 @@ def serve_main(args, given: set[str] | None = None) -> int:
     ray.init(address=args.address or "local", include_dashboard=False, **options)
     if not args.config and "gpus" not in (given or set()):  # the defaults: a GPU for the target where Ray has one
         default_gpus(deployed, ray.cluster_resources().get("GPU", 0))
-    for app in deployed.get("applications") or []:
-        if app.get("import_path", "").startswith("specserve.serve"):
-            for line in placement(app.get("args") or {}):
-                print(f"[specserve] {line}", flush=True)
+    for app in specserve_apps(deployed):
+        for line in placement(app["args"]):
+            print(f"[specserve] {line}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -392,7 +392,7 @@ def serve_main(args, given: set[str] | None = None) -> int:
         return 1
     finally:
         print("[specserve] shutting down", flush=True)
-        started = own_processes() if not args.address else set()
+        started = set(descendants(os.getpid())) if not args.address else set()
         serve.shutdown()
         ray.shutdown()
         # return only once the ports are free: Ray's processes end on their own a while after it shuts down

@@ -337,7 +337,7 @@ def _kv_size(model, draft: Any, fraction: float | None) -> tuple[int, str]:
     param = next(model.parameters())
     dtype = param.dtype if param.dtype.is_floating_point else torch.bfloat16
     per, reserve = bytes_per_position(model.config, dtype), 0
-    if draft is not None and not is_head(draft):  # its pool is sized alike; its weights are still to come
+    if draft is not None and not is_head(draft) and not is_eagle3(draft):  # a model draft: its pool, its weights
         try:
             per += bytes_per_position(model_config(draft), dtype)
         except Exception:  # noqa: BLE001 - a draft config not readable here: the load will say what is wrong

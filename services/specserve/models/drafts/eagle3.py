@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.models.drafts.head import _FeaturePositions
+from specserve.models.families.lean import _rotate_half
 from specserve.models.memory.prefix import common_prefix
 
 PREFIX = "eagle3:"
@@ -177,9 +178,7 @@ class Eagle3Head(nn.Module):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return (x * cos.to(x.dtype) + rotated * sin.to(x.dtype)).to(x.dtype)
+    return (x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)).to(x.dtype)
 
 
 def load_eagle3(spec, target) -> Eagle3Head:
