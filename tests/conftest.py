@@ -132,3 +132,29 @@ def batched_and_alone(target, draft, vocab: int, prompt: list[int], sessions: in
     finally:
         scheduler.close()
     return together, alone, shared
+
+
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """End the test process as soon as pytest is done, with its exit status: the interpreter's teardown of the native
+    libraries a run loads (Ray's core worker, gRPC, torch's and the kernels' OpenMP runtimes) can crash after every
+    test has passed, which says nothing about the code under test. A Ray left initialised is shut down first."""
+    if _EXIT_STATUS not in config.stash:
+        return
+    import os
+    import sys
+
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(config.stash[_EXIT_STATUS])
