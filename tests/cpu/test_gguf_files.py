@@ -135,6 +135,34 @@ def test_kept_as_stored_the_kernel_paths_logits_are_the_dense_forwards(files, fa
 
 
 @needs_kernels
+def test_packed_weights_are_cached_once_and_mapped_by_the_next_load(tmp_path, monkeypatch, capfd):
+    """The first load of a file packs it and saves the result; the next maps it (logits bit-equal to the fresh
+    load's); another packing of the same file (int4) is an entry of its own; a damaged entry is packed again."""
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "q.gguf", "qwen2", seed=5)
+    ids = load_tokenizer(str(path))(TEXT)["input_ids"]
+
+    def load(quantization="auto"):
+        loaded = load_model(str(path), device="cpu", quantization=quantization)
+        logits = model_sequence(loaded.model).feed(ids, keep_logits=len(ids))
+        return logits, loaded.quantization, "mapped from the cache" in capfd.readouterr().err
+
+    fresh, kind, mapped = load()
+    entries = list((tmp_path / "cache" / "packed").glob("*.pt"))
+    assert not mapped and len(entries) == 1 and kind.startswith("gguf-")
+    again, kind_again, mapped = load()
+    assert mapped and kind_again == kind and torch.equal(again, fresh)
+    int4, int4_kind, mapped = load("int4")
+    assert not mapped and int4_kind == "int4-g32" and not torch.equal(int4, fresh)
+    assert len(list((tmp_path / "cache" / "packed").glob("*.pt"))) == 2
+    assert torch.equal(load("int4")[0], int4)
+    entries[0].write_bytes(b"not a cache entry")
+    repacked, _, mapped = load()
+    assert not mapped and torch.equal(repacked, fresh)
+    assert load()[2]  # replaced by a readable one
+
+
+@needs_kernels
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_speculation_equals_gamma_0_on_the_kernel_path(files, family):
     """A GGUF target and a GGUF draft of another seed (rejections), kept as stored: every prompt's tokens with

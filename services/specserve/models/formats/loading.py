@@ -18,7 +18,7 @@ import torch
 
 from specserve.models.families.arch import GGUF_STORED
 from specserve.models.families.weights import drop_linears
-from specserve.models.formats import embedded, ggufmodel, slices
+from specserve.models.formats import embedded, ggufmodel, packcache, slices
 from specserve.models.formats.gguf import DENSE_TYPES, gguf_architecture, gguf_linears, gguf_weight_type
 from specserve.models.kernels import quant
 from specserve.models.kernels.tp import Shard
@@ -309,11 +309,19 @@ def _quantize(loaded: LoadedModel, method: str, group: int, gguf: pathlib.Path |
         print("specserve: int8 weights multiply through aten._weight_int8pack_mm, which has no fast CUDA path: "
               "a 7B step took 8.4x bfloat16's on an H200 (docs/benchmarks.md); int4 or none is faster there",
               file=sys.stderr, flush=True)
+    # a whole model on the CPU: what the packed cache keeps (`formats.packcache`)
+    whole = gguf is not None and shard is None and layers is None and loaded.device.type == "cpu"
+    spec = quant.QuantSpec(method, group, None, quant.dense_from(loaded.device), gguf_weight_type(gguf) if gguf else "")
+    if whole and packcache.load(gguf, model, loaded.dtype, spec) is not None:
+        _drop_linears(model)
+        return loaded
     stored = gguf_linears(gguf, model.config) if gguf is not None else None
-    model.specserve_quant = quant.QuantSpec(method, group, stored, quant.dense_from(loaded.device),
-                                            stored["source"] if stored else "")
-    lean_weights(model, loaded.dtype, shard, layers)
+    spec.stored = stored
+    model.specserve_quant = spec
+    weights = lean_weights(model, loaded.dtype, shard, layers)
     model.specserve_quant.stored = None  # packed by now
+    if whole:
+        packcache.save(gguf, weights, loaded.dtype, spec)
     _drop_linears(model)
     return loaded
 

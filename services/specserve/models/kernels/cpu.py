@@ -259,8 +259,19 @@ class PackedBlocks:
         self.dm = by_block([w.d, w.m] if with_min else [w.d], torch.float16)
         scm = [w.sc] * with_scale + [w.mn] * with_min
         self.scm = by_block(scm, torch.int8) if scm else torch.zeros(0, dtype=torch.int8)
-        self.struct = BlocksStruct(self.lo.data_ptr(), self.hi.data_ptr(), self.dm.data_ptr(), self.scm.data_ptr(),
-                                   w.bits, w.group, w.span, int(with_min), int(with_scale), float(offset))
+        self.params = (w.bits, w.group, w.span, int(with_min), int(with_scale), float(offset))
+        self.struct = self._struct()
+
+    def _struct(self) -> BlocksStruct:
+        return BlocksStruct(self.lo.data_ptr(), self.hi.data_ptr(), self.dm.data_ptr(), self.scm.data_ptr(),
+                            *self.params)
+
+    def __getstate__(self) -> dict:  # saved as tensors and numbers (`formats.packcache`); the struct points into them
+        return {k: v for k, v in self.__dict__.items() if k != "struct"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.struct = self._struct()
 
     @property
     def nbytes(self) -> int:

@@ -316,6 +316,12 @@ class PackedDense:
     def __init__(self, weight: torch.Tensor):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
 
+    def __getstate__(self) -> dict:  # oneDNN's layout has no file form: saved plain, packed again when read
+        return {"weight": self.packed.to_dense()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["weight"])
+
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes
