@@ -14,7 +14,7 @@ import torch
 from specserve import SamplingParams, SpeculativeDecoder
 from specserve.models import load_model, load_tokenizer
 from specserve.models.families.lean import model_sequence
-from specserve.models.formats import ggufmodel
+from specserve.models.formats import ggufmodel, packcache
 from specserve.models.formats.gguf import FileEmbedding
 from specserve.models.kernels import cpu
 from specserve.speculation import rejection
@@ -160,6 +160,13 @@ def test_packed_weights_are_cached_once_and_mapped_by_the_next_load(tmp_path, mo
     repacked, _, mapped = load()
     assert not mapped and torch.equal(repacked, fresh)
     assert load()[2]  # replaced by a readable one
+    # entries of other code or builds: the most recently used kept, up to KEEP of a file and quantization
+    for n in range(4):
+        (tmp_path / "cache" / "packed" / f"q-gguf-Q4_K-{n:016x}.pt").write_bytes(b"older")
+    entries[0].unlink()
+    load()
+    left = sorted(p.name for p in (tmp_path / "cache" / "packed").glob("q-gguf-*.pt"))
+    assert len(left) == packcache.KEEP and entries[0].name in left
 
 
 @needs_kernels

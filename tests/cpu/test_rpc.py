@@ -293,3 +293,18 @@ def test_a_round_crosses_the_wire_whole():
         assert getattr(back, name) == pytest.approx(getattr(rnd, name), rel=1e-6), name
     done = round_from_wire(round_to_wire(Round([2], "stop", 0)))
     assert done.finish_reason == "stop" and done.drafted == [] and done.logprobs is None
+
+
+def test_serves_grpc_proxy_imports_the_wire_code_alone():
+    """Serve's gRPC proxy imports the servicer registration a config names (`grpc_servicer_functions`); that
+    module pulls in neither torch nor transformers (seconds of every start on a small machine)."""
+    import subprocess
+    import sys
+
+    from specserve.serve import GRPC_SERVICER_FUNCTION
+
+    module = GRPC_SERVICER_FUNCTION.rsplit(".", 1)[0]
+    code = (f"import sys, {module}; heavy = sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules); "
+            "print(','.join(heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == ""

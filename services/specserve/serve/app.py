@@ -60,7 +60,6 @@ from specserve.v1 import generator_pb2
 from specserve.workers.actors import release_workers, start_workers
 from specserve.workers.quiet import data_plane_priority
 
-GRPC_SERVICER_FUNCTION = "specserve.serve.grpc_api.add_GeneratorServicer_to_server"
 RETRY_AFTER_S = "5"  # what a 503 tells clients to wait (a restarting worker, a full server)
 PLAYGROUND_HTML = (pathlib.Path(__file__).parent / "playground.html").read_text(encoding="utf-8")
 HEALTH_TIMEOUT_S = 5.0  # a worker or coordinator that does not answer /health within this is reported down

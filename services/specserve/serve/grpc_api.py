@@ -18,6 +18,8 @@ SERVICE = "specserve.v1.Generator"
 # the proxy hands the ingress a request with this model name for bytes that are no GenerateRequest
 UNDECODABLE = "\x00specserve-undecodable"
 GENERATED_FUNCTION = "specserve.v1.generator_pb2_grpc.add_GeneratorServicer_to_server"
+# what a Serve config names in grpc_servicer_functions: this module's registration
+GRPC_SERVICER_FUNCTION = "specserve.serve.grpc_api.add_GeneratorServicer_to_server"
 
 
 def parse_request(data: bytes) -> generator_pb2.GenerateRequest:

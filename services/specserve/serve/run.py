@@ -19,9 +19,8 @@ import yaml
 from pydantic import ValidationError
 
 from specserve.serve import ingress
-from specserve.serve.app import GRPC_SERVICER_FUNCTION
 from specserve.serve.config import API_KEY_ENV, AppConfig
-from specserve.serve.grpc_api import GENERATED_FUNCTION
+from specserve.serve.grpc_api import GENERATED_FUNCTION, GRPC_SERVICER_FUNCTION
 from specserve.serve.listen import loopback, ray_init_options, stop_processes
 from specserve.workers.quiet import descendants, quiet_env, yield_control_plane
 

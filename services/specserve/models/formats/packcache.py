@@ -21,6 +21,7 @@ import pathlib
 import sys
 import tempfile
 import time
+from glob import escape as glob_escape
 
 import torch
 
@@ -29,6 +30,7 @@ from specserve.models.kernels.quant import QuantSpec
 
 ENABLED: bool = os.environ.get("SPECSERVE_PACKED_CACHE", "1") != "0"
 _FORMAT = 1  # the layout of a cache file (what `save` writes): bumped when that changes
+KEEP = 3  # entries kept of one file and quantization (other builds, forced ISAs), the most recently used
 _MODELS = pathlib.Path(__file__).resolve().parents[1]  # specserve/models: the code that shapes the packing
 
 
@@ -81,6 +83,8 @@ def load(gguf: pathlib.Path, model, dtype: torch.dtype, spec: QuantSpec):
     except Exception as exc:  # noqa: BLE001 - a damaged entry is packed again, and replaced
         print(f"specserve: {path} could not be read ({exc}); packing {gguf.name} again", file=sys.stderr, flush=True)
         return None
+    with contextlib.suppress(OSError):
+        os.utime(path)  # its last use, for `_prune`
     weights = LeanWeights.__new__(LeanWeights)
     weights.__dict__.update(state["weights"])
     embedding = model.model.embed_tokens  # as `LeanWeights` takes it: a weight, or the file's own lookup
@@ -114,4 +118,23 @@ def save(gguf: pathlib.Path, weights, dtype: torch.dtype, spec: QuantSpec) -> pa
             with contextlib.suppress(OSError):
                 os.unlink(tmp.name)
         return None
+    _prune(path)
     return path
+
+
+def _prune(kept: pathlib.Path) -> None:
+    """Remove the entries of `kept`'s file and quantization (other code, another build) beyond the `KEEP` most
+    recently used, so that upgrades do not pile up copies of a model."""
+    prefix = kept.name[: kept.name.rindex("-") + 1]
+    entries = sorted((p for p in kept.parent.glob(f"{glob_escape(prefix)}*.pt") if p != kept),
+                     key=_used, reverse=True)
+    for stale in entries[KEEP - 1 :]:
+        with contextlib.suppress(OSError):
+            stale.unlink()
+
+
+def _used(path: pathlib.Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # removed by another start meanwhile
+        return 0.0
