@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import pytest
 
 from specserve.cli import main
+from specserve.serve import ingress
 from tests.conftest import save_tokenized_pair
 
 pytestmark = pytest.mark.slow
@@ -120,10 +123,8 @@ def test_load_bench_in_process_drives_the_target_worker_from_threads(model_dirs,
 
 def test_ingress_plan_puts_the_replica_on_the_ports_where_one_application_serves_them(monkeypatch):
     import os
-    import socket
 
     from specserve.cli import build_parser
-    from specserve.serve import ingress
     from specserve.serve.run import config_from_flags, ports
 
     args = build_parser().parse_args(["serve", "--http-port", "8123", "--grpc-port", "9123"])
@@ -154,5 +155,27 @@ def test_ingress_plan_puts_the_replica_on_the_ports_where_one_application_serves
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert ingress.port_in_use("127.0.0.1", port)
-    assert not ingress.port_in_use("127.0.0.1", port)
+        assert ingress.port_in_use("127.0.0.1", port) and ingress.listening("127.0.0.1", port)
+        started = time.monotonic()
+        assert not ingress.wait_for_port("127.0.0.1", port, timeout_s=30)  # a listener: no waiting
+        assert time.monotonic() - started < 5
+    assert not ingress.port_in_use("127.0.0.1", port) and ingress.wait_for_port("127.0.0.1", port)
+
+
+def test_a_port_held_by_a_closed_servers_connections_is_told_from_one_in_use():
+    """A server that closed its connections first (as the replica's HTTP server does with urllib's requests) leaves
+    them in TIME_WAIT on its port for a minute: the replica cannot bind it yet (no SO_REUSEADDR), nothing listens;
+    `specserve serve` waits for such a port rather than refusing it."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()  # the server's side closes first
+        client.recv(1)
+        client.close()
+    assert ingress.port_in_use("127.0.0.1", port) and not ingress.listening("127.0.0.1", port)
+    started = time.monotonic()
+    assert not ingress.wait_for_port("127.0.0.1", port, timeout_s=1.5)  # still held after the time given
+    assert time.monotonic() - started >= 1.5

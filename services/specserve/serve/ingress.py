@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import os
 import socket
+import time
 from typing import Any
 
 from specserve.serve.listen import free_port
@@ -56,15 +57,36 @@ def ray_has_direct_ingress() -> bool:
 
 
 def port_in_use(host: str, port: int) -> bool:
-    """Whether `host:port` cannot be bound now (something listens there)."""
+    """Whether `host:port` cannot be bound now, as Serve's direct-ingress replica binds it (without SO_REUSEADDR):
+    something listens there, or the connections a server just closed linger (TCP's TIME_WAIT, `listening` tells)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no obstacle
         try:
             s.bind(("" if host == "0.0.0.0" else host, port))
         except OSError:
             return True
     return False
+
+
+def listening(host: str, port: int) -> bool:
+    """Whether something accepts connections on `host:port`."""
+    target = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    try:
+        with socket.create_connection((target, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def wait_for_port(host: str, port: int, timeout_s: float = 75.0) -> bool:
+    """Wait while only closed connections hold `host:port` (TIME_WAIT lasts 60 s on Linux); True once it is free,
+    False at once where something listens there or still after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while port_in_use(host, port):
+        if listening(host, port) or time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
 
 
 def direct_env(http_port: int, grpc_port: int) -> dict[str, str]:

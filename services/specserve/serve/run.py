@@ -354,7 +354,10 @@ def serve_main(args, given: set[str] | None = None) -> int:
     host, http_port, grpc_port = ports(config)
     if not args.address:
         for name, port in (("HTTP", http_port), ("gRPC", grpc_port)):
-            if ingress.port_in_use(host, port):
+            if ingress.port_in_use(host, port) and not ingress.listening(host, port):
+                print(f"[specserve] the {name} port {host}:{port} is held by connections a server just closed "
+                      "(TCP TIME_WAIT, up to a minute): waiting for it", flush=True)
+            if not ingress.wait_for_port(host, port):
                 print(f"specserve: the {name} port {host}:{port} is in use (another server?): choose another "
                       f"(--{name.lower()}-port, or the config's {name.lower()}_options.port)", file=sys.stderr)
                 return 2
@@ -394,11 +397,11 @@ def serve_main(args, given: set[str] | None = None) -> int:
         started = set(descendants(os.getpid())) if not args.address else set()
         serve.shutdown()
         ray.shutdown()
-        # return only once the ports are free: Ray's processes end on their own a while after it shuts down
+        # return only once nothing listens on the ports: Ray's processes end on their own a while after it shuts down
         if stragglers := stop_processes(started):
             print(f"[specserve] stopped {len(stragglers)} process(es) of the local Ray that outlived it", flush=True)
         for name, port in (("HTTP", http_port), ("gRPC", grpc_port)):
             deadline = time.monotonic() + 10
-            while not args.address and ingress.port_in_use(host, port) and time.monotonic() < deadline:
+            while not args.address and ingress.listening(host, port) and time.monotonic() < deadline:
                 time.sleep(0.1)
     return 0
