@@ -160,6 +160,9 @@ def test_serve_command_serves_and_stops_cleanly(tmp_path):
         # the application's replica holds both ports itself (Serve's direct ingress), not Serve's proxy
         owners = _listening_pids(_descendants(proc.pid))
         replica = owners[http_port]
+        # the target worker `specserve serve` started beside Serve's start is the one the replica uses: no second
+        targets = [pid for pid in _descendants(proc.pid) if "TargetWorkerActor" in _cmdline(pid)]
+        assert len(targets) == 1, [_cmdline(pid) for pid in targets]
         assert owners[grpc_port] == replica and "ServeReplica:specserve" in _cmdline(replica), _cmdline(replica)
         # the Prometheus endpoint of the Ray it started (Ray exports every 10 s by default)
         # (the completion and the keyed gRPC call: refused requests never reached the coordinator)
@@ -174,6 +177,8 @@ def test_serve_command_serves_and_stops_cleanly(tmp_path):
         assert stub.Generate(request, metadata=(("authorization", "Bearer open-sesame"),), timeout=60).completion_tokens == 3
         owners = _listening_pids(_descendants(proc.pid))
         assert owners[http_port] == owners[grpc_port] != replica, (owners, replica)
+        # the new replica took the same target worker over (it lives on, its models loaded)
+        assert [pid for pid in _descendants(proc.pid) if "TargetWorkerActor" in _cmdline(pid)] == targets
         assert not _listening(file_port)
     finally:
         started = _descendants(proc.pid) - {proc.pid}
@@ -188,6 +193,7 @@ def test_serve_command_serves_and_stops_cleanly(tmp_path):
     assert f"--http-port {http_port} replaces the config's http_options.port ({file_port})" in output
     assert "/v1/completions" in output and "shutting down" in output  # it told the user how to call it
     assert "ingress: the application's replica answers" in output
+    assert "the target worker starts beside Serve's controller and proxy" in output
     assert f"127.0.0.1:{metrics_port}/metrics" in output
 
 

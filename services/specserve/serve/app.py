@@ -57,7 +57,7 @@ from specserve.serve.protocol import (
     usage,
 )
 from specserve.v1 import generator_pb2
-from specserve.workers.actors import release_workers, start_workers
+from specserve.workers.actors import adopt_target, release_workers, start_workers
 from specserve.workers.quiet import data_plane_priority
 
 RETRY_AFTER_S = "5"  # what a 503 tells clients to wait (a restarting worker, a full server)
@@ -220,8 +220,12 @@ class SpecServe:
         cfg = self.config
         auth.configure(cfg.api_key)
         limits.configure(cfg.max_body_bytes)
-        token = secrets.token_urlsafe(24)  # the internal worker services answer only the coordinator (rpc.auth)
-        self.target, self.draft = start_workers(cfg, gamma_max=cfg.gamma_max, token=token)
+        adopted = adopt_target(cfg.prestarted_target) if cfg.prestarted_target else None
+        if adopted is not None:  # started by `specserve serve` while Serve started (`workers.actors.prestart_target`)
+            (self.target, token), self.draft = adopted, None
+        else:
+            token = secrets.token_urlsafe(24)  # the internal worker services answer only the coordinator (rpc.auth)
+            self.target, self.draft = start_workers(cfg, gamma_max=cfg.gamma_max, token=token)
         self.coordinator = start_coordinator(
             cfg, self.target, self.draft, gamma=cfg.gamma, gamma_max=cfg.gamma_max, pipelined=cfg.pipelining(),
             max_sessions=cfg.max_sessions, draft_lookup=cfg.draft_lookup, worker_token=token,

@@ -87,6 +87,11 @@ class AppConfig(WorkersConfig):
         "target_ongoing_requests, upscale_delay_s, ...), instead of a fixed num_replicas; a replica added takes as "
         "long to start as the first (its models load).",
     )
+    prestarted_target: str | None = Field(
+        None,
+        description="Set by `specserve serve`, not in configs: the target worker it started beside Serve's own "
+        "start (a named Ray actor), which the replica adopts instead of starting one.",
+    )
     insecure: bool = Field(
         False,
         description="Serve without an API key although the server listens beyond loopback (http_options.host "

@@ -230,6 +230,28 @@ def config_from_flags(args) -> dict[str, Any]:
     }
 
 
+def prestart(config: dict[str, Any]):
+    """On a local Ray: the target worker of a config's one specserve application started now, before Serve's
+    controller and proxy, so that its process starts and its models load meanwhile; the application's replica adopts
+    it (`prestarted_target`, set in place). Returns the worker's handle (keep it: the actor ends with its last
+    reference), or None where that does not apply (several applications or replicas, a
+    draft worker of its own, tensor-parallel ranks or stages: the replica starts its workers)."""
+    import uuid
+
+    from specserve.workers.actors import can_prestart, prestart_target
+
+    apps = specserve_apps(config)
+    if len(apps) != 1:
+        return None
+    app_config = AppConfig(**apps[0]["args"])
+    if app_config.num_replicas != 1 or app_config.autoscaling_config is not None or not can_prestart(app_config):
+        return None
+    name = f"specserve-target-{uuid.uuid4().hex[:12]}"
+    actor = prestart_target(app_config, app_config.gamma_max, name)
+    apps[0]["args"]["prestarted_target"] = name
+    return actor
+
+
 def start(config: dict[str, Any]) -> list[str]:
     """serve.start + deploy every application of a Serve config dict (Ray must be initialised). Returns app names."""
     from ray import serve
@@ -380,6 +402,11 @@ def serve_main(args, given: set[str] | None = None) -> int:
     for app in specserve_apps(deployed):
         for line in placement(app["args"]):
             print(f"[specserve] {line}", flush=True)
+    # its handle kept while serving: a named actor ends with its owner's last reference
+    prestarted = prestart(deployed) if not args.address else None
+    if prestarted is not None:
+        print("[specserve] the target worker starts beside Serve's controller and proxy (its models load meanwhile)",
+              flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -180,6 +180,7 @@ class TargetWorkerActor(_GrpcActor):
         served_name: the model id its metrics carry (default: the target's name)."""
         import torch
 
+        self._token = token
         self._profile: dict[int, float] = {}
         self._followers: list = []  # tensor-parallel ranks 1.. (`workers.ranks`)
         compute = self._compute_thread(threads)
@@ -258,6 +259,10 @@ class TargetWorkerActor(_GrpcActor):
             self._info["colocated_draft"] = name
         self._export_pools(served_name or self._info.get("name", "target"),
                            {"target": self.servicer.pool, "draft": self._draft_pool()})
+
+    def worker_token(self) -> str | None:
+        """The secret its gRPC service demands (for the replica that adopts a prestarted worker: `adopt_target`)."""
+        return self._token
 
     def _draft_pool(self):
         colocated = self.servicer.colocated
@@ -371,7 +376,6 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
                 check_model(target_spec, stage.tensor_parallel, f"target_stages[{i}].tensor_parallel")
         stages, groups = start_stages(target_spec, config.dtype, config.quantization, config.target_stages, layers,
                                       config.fixed_kv_tokens())
-    scheduling = config.scheduling()
     colocated = draft_spec if config.colocated(draft_spec) else None
     resources, placement = config.target_resources, {}
     if resources.tensor_parallel > 1:
@@ -379,11 +383,7 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
 
         check_model(target_spec, resources.tensor_parallel, "target_resources.tensor_parallel")
         placement = {"scheduling_strategy": _rank_group(resources)}
-    target_actor = _remote(TargetWorkerActor, resources, config.max_restarts, **placement).remote(
-        target_spec, config.dtype, resources.threads(), stages, scheduling, colocated, gamma_max,
-        config.draft_top_k, config.session_idle_s, token, config.quantization, config.draft_quantization,
-        resources.tensor_parallel, resources.actor_options(), served_name=served_name,
-    )
+    target_actor = _target_actor(config, target_spec, stages, colocated, gamma_max, token, placement)
     if placement:
         groups.append(placement["scheduling_strategy"].placement_group)
     if groups:
@@ -399,6 +399,49 @@ def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, 
             served_name=served_name,
         )
     return target_actor, draft_actor
+
+
+def _target_actor(config: WorkersConfig, target_spec: Any, stages, colocated, gamma_max: int, token: str | None,
+                  placement: dict, **named):
+    resources = config.target_resources
+    return _remote(TargetWorkerActor, resources, config.max_restarts, **placement, **named).remote(
+        target_spec, config.dtype, resources.threads(), stages, config.scheduling(), colocated, gamma_max,
+        config.draft_top_k, config.session_idle_s, token, config.quantization, config.draft_quantization,
+        resources.tensor_parallel, resources.actor_options(), served_name=getattr(config, "model_name", None),
+    )
+
+
+PRESTART_NAMESPACE = "specserve"
+
+
+def can_prestart(config: WorkersConfig) -> bool:
+    """Whether `prestart_target` applies: the whole target in one worker (no ranks, no stages) and no draft
+    worker of its own (the draft colocated, prompt lookup or none)."""
+    return (config.target_resources.tensor_parallel == 1 and not config.target_stages
+            and not config.has_draft_worker())
+
+
+def prestart_target(config: WorkersConfig, gamma_max: int, name: str):
+    """The target worker started ahead of the replica that will use it, as the named actor `name` (its owner the
+    caller: `specserve serve` starts it beside Serve's own start, so the model loads meanwhile); the replica adopts
+    it (`adopt_target`). Only where `can_prestart`."""
+    import secrets
+
+    draft = config.draft if config.colocated() else None
+    return _target_actor(config, config.target, None, draft, gamma_max, secrets.token_urlsafe(24), {}, name=name,
+                         namespace=PRESTART_NAMESPACE)
+
+
+def adopt_target(name: str):
+    """(the target worker `prestart_target` started as `name`, its gRPC token), or None where there is none (it
+    failed to start: the caller starts its own, which says why)."""
+    import ray
+
+    try:
+        actor = ray.get_actor(name, namespace=PRESTART_NAMESPACE)
+        return actor, ray.get(actor.worker_token.remote())
+    except (ValueError, ray.exceptions.RayActorError):
+        return None
 
 
 _RANK_GROUPS: dict[str, list] = {}  # tensor-parallel groups' placement groups, by the target actor's id
