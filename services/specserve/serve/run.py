@@ -360,13 +360,17 @@ def serve_main(args, given: set[str] | None = None) -> int:
             config = config_from_flags(args)
             AppConfig(**config["applications"][0]["args"])
         check_exposure(config)
-        if not args.address:  # the workers run here: which CPU path their bfloat16 (quantized) steps take
-            from specserve.models.kernels import cpu
-
-            print(f"[specserve] bfloat16 CPU steps: {cpu.describe()}", flush=True)
         from specserve.models.formats.ggufmodel import read_metadata
+        from specserve.models.kernels import cpu
 
-        read_metadata([spec for _, spec, _ in model_paths(config)])  # a first start's GGUF files, side by side
+        # a first start compiles the CPU kernels (g++, once) while it reads its GGUF files' digests and metadata
+        kernels = threading.Thread(target=cpu.library, name="specserve-kernels", daemon=True)
+        if not args.address:
+            kernels.start()
+        read_metadata([spec for _, spec, _ in model_paths(config)])
+        if not args.address:  # the workers run here: which CPU path their bfloat16 (quantized) steps take
+            kernels.join()
+            print(f"[specserve] bfloat16 CPU steps: {cpu.describe()}", flush=True)
         for role, spec, batched in model_paths(config):
             path = spec_path(spec) if batched else "one session at a time (batching: false)"
             print(f"[specserve] {role} {spec}: {path}", flush=True)

@@ -54,13 +54,17 @@ def file_digest(path: pathlib.Path) -> str:
 def read_metadata(paths: list) -> None:
     """Several GGUF files' `metadata_dir`s made at once where not cached yet, a process a file (each takes seconds of
     Python in transformers' GGUF reader): a first start of a target and its draft reads both side by side."""
-    todo = [pathlib.Path(p) for p in paths if str(p).endswith(".gguf") and pathlib.Path(p).is_file()]
-    todo = [p for p in todo if not (_metadata_target(p) / "config.json").is_file()]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+
+    files = [pathlib.Path(p) for p in paths if str(p).endswith(".gguf") and pathlib.Path(p).is_file()]
+    if not files:
+        return
+    with ThreadPoolExecutor(len(files)) as threads:  # a first start's digests side by side too (hashlib frees the GIL)
+        cached = list(threads.map(lambda p: (_metadata_target(p) / "config.json").is_file(), files))
+    todo = [p for p, done in zip(files, cached) if not done]
     if len(todo) < 2:
         return
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     with ProcessPoolExecutor(len(todo), mp_context=multiprocessing.get_context("spawn")) as pool:
         list(pool.map(metadata_dir, todo))
 
