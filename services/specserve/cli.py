@@ -31,7 +31,7 @@ def _temperatures(value: str) -> tuple[float, ...]:
 
 
 def _quantization(value: str) -> str:
-    from specserve.models.kernels.quant import parse
+    from specserve.quantization import parse
 
     try:
         parse(value)

@@ -370,7 +370,8 @@ def test_a_full_kv_pool_makes_new_sessions_wait_and_spares_the_running_ones(wait
 
 ONE_TEAM = """
 import os, threading, torch
-from specserve.scheduler.steps import StepScheduler, one_thread_torch
+from specserve.scheduler.steps import StepScheduler
+from specserve.scheduler.threads import one_thread_torch
 x = torch.randn(1000, 1000)
 ready, go, seen = threading.Event(), threading.Event(), {}
 def session_thread():  # a gRPC thread: set up first, its first torch op only after the compute thread started

@@ -315,9 +315,10 @@ def test_a_cached_prefix_gives_the_logits_of_a_whole_prefill(name):
     assert second.hit_tokens == len(system)
 
 
-def test_the_start_up_line_names_each_models_path():
+def test_the_start_up_line_names_each_models_path(capsys):
     from specserve.models.families.arch import describe_path
-    from specserve.serve.run import model_paths
+    from specserve.serve.run import model_specs
+    from specserve.workers.actors import say_path
     from transformers import GPT2Config
 
     assert describe_path(GPT2Config()).startswith("one session at a time through the Hugging Face forward")
@@ -325,4 +326,8 @@ def test_the_start_up_line_names_each_models_path():
     path = describe_path(tiny_family("gemma3").config)
     assert path.startswith("gemma3_text: the batched KV pool, sliding window 6 on 2 of 3 layers")
     config = {"applications": [{"args": {"target": "/m/qwen", "draft": "/m/qwen-small", "batching": False}}]}
-    assert model_paths(config) == [("target", "/m/qwen", False), ("draft", "/m/qwen-small", True)]
+    assert model_specs(config) == ["/m/qwen", "/m/qwen-small"]  # the files `specserve serve` reads first
+    say_path("tiny", tiny_family("gemma3"), True)  # what a worker prints once it loaded a model
+    say_path("tiny", tiny_family("gemma3"), False)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"specserve: tiny: {path}", "specserve: tiny: one session at a time (batching: false)"]

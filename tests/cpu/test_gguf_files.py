@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from specserve import SamplingParams, SpeculativeDecoder
-from specserve.models import load_model, load_tokenizer
+from specserve.models import LoadedModel, load_model, load_tokenizer
 from specserve.models.families.lean import model_sequence
 from specserve.models.formats import ggufmodel, packcache
 from specserve.models.formats.gguf import FileEmbedding
@@ -97,6 +97,24 @@ def test_config_and_tokenizer_come_from_the_files_metadata(files, family):
     assert sum(p.stat().st_size for p in cached) < 200_000
 
 
+@pytest.mark.parametrize("spec", [*FAMILIES, "embedded"])
+def test_a_workers_eos_ids_read_from_the_tokenizers_files_are_the_tokenizers(files, spec):
+    """A loaded model reads its tokenizer on first use; its end-of-sequence ids, which a worker needs, come from
+    the tokenizer's files where they say it plainly, and are then what the tokenizer itself reports."""
+    from transformers import AutoTokenizer
+
+    from specserve.models.formats.loading import TokenizerAt, resolve_model_path, tokenizer_eos_id
+
+    path = resolve_model_path(str(files[spec][0]) if spec in FAMILIES else spec)[0]
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    read = tokenizer_eos_id(path)
+    assert read == tokenizer.eos_token_id is not None  # the metadata specserve writes from a GGUF file says it
+    model = load_model(str(files[spec][0]) if spec in FAMILIES else "embedded", "float32", "cpu").model
+    deferred, read_now = LoadedModel(model, TokenizerAt(path), "m"), LoadedModel(model, tokenizer, "m")
+    assert deferred.eos_ids == read_now.eos_ids and isinstance(deferred._tokenizer, TokenizerAt)  # not read for it
+    assert deferred.tokenizer.eos_token_id == tokenizer.eos_token_id  # read on first use
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_dense_every_tensor_is_what_transformers_reads_from_the_file(files, family):
     path = files[family][0]
@@ -132,6 +150,43 @@ def test_kept_as_stored_the_kernel_paths_logits_are_the_dense_forwards(files, fa
     assert error.mean() < 0.03 and error.max() < 1.0, (error.mean(), error.max())
     assert (elsewhere - want).abs().mean() > 0.5
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
+
+
+def test_a_tokenizer_is_read_once_then_unpickled_equal(tmp_path, monkeypatch):
+    """The first read of a file's tokenizer saves it; the next unpickles it (transformers does not read the files
+    again) and tokenizes, decodes and templates as the fresh one; a changed file or a damaged entry reads afresh."""
+    from specserve.models.formats import tokcache
+
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "t.gguf", "qwen2", seed=5)
+    fresh = load_tokenizer(str(path))
+    entries = list((tmp_path / "cache" / "tokenizers").glob("*.pkl"))
+    assert len(entries) == 1
+    import transformers
+
+    def unread(*args, **kwargs):
+        raise AssertionError("read from the files")
+
+    with monkeypatch.context() as m:
+        m.setattr(transformers.AutoTokenizer, "from_pretrained", unread)
+        again = load_tokenizer(str(path))
+    chat = [{"role": "user", "content": TEXT}]
+    assert again is not fresh and again(TEXT)["input_ids"] == fresh(TEXT)["input_ids"]
+    assert again.decode(fresh(TEXT)["input_ids"]) == fresh.decode(fresh(TEXT)["input_ids"])
+    assert again.apply_chat_template(chat, tokenize=False) == fresh.apply_chat_template(chat, tokenize=False)
+    assert again.eos_token_id == fresh.eos_token_id and again.chat_template == CHAT_TEMPLATE
+    entries[0].write_bytes(b"not a pickle")
+    assert load_tokenizer(str(path))(TEXT)["input_ids"] == fresh(TEXT)["input_ids"]  # read again, replaced
+    assert entries[0].read_bytes() != b"not a pickle"
+    config = ggufmodel.metadata_dir(path) / "tokenizer_config.json"
+    config.write_text(config.read_text())  # touched: another key
+    load_tokenizer(str(path))
+    assert len(list((tmp_path / "cache" / "tokenizers").glob("*.pkl"))) == 2
+    monkeypatch.setattr(tokcache, "ENABLED", False)
+    with monkeypatch.context() as m:
+        m.setattr(transformers.AutoTokenizer, "from_pretrained", unread)
+        with pytest.raises(AssertionError, match="read from the files"):
+            load_tokenizer(str(path))
 
 
 @needs_kernels

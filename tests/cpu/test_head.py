@@ -176,7 +176,7 @@ def test_first_two_tokens_through_a_head_follow_the_target(mode, monkeypatch):
         assert chi_square_pvalue(sampled_joint(decoder, mode, 2), expected) < 1e-3
 
 
-def test_heads_save_load_by_spec_and_refuse_a_target_they_do_not_fit(tmp_path, target):
+def test_heads_save_load_by_spec_and_refuse_a_target_they_do_not_fit(tmp_path, target, capsys):
     head = FeatureHeadForCausalLM.for_target(target, seed=3, shared_from=None)
     head.config.shared_from = str(tmp_path / "target")
     head.config.drafted_feature = "zero"
@@ -184,12 +184,13 @@ def test_heads_save_load_by_spec_and_refuse_a_target_they_do_not_fit(tmp_path, t
     head.save_pretrained(str(tmp_path / "head"))
     spec = f"head:{tmp_path / 'head'}"
     assert is_head(spec) and not is_head("ngram")
-    from specserve.serve.run import spec_path
-
-    assert spec_path(spec).startswith(f"a feature head of 1 layer(s) over {VOCAB} tokens, in the target worker")
     loaded = load_head(spec, load_model(target))
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), head.state_dict().values()))
     assert drafts_on_zeros(loaded) and not drafts_on_zeros(FeatureHeadForCausalLM.for_target(target))
+    from specserve.workers.actors import say_path
+
+    say_path(spec, loaded, True, "head")  # the worker's start-up line
+    assert f"a feature head of 1 layer(s) over {VOCAB} tokens" in capsys.readouterr().err
     other = tiny_llama(1, vocab=VOCAB, layers=1, hidden=16)
     with pytest.raises(ValueError, match="does not fit a target"):
         load_head(spec, load_model(other))

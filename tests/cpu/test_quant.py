@@ -14,7 +14,8 @@ from specserve.models.families.lean import lean_weights, model_sequence
 from specserve.models.formats import embedded
 from specserve.models.kernels import cpu, quant
 from specserve.models.formats.gguf import _q4_blocks, gguf_linears
-from specserve.models.kernels.quant import Int4Groups, Int8Rows, QuantizedLinear, parse
+from specserve.models.kernels.quant import Int4Groups, Int8Rows, QuantizedLinear
+from specserve.quantization import parse
 from specserve.speculation import rejection
 
 from tests.conftest import tiny_llama

@@ -15,7 +15,7 @@ from ray.cluster_utils import Cluster
 
 from specserve import SamplingParams, SpeculativeDecoder
 from specserve.workers import RoleResources, WorkersConfig
-from specserve.workers.actors import release_workers, start_workers
+from specserve.workers.launch import release_workers, start_workers
 from tests.conftest import perturbed_copy, tiny_llama
 from tests.e2e.test_ray_workers import PROMPT, served
 

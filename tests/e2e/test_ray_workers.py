@@ -10,7 +10,7 @@ from specserve import SamplingParams, SpeculativeDecoder
 from specserve.speculation import make_controller
 from specserve.v1 import workers_pb2_grpc
 from specserve.workers import RoleResources, WorkersConfig
-from specserve.workers.actors import start_workers
+from specserve.workers.launch import start_workers
 
 from tests.conftest import perturbed_copy, tiny_llama
 from tests.remote import remote_generate

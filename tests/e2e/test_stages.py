@@ -12,7 +12,7 @@ from specserve import SamplingParams, SpeculativeDecoder
 from specserve.models import load_model
 from specserve.models.memory.pool import KVPool
 from specserve.workers import RoleResources, WorkersConfig
-from specserve.workers.actors import release_workers, start_workers
+from specserve.workers.launch import release_workers, start_workers
 from specserve.workers.stages import StagedPool, TargetStageActor, stage_bounds, start_stages
 
 from tests.conftest import perturbed_copy, tiny_llama

@@ -276,7 +276,7 @@ def _level_in_process(target: _InProcess, concurrency: int, requests: int, max_t
     """`_level` against the in-process worker: one thread a stream (as the server's gRPC threads)."""
     import threading
 
-    from specserve.scheduler.steps import one_thread_torch
+    from specserve.scheduler.threads import one_thread_torch
 
     results: list[dict] = []
     errors: list[str] = []

@@ -39,7 +39,7 @@ from specserve.coordinator.metrics import ServingMetrics, SessionMetrics
 from specserve.engine.loop import Round
 from specserve.engine.pacing import Pacer, default_chunk_rate, stream_interval
 from specserve.engine.stats import GenerationStats
-from specserve.scheduler.steps import one_thread_torch
+from specserve.scheduler.threads import one_thread_torch
 from specserve.speculation import SamplingParams
 from specserve.workers.quiet import data_plane_priority
 

@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.models import match_ngram
-from specserve.models.families.lean import draft_sequence, model_sequence
+from specserve.models.drafts.ngram import match_ngram
 from specserve.speculation import (
     PositionRNG,
     Purpose,
@@ -124,7 +123,11 @@ class ModelProposer(Proposer):
 
     def __init__(self, model, vocab: int, top_k_q: int = 0, name: str = "model", stop_below: float = 0.0,
                  sequence=None):
-        self.seq = sequence if sequence is not None else draft_sequence(model)  # or a colocated worker's
+        if sequence is None:
+            from specserve.models.families.lean import draft_sequence
+
+            sequence = draft_sequence(model)
+        self.seq = sequence  # or a colocated worker's
         self.vocab = vocab
         self.top_k_q = top_k_q
         self.name = name
@@ -275,7 +278,11 @@ class TargetVerifier:
     last_step = None  # a verifier whose blocks join shared steps reports the latest one here (a `StepInfo`)
 
     def __init__(self, model, vocab: int, sequence=None):
-        self.seq = sequence if sequence is not None else model_sequence(model)  # or a pool's sequence
+        if sequence is None:
+            from specserve.models.families.lean import model_sequence
+
+            sequence = model_sequence(model)
+        self.seq = sequence  # or a pool's sequence
         self.vocab = vocab
 
     def prefill(self, prompt: list[int]) -> None:

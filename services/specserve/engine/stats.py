@@ -78,3 +78,14 @@ class GenerationStats:
             tokens_per_s=self.tokens_per_s,
         )
         return d
+
+
+@dataclass
+class StepInfo:
+    """What the target step that served a piece of work looked like (for the γ cost model and metrics)."""
+
+    tokens: int = 0  # new tokens in the step's forward, all sessions
+    sessions: int = 0
+    seconds: float = 0.0  # the step's forward and acceptance
+    prompt_tokens: int = 0  # of `tokens` and `sessions`, prompt chunks' (prefills): a transient, not the load of
+    prompt_sessions: int = 0  # the steps to come

@@ -13,33 +13,27 @@ This package knows about transformers models and tokenizers; it knows nothing ab
 (that is `speculation/`) or served.
 """
 
-from specserve.models.drafts.ngram import match_ngram, propose_ngram
-from specserve.models.drafts.subset import SubsetDraftConfig, SubsetDraftForCausalLM
-from specserve.models.families.sequence import CachedSequence
-from specserve.models.formats.loading import (
-    LoadedModel,
-    default_device,
-    default_dtype,
-    load_model,
-    load_tokenizer,
-    resolve_draft,
-    resolve_dtype,
-)
-from specserve.models.kernels import cpu
+import importlib
 
-__all__ = [
-    "CachedSequence",
-    "LoadedModel",
-    "SubsetDraftConfig",
-    "SubsetDraftForCausalLM",
-    "default_device",
-    "default_dtype",
-    "load_model",
-    "load_tokenizer",
-    "match_ngram",
-    "propose_ngram",
-    "resolve_draft",
-    "resolve_dtype",
-]
 
-cpu.guard_forced_aten_isa()  # in every process that loads a model (a forced AVX2 run)
+# on first use: a process that only reads files (the CLI, a Serve replica) imports no modelling code (whose
+# transformers imports cost seconds on two cores); what reads a draft's config imports `drafts.configs`
+_LAZY = {
+    "match_ngram": "specserve.models.drafts.ngram",
+    "propose_ngram": "specserve.models.drafts.ngram",
+    "SubsetDraftConfig": "specserve.models.drafts.configs",
+    "SubsetDraftForCausalLM": "specserve.models.drafts.subset",
+    "CachedSequence": "specserve.models.families.sequence",
+    **{name: "specserve.models.formats.loading" for name in (
+        "LoadedModel", "default_device", "default_dtype", "load_model", "load_tokenizer", "resolve_dtype")},
+    "resolve_draft": "specserve.models.formats.embedded",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'specserve.models' has no attribute {name!r}")
+

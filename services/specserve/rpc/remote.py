@@ -19,7 +19,7 @@ from specserve.rpc.convert import (
     round_from_wire,
     sampling_to_proto,
 )
-from specserve.scheduler.steps import StepInfo
+from specserve.engine.stats import StepInfo
 from specserve.speculation import PositionRNG, SamplingParams, Verdict
 from specserve.v1 import workers_pb2
 

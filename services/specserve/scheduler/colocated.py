@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
+from specserve.engine import calibration
 from specserve.engine.loop import Round
 from specserve.engine.profile import draft_step_time, profile_context, verify_profile
 from specserve.engine.proposers import LookupOrModelProposer, ModelProposer, Proposer, TargetVerifier
@@ -117,6 +118,7 @@ class ColocatedSessions:
         self.draft = ScheduledDraft(scheduler, draft, vocab, top_k_q, name, kv_cache_tokens,
                                     prefix_caching=prefix_caching, target_pool=scheduler.pool)
         self.sessions = SessionFactory(vocab, eos_ids, gamma_max=gamma_max, cost_profile=self._measure_costs)
+        self.calibration: dict | None = None  # what the costs depend on (`engine.calibration.identity`): cached
 
     def proposer(self, lookup: bool = True, target_sequence=None) -> Proposer:
         model = self.draft.proposer(target_sequence)
@@ -127,6 +129,9 @@ class ColocatedSessions:
         return self.sessions.cost_profile()
 
     def _measure_costs(self) -> tuple[dict[int, float], float]:
+        return calibration.cached(self.calibration, self._measure_now)
+
+    def _measure_now(self) -> tuple[dict[int, float], float]:
         pool = self.scheduler.pool
         sequence = pool.sequence() if pool is not None else model_sequence(self.target)
         verify = self.scheduler.call(verify_profile, self.target, self.vocab, self.gamma_max + 1, 64, 3,

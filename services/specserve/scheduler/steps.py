@@ -37,12 +37,11 @@ time on their own caches (`pool=None`): no batching, same results.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import threading
 import time
 import weakref
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -50,22 +49,13 @@ from typing import Any
 import torch
 
 from specserve.engine.proposers import Proposal, TargetVerifier, judge_many
+from specserve.engine.stats import StepInfo
 from specserve.models.families.sequence import TokenSequence
 from specserve.models.memory.pool import KVCacheFull, KVPool
 from specserve.models.memory.prefix import CHUNK, common_prefix
 from specserve.scheduler.drafting import DraftBlock, DraftedBlock, draft_blocks, room
+from specserve.scheduler.threads import one_torch_thread, torch_threads
 from specserve.speculation import PositionRNG, SamplingParams, Verdict
-
-
-@dataclass
-class StepInfo:
-    """What the target step that served a piece of work looked like (for the γ cost model and metrics)."""
-
-    tokens: int = 0  # new tokens in the step's forward, all sessions
-    sessions: int = 0
-    seconds: float = 0.0  # the step's forward and acceptance
-    prompt_tokens: int = 0  # of `tokens` and `sessions`, prompt chunks' (prefills): a transient, not the load of
-    prompt_sessions: int = 0  # the steps to come
 
 
 @dataclass
@@ -82,39 +72,6 @@ class _Work:
     held: bool = False  # waiting for KV memory; skipped until a call (a session's release) or a retry tick
     busy: bool = False  # in a lane's step (`StepScheduler.lanes`)
     waiting_since: float | None = None
-
-
-def torch_threads(n: int) -> None:
-    """Give the calling thread `n` torch (OpenMP) threads, for good.
-
-    torch.set_num_threads alone does not hold: a thread's first parallel op (or get_num_threads) runs torch's
-    lazy per-thread init, which re-applies the count most recently set by ANY thread. A gRPC thread that set
-    1 and then ran its first op after the compute thread had set 2 started a second OpenMP team in the
-    process; with more OpenMP threads than cores libgomp stops spinning at barriers and the compute thread's
-    forwards slow down (docs/benchmarks.md, served against in-process)."""
-    torch.get_num_threads()  # the lazy init, now, so the count below is not overwritten later
-    torch.set_num_threads(n)
-
-
-@contextlib.contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """torch ops on one thread meanwhile: ATen splits a long reduction (a sum over the vocabulary) among its
-    threads, rounding with their number, and a session's tokens must not depend on the lane that judged it."""
-    n = torch.get_num_threads()
-    if n > 1:
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        if n > 1:
-            torch.set_num_threads(n)
-
-
-def one_thread_torch() -> None:
-    """Initializer for every thread of a worker or coordinator other than the compute thread: torch ops there
-    (converting q, building a one-hot) run inline instead of starting an OpenMP team of their own: a second
-    team in the process slows the compute thread's forwards (docs/benchmarks.md)."""
-    torch_threads(1)
 
 
 _LIVE: "weakref.WeakSet[StepScheduler]" = weakref.WeakSet()

@@ -57,7 +57,7 @@ from specserve.serve.protocol import (
     usage,
 )
 from specserve.v1 import generator_pb2
-from specserve.workers.actors import adopt_target, release_workers, start_workers
+from specserve.workers.launch import adopt_target, release_workers, start_workers
 from specserve.workers.quiet import data_plane_priority
 
 RETRY_AFTER_S = "5"  # what a 503 tells clients to wait (a restarting worker, a full server)
@@ -220,8 +220,10 @@ class SpecServe:
         cfg = self.config
         auth.configure(cfg.api_key)
         limits.configure(cfg.max_body_bytes)
+        # first: a prestarted worker is loading meanwhile (and transformers' imports are not safe on two threads)
+        tokenizer = load_tokenizer(cfg.target)
         adopted = adopt_target(cfg.prestarted_target) if cfg.prestarted_target else None
-        if adopted is not None:  # started by `specserve serve` while Serve started (`workers.actors.prestart_target`)
+        if adopted is not None:  # started by `specserve serve` while Serve started (`workers.launch.prestart_target`)
             (self.target, token), self.draft = adopted, None
         else:
             token = secrets.token_urlsafe(24)  # the internal worker services answer only the coordinator (rpc.auth)
@@ -233,7 +235,7 @@ class SpecServe:
         info = ray.get(self.target.info.remote())
         self.info = info
         self.model_name = cfg.model_name or info["name"]
-        self.codec = PromptCodec(load_tokenizer(cfg.target), info["vocab"], info["max_positions"],
+        self.codec = PromptCodec(tokenizer, info["vocab"], info["max_positions"],
                                  cfg.special_tokens_in_messages)
         self.created = int(time.time())
 

@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import yaml
@@ -238,7 +239,7 @@ def prestart(config: dict[str, Any]):
     draft worker of its own, tensor-parallel ranks or stages: the replica starts its workers)."""
     import uuid
 
-    from specserve.workers.actors import can_prestart, prestart_target
+    from specserve.workers.launch import can_prestart, prestart_target
 
     apps = specserve_apps(config)
     if len(apps) != 1:
@@ -312,42 +313,42 @@ messages=[{{'role': 'user', 'content': 'Hi!'}}]).choices[0].message.content)"
 """
 
 
-def model_paths(config: dict) -> list[tuple[str, str, bool]]:
-    """(role, spec, batched) of each model the configured applications load (target, then a model draft)."""
+def model_specs(config: dict) -> list[str]:
+    """The model specs the configured applications load: each target, then a model draft."""
     out = []
     for app in config.get("applications") or []:
         args = app.get("args") or {}
-        out.append(("target", str(args.get("target", "embedded")), args.get("batching", True) is not False))
+        out.append(str(args.get("target", "embedded")))
         draft = str(args.get("draft", "default"))
         if draft not in ("default", "ngram", "none"):
-            out.append(("draft", draft, True))
+            out.append(draft)
     return out
 
 
-def spec_path(spec: str) -> str:
-    """Which forward a model takes and why (`models.families.arch.describe_path`), read from its config alone."""
-    from specserve.models.families.arch import describe_path
-    from specserve.models.formats.loading import model_config
-
+def _read_models(config: dict, local: bool, kernels_line: Future) -> None:
+    """On a thread of `serve_main`'s while Ray starts: the models' files read (`read_metadata`), the CPU kernels
+    built where the workers run here (`local`), then `kernels_line` set (which CPU path the steps take; an error
+    reading a file instead). Which forward each model takes the workers say once they load it
+    (`workers.actors.say_path`)."""
     try:
-        if spec.startswith("head:"):
-            config = model_config(spec.removeprefix("head:"))
-            return (f"a feature head of {config.num_hidden_layers} layer(s) over {config.token_subset_size} tokens, "
-                    "in the target worker, its steps batched (a pool beside the target's)")
-        from specserve.models.drafts.eagle3 import is_eagle3
+        from specserve.models.formats.ggufmodel import read_metadata
+        from specserve.models.kernels import cpu
 
-        if is_eagle3(spec):
-            return ("an EAGLE-3 head in the target worker, on the hidden states of three of its layers (its sessions' "
-                    "head steps one at a time)")
-        return describe_path(model_config(spec))
-    except Exception as exc:  # noqa: BLE001 - a start-up note: the load itself reports what is wrong
-        return f"its config could not be read here ({type(exc).__name__}); the workers will say"
+        # a first start compiles the CPU kernels (g++, once) while it reads its GGUF files' digests and metadata
+        kernels = threading.Thread(target=cpu.library, name="specserve-kernels", daemon=True)
+        if local:
+            kernels.start()
+        read_metadata(model_specs(config))
+        if local:
+            kernels.join()
+        kernels_line.set_result(f"bfloat16 CPU steps: {cpu.describe()}" if local else None)
+    except BaseException as exc:  # noqa: BLE001 - handed to serve_main, which reports it
+        kernels_line.set_exception(exc)
 
 
 def serve_main(args, given: set[str] | None = None) -> int:
     """given: the flags the command line named (with --config, those override the file's values)."""
     import ray
-    from ray import serve
 
     try:
         if args.config:
@@ -360,23 +361,13 @@ def serve_main(args, given: set[str] | None = None) -> int:
             config = config_from_flags(args)
             AppConfig(**config["applications"][0]["args"])
         check_exposure(config)
-        from specserve.models.formats.ggufmodel import read_metadata
-        from specserve.models.kernels import cpu
-
-        # a first start compiles the CPU kernels (g++, once) while it reads its GGUF files' digests and metadata
-        kernels = threading.Thread(target=cpu.library, name="specserve-kernels", daemon=True)
-        if not args.address:
-            kernels.start()
-        read_metadata([spec for _, spec, _ in model_paths(config)])
-        if not args.address:  # the workers run here: which CPU path their bfloat16 (quantized) steps take
-            kernels.join()
-            print(f"[specserve] bfloat16 CPU steps: {cpu.describe()}", flush=True)
-        for role, spec, batched in model_paths(config):
-            path = spec_path(spec) if batched else "one session at a time (batching: false)"
-            print(f"[specserve] {role} {spec}: {path}", flush=True)
     except (ValueError, FileNotFoundError, ValidationError, yaml.YAMLError) as exc:
         print(f"specserve: {exc}", file=sys.stderr)
         return 2
+    # the models' files read (a first start: their digests and metadata, the CPU kernels' compile) while Ray starts
+    kernels_line = Future()
+    threading.Thread(target=_read_models, args=(config, not args.address, kernels_line),
+                     name="specserve-models", daemon=True).start()
     host, http_port, grpc_port = ports(config)
     if not args.address:
         for name, port in (("HTTP", http_port), ("gRPC", grpc_port)):
@@ -401,6 +392,13 @@ def serve_main(args, given: set[str] | None = None) -> int:
         options.update(ray_init_options((config.get("http_options") or {}).get("host", "127.0.0.1")))
         quiet_env()  # and its periodic work out of the forwards' way (`workers.quiet`)
     ray.init(address=args.address or "local", include_dashboard=False, **options)
+    try:
+        if (line := kernels_line.result()) is not None:
+            print(f"[specserve] {line}", flush=True)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"specserve: {exc}", file=sys.stderr)
+        ray.shutdown()
+        return 2
     if not args.config and "gpus" not in (given or set()):  # the defaults: a GPU for the target where Ray has one
         default_gpus(deployed, ray.cluster_resources().get("GPU", 0))
     for app in specserve_apps(deployed):
@@ -408,6 +406,7 @@ def serve_main(args, given: set[str] | None = None) -> int:
             print(f"[specserve] {line}", flush=True)
     # its handle kept while serving: a named actor ends with its owner's last reference
     prestarted = prestart(deployed) if not args.address else None
+    from ray import serve  # (a second of imports: once the target worker is on its way)
     if prestarted is not None:
         print("[specserve] the target worker starts beside Serve's controller and proxy (its models load meanwhile)",
               flush=True)

@@ -5,7 +5,8 @@ node and reports the address to whoever created it. Ray decides placement
 (resources from `WorkersConfig`) and restarts; the per-round traffic goes
 over gRPC, never through Ray calls. The classes also run as plain objects
 without Ray (serving on 127.0.0.1): the data-plane bench (`bench.dataplane`)
-times them that way on machines that have no Ray.
+times them that way on machines that have no Ray. The model and scheduling code is imported by the actors'
+own processes (in their methods), not by the processes that only start them (`workers.launch`).
 """
 
 from __future__ import annotations
@@ -15,23 +16,20 @@ import os
 import sys
 import threading
 from concurrent import futures
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from specserve.engine.profile import draft_step_time, verify_profile
-from specserve.engine.proposers import NgramProposer
-from specserve.models import load_model
-from specserve.models.drafts.eagle3 import is_eagle3, load_eagle3, spec_aux_layers
-from specserve.models.drafts.head import is_head, load_head
-from specserve.models.formats.loading import load_draft, model_config, resolve_model_path
+from specserve.engine import calibration
 from specserve.rpc.auth import server_interceptors
-from specserve.rpc.servicers import DraftWorkerServicer, TargetWorkerServicer
-from specserve.scheduler.colocated import ScheduledDraft
-from specserve.scheduler.steps import StepScheduler, one_thread_torch
+from specserve.scheduler.threads import one_thread_torch
 from specserve.v1 import workers_pb2_grpc
-from specserve.workers.config import DEFAULT_KV_TOKENS, RoleResources, WorkersConfig
+from specserve.workers.config import DEFAULT_KV_TOKENS
+from specserve.workers.launch import _node_ip, describe_model
 from specserve.workers.quiet import data_plane_priority
+
+if TYPE_CHECKING:
+    from specserve.scheduler.steps import StepScheduler
 
 log = logging.getLogger("specserve.workers")
 
@@ -39,6 +37,8 @@ log = logging.getLogger("specserve.workers")
 class _GrpcActor:
     def _compute_thread(self, threads: int | None) -> StepScheduler:
         """The actor's one torch thread, started first so the model is loaded on it too (`one_thread_torch`)."""
+        from specserve.scheduler.steps import StepScheduler
+
         data_plane_priority()  # before any thread starts: they inherit it (`workers.quiet`)
         one_thread_torch()  # the actor's own thread
         self.compute = StepScheduler(threads=threads or os.cpu_count() or 1)
@@ -135,6 +135,11 @@ class DraftWorkerActor(_GrpcActor):
     def __init__(self, draft: Any, vocab: int, dtype: str | None = None, top_k_q: int = 64, threads: int | None = None,
                  kv_cache_tokens: int = 65536, session_idle_s: float = 300.0, token: str | None = None,
                  quantization: str = "auto", prefix_caching: bool = True, served_name: str | None = None):
+        from specserve.engine.proposers import NgramProposer
+        from specserve.models.formats.loading import load_draft
+        from specserve.rpc.servicers import DraftWorkerServicer
+        from specserve.scheduler.colocated import ScheduledDraft
+
         compute = self._compute_thread(threads)
         if draft == "ngram":
             new_proposer = lambda: NgramProposer(vocab)  # noqa: E731
@@ -159,6 +164,8 @@ class DraftWorkerActor(_GrpcActor):
 
     def step_time(self) -> float:
         """Seconds per drafted token (0 for a free draft), as the worker drafts (its batched draft steps)."""
+        from specserve.engine.profile import draft_step_time
+
         if self.free:
             return 0.0
         return self.servicer.on_compute_thread(draft_step_time, self.servicer.new_engine(), self.vocab)
@@ -179,6 +186,11 @@ class TargetWorkerActor(_GrpcActor):
         actors with rank_options, started here).
         served_name: the model id its metrics carry (default: the target's name)."""
         import torch
+
+        from specserve.models.drafts.eagle3 import is_eagle3, load_eagle3, spec_aux_layers
+        from specserve.models.drafts.head import is_head, load_head
+        from specserve.models.formats.loading import load_draft, load_model, model_config
+        from specserve.rpc.servicers import TargetWorkerServicer
 
         self._token = token
         self._profile: dict[int, float] = {}
@@ -237,6 +249,8 @@ class TargetWorkerActor(_GrpcActor):
                                  features=features, **scheduling),
             workers_pb2_grpc.add_TargetWorkerServicer_to_server, session_idle_s, token,
         )
+        if model is not None:
+            say_path(self._info["name"], model, scheduling.get("batching", True))
         self._info["warm_up"] = self._warm_up("target", self.servicer.pool, range(1, gamma_max + 2))
         if draft is not None:
             if stages:
@@ -251,8 +265,13 @@ class TargetWorkerActor(_GrpcActor):
                 if drafted.vocab_size != self.vocab:
                     raise ValueError(f"draft vocab size {drafted.vocab_size} != target vocab size {self.vocab}")
                 model, name = drafted.model, drafted.name
+            say_path(name, model, True, "eagle3" if eagle else "head" if head else None)
             self.servicer.attach_draft(model, loaded.eos_ids, gamma_max, name, draft_top_k)
             self._info["draft_warm_up"] = self._warm_up("draft", self._draft_pool(), None)
+            loaded_as = {"dtype": self._info["dtype"], "device": self._info["device"], "draft": name,
+                         "quantization": self._info["quantization"], "draft_quantization": draft_quantization,
+                         "gamma_max": gamma_max, "draft_top_k": draft_top_k}
+            self.servicer.colocated.calibration = calibration.identity(target, draft, loaded_as, compute.threads)
             verify, step = self.servicer.colocated.cost_profile()  # calibrate `auto` now, not in the first request
             self._info["auto_costs"] = {"verify_ms": {str(n): 1000 * t for n, t in sorted((verify or {}).items())},
                                         "draft_token_ms": 1000 * step if step is not None else None}
@@ -306,37 +325,36 @@ class TargetWorkerActor(_GrpcActor):
 
     def verify_profile(self, max_positions: int) -> dict[int, float]:
         """Seconds per target forward over n = 1..max_positions new tokens (measured once, on the compute thread)."""
+        from specserve.engine.profile import verify_profile
+
         if len(self._profile) < max_positions:
             sequence = self.servicer.new_sequence() if self.servicer.new_sequence is not None else None
             self._profile = self.servicer.on_compute_thread(verify_profile, self.model, self.vocab, max_positions, 64, 3, sequence)
         return {n: t for n, t in self._profile.items() if n <= max_positions}
 
 
-def describe_model(spec: Any) -> dict[str, Any]:
-    """vocab, eos ids, context and name from a model's config files, without loading its weights."""
-    from transformers import AutoConfig, GenerationConfig
+def say_path(name: str, model, batched: bool, head: str | None = None) -> None:
+    """A start-up line (stderr): which forward a loaded model takes in this worker, and why."""
+    from specserve.models.families.arch import describe_path
 
-    path, name = resolve_model_path(spec)
-    config = AutoConfig.from_pretrained(str(path))
-    eos: set[int] = set()
-    sources = [config]
-    try:
-        sources.append(GenerationConfig.from_pretrained(str(path)))
-    except OSError:
-        pass
-    for source in sources:
-        value = getattr(source, "eos_token_id", None)
-        if value is not None:
-            eos.update(value if isinstance(value, list) else [value])
-    return {"vocab": int(config.vocab_size), "eos_ids": sorted(eos), "name": name, "dtype": None, "device": None,
-            "max_positions": getattr(config, "max_position_embeddings", None),
-            "num_layers": int(config.num_hidden_layers)}
+    config = getattr(model, "config", None)
+    if head == "head":
+        path = (f"a feature head of {config.num_hidden_layers} layer(s) over {config.token_subset_size} tokens, its "
+                "steps batched (a pool beside the target's)")
+    elif head == "eagle3":
+        path = "an EAGLE-3 head on the hidden states of three of the target's layers (its sessions' steps one at a time)"
+    else:
+        path = describe_path(config) if batched else "one session at a time (batching: false)"
+    print(f"specserve: {name}: {path}", file=sys.stderr, flush=True)
 
 
 def _kv_size(model, draft: Any, fraction: float | None) -> tuple[int, str]:
     """(positions, how sized) for the KV pools of a loaded target and the draft still to load beside it."""
     import torch
 
+    from specserve.models.drafts.eagle3 import is_eagle3
+    from specserve.models.drafts.head import is_head
+    from specserve.models.formats.loading import model_config
     from specserve.models.memory.sizing import MOST_SESSIONS, bytes_per_position, kv_positions, weights_bytes
 
     param = next(model.parameters())
@@ -350,147 +368,3 @@ def _kv_size(model, draft: Any, fraction: float | None) -> tuple[int, str]:
         reserve = weights_bytes(draft)
     context = getattr(model.config, "max_position_embeddings", None) or 4096
     return kv_positions(per, param.device, fraction, reserve, most=MOST_SESSIONS * context)
-
-
-def start_workers(config: WorkersConfig, target: Any = None, draft: Any = None, gamma_max: int = 8,
-                  token: str | None = None):
-    """Create the target and draft actors with the configured placement; returns (target, draft | None).
-    token: the secret their gRPC services demand of callers (`rpc.auth`; None: none).
-
-    `target`/`draft` override the config's model specs (tests pass loaded tiny models). The n-gram
-    draft gets no actor unless `config.ngram_worker`: the coordinator drafts it from the tokens it holds.
-    """
-    import ray
-
-    target_spec = config.target if target is None else target
-    served_name = getattr(config, "model_name", None)  # the workers' metrics carry the model id clients see
-    draft_spec = config.draft if draft is None else draft
-    stages, groups = None, []
-    if config.target_stages:
-        from specserve.workers.ranks import check_model
-        from specserve.workers.stages import start_stages
-
-        layers = describe_model(target_spec)["num_layers"]
-        for i, stage in enumerate(config.target_stages):
-            if stage.tensor_parallel > 1:
-                check_model(target_spec, stage.tensor_parallel, f"target_stages[{i}].tensor_parallel")
-        stages, groups = start_stages(target_spec, config.dtype, config.quantization, config.target_stages, layers,
-                                      config.fixed_kv_tokens())
-    colocated = draft_spec if config.colocated(draft_spec) else None
-    resources, placement = config.target_resources, {}
-    if resources.tensor_parallel > 1:
-        from specserve.workers.ranks import check_model
-
-        check_model(target_spec, resources.tensor_parallel, "target_resources.tensor_parallel")
-        placement = {"scheduling_strategy": _rank_group(resources)}
-    target_actor = _target_actor(config, target_spec, stages, colocated, gamma_max, token, placement)
-    if placement:
-        groups.append(placement["scheduling_strategy"].placement_group)
-    if groups:
-        _RANK_GROUPS[target_actor._actor_id.hex()] = groups
-    info = ray.get(target_actor.info.remote())
-    vocab = info["vocab"]
-    draft_actor = None
-    if config.has_draft_worker(draft_spec) and colocated is None:
-        draft_actor = _remote(DraftWorkerActor, config.draft_resources, config.max_restarts).remote(
-            draft_spec, vocab, config.dtype, config.draft_top_k, config.draft_resources.threads(),
-            config.kv_cache_tokens or info.get("kv_cache_tokens") or DEFAULT_KV_TOKENS, config.session_idle_s, token,
-            config.draft_quantization, config.prefix_caching,
-            served_name=served_name,
-        )
-    return target_actor, draft_actor
-
-
-def _target_actor(config: WorkersConfig, target_spec: Any, stages, colocated, gamma_max: int, token: str | None,
-                  placement: dict, **named):
-    resources = config.target_resources
-    return _remote(TargetWorkerActor, resources, config.max_restarts, **placement, **named).remote(
-        target_spec, config.dtype, resources.threads(), stages, config.scheduling(), colocated, gamma_max,
-        config.draft_top_k, config.session_idle_s, token, config.quantization, config.draft_quantization,
-        resources.tensor_parallel, resources.actor_options(), served_name=getattr(config, "model_name", None),
-    )
-
-
-PRESTART_NAMESPACE = "specserve"
-
-
-def can_prestart(config: WorkersConfig) -> bool:
-    """Whether `prestart_target` applies: the whole target in one worker (no ranks, no stages) and no draft
-    worker of its own (the draft colocated, prompt lookup or none)."""
-    return (config.target_resources.tensor_parallel == 1 and not config.target_stages
-            and not config.has_draft_worker())
-
-
-def prestart_target(config: WorkersConfig, gamma_max: int, name: str):
-    """The target worker started ahead of the replica that will use it, as the named actor `name` (its owner the
-    caller: `specserve serve` starts it beside Serve's own start, so the model loads meanwhile); the replica adopts
-    it (`adopt_target`). Only where `can_prestart`."""
-    import secrets
-
-    draft = config.draft if config.colocated() else None
-    return _target_actor(config, config.target, None, draft, gamma_max, secrets.token_urlsafe(24), {}, name=name,
-                         namespace=PRESTART_NAMESPACE)
-
-
-def adopt_target(name: str):
-    """(the target worker `prestart_target` started as `name`, its gRPC token), or None where there is none (it
-    failed to start: the caller starts its own, which says why)."""
-    import ray
-
-    try:
-        actor = ray.get_actor(name, namespace=PRESTART_NAMESPACE)
-        return actor, ray.get(actor.worker_token.remote())
-    except (ValueError, ray.exceptions.RayActorError):
-        return None
-
-
-_RANK_GROUPS: dict[str, list] = {}  # tensor-parallel groups' placement groups, by the target actor's id
-
-
-def release_workers(target_actor) -> None:
-    """Give back what `start_workers` reserved beside the actors themselves (a tensor-parallel target's placement
-    group; removing it ends the ranks in it). The owner of the actors calls this when it shuts down; an owner that
-    dies without shutting down (a crashed Serve replica, a detached actor) takes its group with it (Ray's)."""
-    import ray
-
-    for group in _RANK_GROUPS.pop(target_actor._actor_id.hex(), []):
-        ray.util.remove_placement_group(group)
-
-
-def _rank_group(resources: RoleResources, timeout_s: float = 600.0, field: str = "target_resources.tensor_parallel"):
-    """A placement group of one bundle per tensor-parallel rank, on one node; the strategy that puts an actor
-    in its first bundle (rank 0). Fails naming the resources when Ray cannot find such a node in time."""
-    import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    bundles = [resources.bundle() for _ in range(resources.tensor_parallel)]
-    group = placement_group(bundles, strategy="STRICT_PACK", name="")
-    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
-    if not ready:
-        ray.util.remove_placement_group(group)
-        raise RuntimeError(f"{field}: no node has {len(bundles)} x {bundles[0]} free "
-                           f"(waited {timeout_s:.0f} s)")
-    return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
-
-
-def _remote(cls, resources: RoleResources, max_restarts: int = 0, **placement):
-    """A worker actor class placed as `resources` say (or in a placement group's bundle, which carries them);
-    Ray restarts its process up to max_restarts times (its replacement runs __init__ again: loads the model,
-    serves on a new port)."""
-    import ray
-
-    options = resources.actor_options()
-    if placement:
-        options.pop("accelerator_type", None)
-    return ray.remote(cls).options(**options, **placement, max_restarts=max_restarts)
-
-
-def _node_ip() -> str:
-    """The address a worker serves on: its Ray node's (the coordinator may be on another node), or loopback
-    outside Ray."""
-    try:
-        import ray
-    except ImportError:
-        return "127.0.0.1"
-    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"

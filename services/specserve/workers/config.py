@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -62,7 +63,11 @@ class RoleResources(BaseModel):
 
 
 def _is_eagle3(draft: Any) -> bool:
-    from specserve.models.drafts.eagle3 import is_eagle3
+    if isinstance(draft, (str, pathlib.Path)):  # a spec: told without importing the models' code
+        from specserve.models.drafts.names import names_eagle3
+
+        return names_eagle3(draft)
+    from specserve.models.drafts.eagle3 import is_eagle3  # a loaded head: that code is imported already
 
     return is_eagle3(draft)
 
@@ -216,7 +221,7 @@ class WorkersConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_quantization(self) -> WorkersConfig:
-        from specserve.models.kernels.quant import parse
+        from specserve.quantization import parse
 
         for key in ("quantization", "draft_quantization"):
             try:
@@ -259,7 +264,7 @@ class WorkersConfig(BaseModel):
         """'default' serves the distilled draft where it runs colocated with the target or has a GPU of its own;
         a split draft worker on the same CPU competes with the target's process for the cores (slower than the
         n-gram draft there: docs/benchmarks.md), so there it means n-gram."""
-        from specserve.models.formats.loading import resolve_draft
+        from specserve.models.formats.embedded import resolve_draft
 
         pays = self.draft_resources.num_gpus > 0 or self.draft_placement != "split" and not self.target_stages
         self.draft = resolve_draft(self.target, self.draft, model_draft_pays=pays)

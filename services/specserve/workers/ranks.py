@@ -25,7 +25,7 @@ from typing import Any
 from specserve.models import load_model
 from specserve.models.kernels.tp import Collective, Shard, check, connect
 from specserve.models.memory.pool import KVPool
-from specserve.scheduler.steps import torch_threads
+from specserve.scheduler.threads import torch_threads
 from specserve.workers.quiet import data_plane_priority
 
 log = logging.getLogger("specserve.workers")
@@ -96,7 +96,7 @@ def start_followers(target: Any, dtype: str | None, quantization: str, world: in
     import torch.distributed as dist
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from specserve.workers.actors import _node_ip
+    from specserve.workers.launch import _node_ip
 
     host = _node_ip()
     store = dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False)

@@ -23,7 +23,7 @@ import torch
 from specserve.models import load_model
 from specserve.models.families.lean import unsupported_reason
 from specserve.models.memory.pool import KVPool
-from specserve.scheduler.steps import torch_threads
+from specserve.scheduler.threads import torch_threads
 from specserve.workers.quiet import data_plane_priority
 
 log = logging.getLogger("specserve.workers")
@@ -143,7 +143,7 @@ def start_stages(target: Any, dtype: str | None, quantization: str, stage_resour
                  kv_cache_tokens: int) -> tuple[list, list]:
     """One stage actor per entry of `stage_resources` (RoleResources), layers split evenly, in order; a stage with
     tensor_parallel in a placement group of its own, packed on one node. Returns (actors, placement groups)."""
-    from specserve.workers.actors import _rank_group
+    from specserve.workers.launch import _rank_group
 
     actors, groups = [], []
     for i, ((start, end), resources) in enumerate(zip(stage_bounds(num_layers, len(stage_resources)),

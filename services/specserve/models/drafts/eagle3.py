@@ -26,11 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.models.drafts.head import _FeaturePositions
+from specserve.models.drafts.names import EAGLE3_PREFIX, names_eagle3
 from specserve.models.families.lean import _rotate_half
 from specserve.models.memory.prefix import common_prefix
 
-PREFIX = "eagle3:"
-ARCHITECTURES = {"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"}
+PREFIX = EAGLE3_PREFIX
 # name -> shape, in units of (hidden H, target hidden T, heads*head_dim Q, kv_heads*head_dim KV, intermediate I,
 # draft vocabulary D); as vLLM's and SGLang's loaders read them
 TENSORS = {
@@ -54,17 +54,7 @@ TENSORS = {
 def is_eagle3(spec) -> bool:
     """Whether a draft spec names an EAGLE-3 head: a loaded one, "eagle3:PATH", or a directory whose config's
     architectures say so."""
-    if isinstance(spec, Eagle3Head):
-        return True
-    if not isinstance(spec, (str, pathlib.Path)):
-        return False
-    if str(spec).startswith(PREFIX):
-        return True
-    config = pathlib.Path(str(spec)) / "config.json"
-    try:
-        return bool(ARCHITECTURES & set(json.loads(config.read_text()).get("architectures") or []))
-    except (OSError, ValueError):
-        return False
+    return isinstance(spec, Eagle3Head) or names_eagle3(spec)
 
 
 def aux_layers(config: dict, target_layers: int) -> tuple[int, ...]:

@@ -22,18 +22,16 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
-from specserve.models.drafts.subset import SubsetDraftConfig, SubsetDraftForCausalLM, embedding_digest
+from specserve.models.drafts.configs import FeatureHeadConfig
+from specserve.models.drafts.subset import SubsetDraftForCausalLM, embedding_digest
 from specserve.models.families.lean import LeanSequence, head_logits, lean_forward, norm, widen
 from specserve.models.formats.loading import draft_quantization
-from specserve.models.kernels.quant import QuantizedLinear, QuantSpec, dense_from, linear, parse, quantize
+from specserve.models.kernels.quant import QuantizedLinear, QuantSpec, dense_from, linear, quantize
+from specserve.quantization import parse
 from specserve.models.memory.pool import UNKNOWN, KVPool, PooledSequence
 from specserve.models.memory.runner import StepRunner
-
-
-class FeatureHeadConfig(SubsetDraftConfig):
-    model_type = "specserve_head"
 
 
 class FeatureHeadForCausalLM(SubsetDraftForCausalLM):
@@ -447,7 +445,6 @@ class PooledHeadSequence(_FeaturePositions, PooledSequence):
         return draft_blocks(self.pool, [block])[0]
 
 
-AutoConfig.register(FeatureHeadConfig.model_type, FeatureHeadConfig)
 AutoModelForCausalLM.register(FeatureHeadConfig, FeatureHeadForCausalLM)
 
 

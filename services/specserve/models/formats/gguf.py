@@ -189,11 +189,16 @@ class FileEmbedding(torch.nn.Module):
 
     def __init__(self, tensor: FileTensor, dtype: torch.dtype):
         super().__init__()
+        cls = type(self)
+        if not getattr(cls.__getitem__, "_compile_disabled", False):
+            # numpy on the file's pages: outside a compiled step's graph (marked here, not at import: importing
+            # torch's compiler costs a second the CLI and the replicas need not pay)
+            cls.__getitem__ = torch.compiler.disable(cls.__getitem__)
+            cls.__getitem__._compile_disabled = True
         self.tensor, self.dtype = tensor, dtype
         self.embedding_dim, self.num_embeddings = tensor.shape[:2]
         self.kind = tensor.tensor_type.name
 
-    @torch.compiler.disable  # numpy on the file's pages: outside a compiled step's graph
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:  # [T] → [T, hidden]
         rows = self.tensor.data[ids.cpu().numpy()]
         return dequantize_rows(rows, self.kind, self.embedding_dim).to(ids.device, self.dtype)

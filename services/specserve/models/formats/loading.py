@@ -18,20 +18,36 @@ import torch
 
 from specserve.models.families.arch import GGUF_STORED
 from specserve.models.families.weights import drop_linears
-from specserve.models.formats import embedded, ggufmodel, packcache, slices
+from specserve.models.formats import embedded, ggufmodel, packcache, slices, tokcache
 from specserve.models.formats.gguf import DENSE_TYPES, gguf_architecture, gguf_linears, gguf_weight_type
 from specserve.models.kernels import quant
 from specserve.models.kernels.tp import Shard
+from specserve.quantization import parse
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
 
 
+@dataclass(frozen=True)
+class TokenizerAt:
+    """A model's tokenizer not read yet: the directory it is read from on first use."""
+
+    path: Any
+
+
 @dataclass
 class LoadedModel:
     model: Any  # transformers.PreTrainedModel, in eval mode
-    tokenizer: Any | None  # PreTrainedTokenizerBase, or None when the caller passed a bare model
+    # PreTrainedTokenizerBase, None when the caller passed a bare model, or a `TokenizerAt` (read on first use: a
+    # worker, which needs only the end-of-sequence ids, does not spend a second of two cores' time on it)
+    _tokenizer: Any | None
     name: str
+
+    @property
+    def tokenizer(self) -> Any | None:
+        if isinstance(self._tokenizer, TokenizerAt):
+            self._tokenizer = _tokenizer_at(self._tokenizer.path)
+        return self._tokenizer
 
     @property
     def vocab_size(self) -> int:
@@ -63,8 +79,13 @@ class LoadedModel:
             value = getattr(source, "eos_token_id", None) if source is not None else None
             if value is not None:
                 ids.update(value if isinstance(value, list) else [value])
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
+        eos = _UNKNOWN
+        if isinstance(self._tokenizer, TokenizerAt):
+            eos = tokenizer_eos_id(self._tokenizer.path)
+        if eos is _UNKNOWN:
+            eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        if eos is not None:
+            ids.add(eos)
         return ids
 
 
@@ -111,7 +132,7 @@ def load_model(
     dtype None keeps an already-loaded model's dtype and picks `default_dtype`
     for models loaded here. device_map (e.g. "auto") shards the layers over
     the visible GPUs with accelerate instead of moving the model to `device`.
-    quantization (`quant.parse`): "auto" (None) keeps a GGUF file's quantized weights
+    quantization (`specserve.quantization.parse`): "auto" (None) keeps a GGUF file's quantized weights
     ("gguf") unless dtype float32 is asked (then its values are dequantized), and
     loads anything else dense; "none" loads dense; "int8" / "int4" quantize the
     linear layers at load (a passed model in place: its dense linear weights are
@@ -122,11 +143,14 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, PreTrainedModel
 
-    method, group = quant.parse(quantization)
+    from specserve.models.drafts.configs import register_models
+
+    register_models()
+    method, group = parse(quantization)
     torch_dtype = resolve_dtype(dtype)
     if isinstance(spec, LoadedModel):  # already loaded (e.g. one target shared by several decoders)
         same_device = device is None or torch.device(device) == spec.device
-        same_quant = method == "auto" or quant.parse(spec.quantization.split("-")[0])[0] == method
+        same_quant = method == "auto" or parse(spec.quantization.split("-")[0])[0] == method
         if same_device and torch_dtype in (None, spec.dtype) and same_quant:
             return spec
         if spec.quantization != "none":
@@ -190,7 +214,7 @@ def load_model(
             ) from exc
         if device_map is None:
             model = model.to(device)
-    loaded = LoadedModel(model.eval(), _tokenizer_at(path), name)
+    loaded = LoadedModel(model.eval(), TokenizerAt(path), name)
     if method == "none":
         return loaded if shard is None else _keep_shard(loaded, shard, layers)
     if from_blocks and method != "gguf":
@@ -206,6 +230,7 @@ def _sliced_part(path, name: str, shard: Shard | None, layers: tuple[int, int] |
     GGUF, device_map)."""
     from transformers import AutoConfig
 
+    from specserve.models.drafts import configs  # noqa: F401 - registers the drafts' configs
     from specserve.models.families.arch import arch_of
     from specserve.models.families.lean import unsupported_config
 
@@ -224,7 +249,7 @@ def _sliced_part(path, name: str, shard: Shard | None, layers: tuple[int, int] |
         return None
     with _LOADING:
         model = slices.load_rank(path, files, config, shard, dtype, device, layers)
-    return LoadedModel(model, _tokenizer_at(path), name)
+    return LoadedModel(model, TokenizerAt(path), name)
 
 
 def _cpu_kernels_run() -> bool:
@@ -250,7 +275,7 @@ def draft_quantization(quantization: str | None, draft: Any, dtype: Any = None, 
     int4 for a GGUF draft stored in 5 bits or more (Q5_0, Q6_K, Q8_0, ...), requantized from the file's values:
     a cheaper step for the same acceptance on a real pair (docs/benchmarks.md; exactness holds for any draft);
     a model passed loaded, a dtype other than bfloat16 asked, a 4-bit GGUF draft or another device: as given."""
-    if (quant.parse(quantization)[0] != "auto" or not isinstance(draft, (str, pathlib.Path))
+    if (parse(quantization)[0] != "auto" or not isinstance(draft, (str, pathlib.Path))
             or resolve_dtype(dtype) not in (None, torch.bfloat16)):
         return quantization
     if torch.device(device or default_device()).type != "cpu":
@@ -354,17 +379,6 @@ def _drop_linears(model) -> None:
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.new_empty(0), requires_grad=False)
 
 
-def resolve_draft(target: Any, draft: Any, model_draft_pays: bool = True) -> Any:
-    """The draft a spec means: "default" is the shipped distilled draft for the embedded target, else n-gram.
-
-    model_draft_pays=False (e.g. a served draft worker without a GPU) makes "default" mean n-gram.
-    """
-    if draft != "default":
-        return draft
-    shipped = target == "embedded" and embedded.shipped_draft_dir().is_dir()
-    return "embedded-draft" if shipped and model_draft_pays else "ngram"
-
-
 def model_config(spec: Any):
     """A model's HF config: a loaded model's own, else read from its files (no weights loaded)."""
     config = getattr(spec, "config", None)
@@ -372,6 +386,7 @@ def model_config(spec: Any):
         return config
     from transformers import AutoConfig
 
+    from specserve.models.drafts import configs  # noqa: F401 - registers the drafts' configs
     return AutoConfig.from_pretrained(str(resolve_model_path(spec)[0]))
 
 
@@ -399,13 +414,41 @@ def resolve_model_path(spec: str | pathlib.Path) -> tuple[str | pathlib.Path, st
     return path, name
 
 
-def _tokenizer_at(path):
-    from transformers import AutoTokenizer
+_UNKNOWN = object()
 
+
+def tokenizer_eos_id(path) -> Any:
+    """The end-of-sequence id the tokenizer in `path` would report, read from its files without building it: the
+    `eos_token` of tokenizer_config.json found among tokenizer.json's added tokens (where special tokens live);
+    `_UNKNOWN` where the files do not say it that plainly (the tokenizer is then read)."""
+    directory = pathlib.Path(str(path))
+    if (directory / "special_tokens_map.json").exists():  # a second say on the special tokens
+        return _UNKNOWN
     try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError):
-        return None
+        eos = json.loads((directory / "tokenizer_config.json").read_text()).get("eos_token", _UNKNOWN)
+        if isinstance(eos, dict):
+            eos = eos.get("content", _UNKNOWN)
+        if eos is None or not isinstance(eos, str):
+            return _UNKNOWN
+        text = (directory / "tokenizer.json").read_text()
+        start = text.index("[", text.index('"added_tokens"'))
+        added, _ = json.JSONDecoder().raw_decode(text, start)
+    except (OSError, ValueError, AttributeError):
+        return _UNKNOWN
+    ids = [t["id"] for t in added if isinstance(t, dict) and t.get("content") == eos and isinstance(t.get("id"), int)]
+    return ids[0] if len(ids) == 1 else _UNKNOWN
+
+
+def _tokenizer_at(path):
+    def read():
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError):
+            return None
+
+    return tokcache.cached(path, read)
 
 
 def load_tokenizer(spec: Any):

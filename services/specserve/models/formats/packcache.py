@@ -126,9 +126,12 @@ def _prune(kept: pathlib.Path) -> None:
     """Remove the entries of `kept`'s file and quantization (other code, another build) beyond the `KEEP` most
     recently used, so that upgrades do not pile up copies of a model."""
     prefix = kept.name[: kept.name.rindex("-") + 1]
-    entries = sorted((p for p in kept.parent.glob(f"{glob_escape(prefix)}*.pt") if p != kept),
-                     key=_used, reverse=True)
-    for stale in entries[KEEP - 1 :]:
+    keep_recent([p for p in kept.parent.glob(f"{glob_escape(prefix)}*.pt") if p != kept], KEEP - 1)
+
+
+def keep_recent(entries: list[pathlib.Path], keep: int) -> None:
+    """Remove all but the `keep` most recently used (modified or touched) of a cache's entries."""
+    for stale in sorted(entries, key=_used, reverse=True)[keep:]:
         with contextlib.suppress(OSError):
             stale.unlink()
 

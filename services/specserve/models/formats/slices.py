@@ -76,6 +76,9 @@ def load_rank(path: str | pathlib.Path, files: dict[str, pathlib.Path], config, 
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, GenerationConfig
 
+    from specserve.models.drafts.configs import register_models
+
+    register_models()
     with init_empty_weights():  # parameters on the meta device, buffers (rotary frequencies) real
         model = AutoModelForCausalLM.from_config(config)
     # as transformers does: a head the checkpoint stores is its own, else it is the embedding's

@@ -428,3 +428,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(m, i, dtype=torch.bfloat16)
     library().specserve_silu_mul(gate_up.data_ptr(), m, i, out.data_ptr())
     return out
+
+
+guard_forced_aten_isa()  # in every process that runs the models' code (a forced AVX2 run)

@@ -24,7 +24,6 @@ output is exactly the quantized target's distribution (docs/serving.md, tests/cp
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +31,6 @@ import torch.nn.functional as F
 
 from specserve.models.kernels import cpu
 
-METHODS = ("auto", "none", "gguf", "int8", "int4")
 # Rows from which a CPU layer multiplies a dense bfloat16 copy instead (`QuantizedLinear`): the packed
 # kernels' time grows with every row, a bfloat16 GEMM's barely (docs/benchmarks.md). None on CUDA until measured.
 CPU_DENSE_FROM = 8
@@ -42,21 +40,6 @@ PACK_DENSE: bool = os.environ.get("SPECSERVE_PACK_DENSE", "1") != "0"
 
 def dense_from(device) -> int:
     return CPU_DENSE_FROM if torch.device(device).type == "cpu" else 0
-INT4_GROUPS = (32, 64, 128)
-
-
-def parse(spec: str | None) -> tuple[str, int]:
-    """(method, int4 group) of a quantization spec: auto, none, gguf, int8, int4 or int4-g32/-g64/-g128."""
-    text = "auto" if spec is None else str(spec).lower()
-    m = re.fullmatch(r"int4(?:-g(\d+))?", text)
-    if m:
-        group = int(m.group(1) or 32)
-        if group not in INT4_GROUPS:
-            raise ValueError(f"quantization int4 groups must be one of {INT4_GROUPS}, got {group}")
-        return "int4", group
-    if text not in METHODS:
-        raise ValueError(f"quantization must be one of {', '.join(METHODS)} or int4-g64/int4-g128, got {spec!r}")
-    return text, 32
 
 
 @dataclass
