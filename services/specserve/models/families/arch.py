@@ -262,7 +262,8 @@ def _not_llama(a: Arch) -> str:
 
 
 def describe_path(config) -> str:
-    """Which path a model of `config` takes in a serving worker, and why (`specserve serve` prints it)."""
+    """Which path a model of `config` takes in a serving worker, and why (a worker says it once it loaded the
+    model: `workers.actors.say_path`)."""
     try:
         a = arch_of(config)
     except Unsupported as e:
