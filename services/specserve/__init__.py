@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
+from specserve.lazy import exports
 
 __version__ = "0.1.0"
 
@@ -13,8 +13,4 @@ _LAZY = {"GenerationResult": "specserve.engine", "GenerationStats": "specserve.e
 
 __all__ = ["GenerationResult", "GenerationStats", "SamplingParams", "SpeculativeDecoder", "__version__"]
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'specserve' has no attribute {name!r}")
+__getattr__ = exports("specserve", _LAZY)

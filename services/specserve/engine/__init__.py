@@ -1,7 +1,7 @@
 """The speculation engine: the loop, proposers and verifier, session assembly, and the single-process library
 decoder built on them (`SpeculativeDecoder`). What runs only inside a worker is `scheduler`."""
 
-import importlib
+from specserve.lazy import exports
 
 # on first use: the coordinator (a Serve replica's) imports the loop without the models' code
 _LAZY = {"GenerationResult": "decoder", "SpeculativeDecoder": "decoder", "GenerationStats": "stats",
@@ -9,8 +9,4 @@ _LAZY = {"GenerationResult": "decoder", "SpeculativeDecoder": "decoder", "Genera
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"specserve.engine.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'specserve.engine' has no attribute {name!r}")
+__getattr__ = exports("specserve.engine", {name: f"specserve.engine.{module}" for name, module in _LAZY.items()})

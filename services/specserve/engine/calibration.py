@@ -11,15 +11,15 @@ start; the entries live in `$SPECSERVE_CACHE/calibration`, a few hundred bytes e
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
 import pathlib
 import sys
-import tempfile
 from collections.abc import Callable
 from typing import Any
+
+from specserve.models.formats import cachefiles
 
 CostProfile = tuple[dict[int, float] | None, float | None]
 
@@ -35,14 +35,8 @@ def cache_dir() -> pathlib.Path:
     return cache_root() / "calibration"
 
 
-@functools.cache
 def _code_digest() -> str:
-    sha = hashlib.sha256()
-    for path in sorted(p for room in _TIMED for p in (_PACKAGE / room).rglob("*")):
-        if path.suffix in (".py", ".cpp", ".h") and path.is_file():
-            sha.update(str(path.relative_to(_PACKAGE)).encode())
-            sha.update(path.read_bytes())
-    return sha.hexdigest()
+    return cachefiles.sources_digest(_PACKAGE, _TIMED)
 
 
 def _files(spec: Any) -> list[pathlib.Path] | None:
@@ -84,7 +78,7 @@ def identity(target: Any, draft: Any, loaded: dict[str, Any], threads: int | Non
         files = _files(spec)
         if not files:
             return None
-        parts[role] = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+        parts[role] = cachefiles.stamps(files)
     device = str(loaded.get("device", "cpu"))
     if device.startswith("cuda"):
         machine = {"gpu": torch.cuda.get_device_name(torch.device(device))}
@@ -119,10 +113,7 @@ def _write(path: pathlib.Path, parts: dict[str, Any], costs: CostProfile) -> Non
     body = json.dumps({"verify_s": {str(n): t for n, t in sorted(verify.items())}, "draft_token_s": step,
                        "key": parts}, default=str)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-            f.write(body)
-        os.replace(f.name, path)  # whole or not at all: another worker may read it meanwhile
+        cachefiles.write_whole(path, lambda f: f.write(body.encode()))
     except OSError as exc:  # a read-only cache: measured on every start, said once here
         print(f"specserve: auto's calibration not saved ({exc})", file=sys.stderr, flush=True)
 

@@ -13,8 +13,7 @@ This package knows about transformers models and tokenizers; it knows nothing ab
 (that is `speculation/`) or served.
 """
 
-import importlib
-
+from specserve.lazy import exports
 
 # on first use: a process that only reads files (the CLI, a Serve replica) imports no modelling code (whose
 # transformers imports cost seconds on two cores); what reads a draft's config imports `drafts.configs`
@@ -31,9 +30,4 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'specserve.models' has no attribute {name!r}")
-
+__getattr__ = exports("specserve.models", _LAZY)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-
+from specserve.lazy import exports
 from specserve.serve.grpc_api import GRPC_SERVICER_FUNCTION
 
 # the application on first use: Serve's gRPC proxy imports `grpc_api` alone, without the models' code
@@ -11,8 +10,4 @@ _LAZY = {"SpecServe": "specserve.serve.app", "build_app": "specserve.serve.app",
 
 __all__ = ["GRPC_SERVICER_FUNCTION", "AppConfig", "SpecServe", "build_app"]
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'specserve.serve' has no attribute {name!r}")
+__getattr__ = exports("specserve.serve", _LAZY)

@@ -29,9 +29,9 @@ from specserve.models.drafts.subset import SubsetDraftForCausalLM, embedding_dig
 from specserve.models.families.lean import LeanSequence, head_logits, lean_forward, norm, widen
 from specserve.models.formats.loading import draft_quantization
 from specserve.models.kernels.quant import QuantizedLinear, QuantSpec, dense_from, linear, quantize
-from specserve.quantization import parse
 from specserve.models.memory.pool import UNKNOWN, KVPool, PooledSequence
 from specserve.models.memory.runner import StepRunner
+from specserve.quantization import parse
 
 
 class FeatureHeadForCausalLM(SubsetDraftForCausalLM):

@@ -387,6 +387,7 @@ def model_config(spec: Any):
     from transformers import AutoConfig
 
     from specserve.models.drafts import configs  # noqa: F401 - registers the drafts' configs
+
     return AutoConfig.from_pretrained(str(resolve_model_path(spec)[0]))
 
 
@@ -428,7 +429,7 @@ def tokenizer_eos_id(path) -> Any:
         eos = json.loads((directory / "tokenizer_config.json").read_text()).get("eos_token", _UNKNOWN)
         if isinstance(eos, dict):
             eos = eos.get("content", _UNKNOWN)
-        if eos is None or not isinstance(eos, str):
+        if not isinstance(eos, str):
             return _UNKNOWN
         text = (directory / "tokenizer.json").read_text()
         start = text.index("[", text.index('"added_tokens"'))

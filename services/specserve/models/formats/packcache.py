@@ -14,17 +14,16 @@ kernels' build and activation rounding, torch's version and specserve's model co
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import os
 import pathlib
 import sys
-import tempfile
 import time
 from glob import escape as glob_escape
 
 import torch
 
+from specserve.models.formats import cachefiles
 from specserve.models.kernels import cpu, quant
 from specserve.models.kernels.quant import QuantSpec
 
@@ -38,15 +37,9 @@ def cache_dir() -> pathlib.Path:
     return cpu.cache_root() / "packed"
 
 
-@functools.cache
 def _code_digest() -> str:
     """The model code's sources (formats, families, kernels with their C++): packing made by other code is not read."""
-    sha = hashlib.sha256()
-    for path in sorted(_MODELS.rglob("*")):
-        if path.suffix in (".py", ".cpp", ".h") and path.is_file():
-            sha.update(str(path.relative_to(_MODELS)).encode())
-            sha.update(path.read_bytes())
-    return sha.hexdigest()
+    return cachefiles.sources_digest(_MODELS.parent, ("models",))
 
 
 def cache_path(gguf: pathlib.Path, dtype: torch.dtype, spec: QuantSpec) -> pathlib.Path:
@@ -105,18 +98,11 @@ def save(gguf: pathlib.Path, weights, dtype: torch.dtype, spec: QuantSpec) -> pa
     state = {"weights": {k: v for k, v in weights.__dict__.items() if k != "embed"},
              "spec": {"method": spec.method, "group": spec.group, "dense_from": spec.dense_from,
                       "source": spec.source}}
-    tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
-            torch.save(state, tmp)
-        os.replace(tmp.name, path)
+        cachefiles.write_whole(path, lambda f: torch.save(state, f))
     except OSError as exc:
         print(f"specserve: could not cache {gguf.name}'s packed weights in {path.parent} ({exc}); the next start "
               "packs them again", file=sys.stderr, flush=True)
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp.name)
         return None
     _prune(path)
     return path
@@ -126,18 +112,4 @@ def _prune(kept: pathlib.Path) -> None:
     """Remove the entries of `kept`'s file and quantization (other code, another build) beyond the `KEEP` most
     recently used, so that upgrades do not pile up copies of a model."""
     prefix = kept.name[: kept.name.rindex("-") + 1]
-    keep_recent([p for p in kept.parent.glob(f"{glob_escape(prefix)}*.pt") if p != kept], KEEP - 1)
-
-
-def keep_recent(entries: list[pathlib.Path], keep: int) -> None:
-    """Remove all but the `keep` most recently used (modified or touched) of a cache's entries."""
-    for stale in sorted(entries, key=_used, reverse=True)[keep:]:
-        with contextlib.suppress(OSError):
-            stale.unlink()
-
-
-def _used(path: pathlib.Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except OSError:  # removed by another start meanwhile
-        return 0.0
+    cachefiles.keep_recent([p for p in kept.parent.glob(f"{glob_escape(prefix)}*.pt") if p != kept], KEEP - 1)

@@ -17,9 +17,10 @@ import json
 import os
 import pathlib
 import pickle
-import tempfile
 from collections.abc import Callable
 from typing import Any
+
+from specserve.models.formats import cachefiles
 
 ENABLED: bool = os.environ.get("SPECSERVE_TOKENIZER_CACHE", "1") != "0"
 KEEP = 8
@@ -40,12 +41,8 @@ def _key(directory: pathlib.Path) -> str | None:
     import tokenizers
     import transformers
 
-    files = []
-    for path in sorted(directory.iterdir()):
-        if path.is_file() and not path.name.endswith(_WEIGHTS):
-            stat = path.stat()
-            files.append([path.name, stat.st_size, stat.st_mtime_ns])
-    parts = {"format": _FORMAT, "directory": str(directory.resolve()), "files": files,
+    files = cachefiles.stamps(p for p in sorted(directory.iterdir()) if p.is_file() and not p.name.endswith(_WEIGHTS))
+    parts = {"format": _FORMAT, "files": files,
              "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -72,14 +69,7 @@ def cached(path: Any, build: Callable[[], Any]) -> Any:
 
 def _save(entry: pathlib.Path, tokenizer: Any) -> None:
     try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=entry.parent, suffix=".tmp", delete=False) as f:
-            pickle.dump(tokenizer, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(f.name, entry)  # whole or not at all: another process may read it meanwhile
+        cachefiles.write_whole(entry, lambda f: pickle.dump(tokenizer, f, protocol=pickle.HIGHEST_PROTOCOL))
     except Exception:  # noqa: BLE001 - a read-only cache or an object that does not pickle: read afresh each time
-        with contextlib.suppress(OSError, UnboundLocalError):
-            os.unlink(f.name)
         return
-    from specserve.models.formats.packcache import keep_recent
-
-    keep_recent(list(entry.parent.glob("*.pkl")), KEEP)
+    cachefiles.keep_recent(list(entry.parent.glob("*.pkl")), KEEP)
