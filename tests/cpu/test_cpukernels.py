@@ -447,3 +447,29 @@ def test_a_dense_draft_named_for_a_cpu_is_int8_by_default():
     assert draft_quantization("auto", "d.gguf", None, "cpu") == "auto"
     assert draft_quantization("auto", tiny_llama(0), None, "cpu") == "auto"
     assert draft_quantization("auto", "embedded-draft", None, "cuda") == "auto"
+
+
+def _head_kernel(loaded) -> str:
+    return f"int{next(iter(loaded.model._specserve_lean.values())).head.bits}"
+
+
+@pytest.mark.skipif(not cpu.available(), reason="needs the CPU kernels")
+def test_an_int4_draft_has_an_int4_head_and_stays_exact():
+    """Under int4 a draft's LM head is int4 too (a third less of the real pair's draft step), a target's stays
+    int8, and a vocabulary that does not fill the int4 tiles of 16 rows keeps int8; greedy speculation with the
+    int4 head equals γ=0."""
+    draft = load_model(tiny_llama(0, vocab=64, hidden=64, dtype=torch.bfloat16), quantization="int4", draft=True)
+    assert _head_kernel(draft) == "int4"
+    target = load_model(tiny_llama(0, vocab=64, hidden=64, dtype=torch.bfloat16), quantization="int4")
+    assert _head_kernel(target) == "int8"
+    odd = load_model(tiny_llama(0, vocab=60, hidden=64, dtype=torch.bfloat16), quantization="int4", draft=True)
+    assert _head_kernel(odd) == "int8"
+    decoder = SpeculativeDecoder(tiny_llama(1, vocab=64, hidden=64, layers=2, scale=2.0, dtype=torch.bfloat16),
+                                 tiny_llama(2, vocab=64, hidden=64, scale=2.0, dtype=torch.bfloat16), gamma=3,
+                                 draft_quantization="int4", draft_lookup=False)
+    assert _head_kernel(decoder.draft) == "int4"
+    greedy = SamplingParams(temperature=0)
+    for prompt in ([1, 2, 3], [7, 9, 11, 13, 5]):
+        plain = decoder.generate(prompt, greedy, max_new_tokens=20, gamma=0)
+        spec = decoder.generate(prompt, greedy, max_new_tokens=20, gamma=3)
+        assert spec.token_ids == plain.token_ids and spec.stats.drafted > 0

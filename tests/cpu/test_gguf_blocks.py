@@ -87,6 +87,30 @@ def test_block_products_are_the_files_weights_times_the_kernels_activations(kind
 
 
 @needs_kernels
+@pytest.mark.parametrize("isa", ISAS_HERE)
+@pytest.mark.parametrize("kind", list(BLOCK_TYPES))
+def test_extreme_codes_and_activations_sum_exactly(kind, isa, monkeypatch):
+    """Where the kernels' 16-bit sums come nearest their limit: every code at 0 or at its largest, every
+    activation at +-127 (x constant in magnitude), a group's signs the same or alternating."""
+    monkeypatch.setattr(cpu, "ISA", isa)
+    n, k = 64, 512
+    w = read_blocks(random_blocks(kind, n, k, seed=4), kind, n, k)
+    top = (1 << w.bits) - 1
+    w.codes[:16], w.codes[16:32] = 0, top
+    w.codes[32:48] = torch.tensor([0, top], dtype=w.codes.dtype).repeat(k // 2)
+    w.codes[48:] = torch.tensor([0, 0, top, top], dtype=w.codes.dtype).repeat(k // 4)
+    signs = [torch.ones(k), -torch.ones(k), torch.tensor([1.0, -1.0]).repeat(k // 2),
+             torch.tensor([1.0, 1.0, -1.0, -1.0]).repeat(k // 4), torch.tensor([-1.0, -1.0, 1.0, 1.0]).repeat(k // 4)]
+    x = torch.stack(signs).bfloat16()
+    layer = QuantizedLinear(w, torch.bfloat16, "cpu")
+    y = layer(x).float().double()
+    exact, rounding = reference(x, w)
+    assert ((y - exact).abs() <= exact.abs() * 2**-8 + rounding).all()
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))]).float().double()
+    assert torch.equal(alone, y)
+
+
+@needs_kernels
 def test_a_wrong_weight_is_seen_by_the_reference():
     n, k = 48, 512
     w = read_blocks(random_blocks("Q4_K", n, k, seed=2), "Q4_K", n, k)

@@ -195,8 +195,8 @@ class LeanWeights:
         else:
             self.token_subset = None
         self.vocab_rows = head.shape[0] if self.last else cfg.vocab_size  # the head's rows, unsharded
-        # the head stays int8 under int4 (as llama.cpp's Q4 files keep theirs at 6-8 bits)
-        head_spec = None if spec is None else spec.for_head()
+        # a target's head stays int8 under int4 (as llama.cpp's Q4 files keep theirs at 6-8 bits); a draft's goes int4
+        head_spec = None if spec is None else spec.for_head(head.shape[0])
         self.head = None  # a stage before the last hands its hidden states on
         if self.last:
             head = quantized(head_stored, head, head_spec)

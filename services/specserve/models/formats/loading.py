@@ -126,6 +126,7 @@ _LOADING = threading.Lock()
 def load_model(
     spec: Any, dtype: str | torch.dtype | None = None, device: str | None = None, device_map: Any = None,
     quantization: str | None = None, shard: Shard | None = None, layers: tuple[int, int] | None = None,
+    draft: bool = False,
 ) -> LoadedModel:
     """Load a causal LM from any accepted spec.
 
@@ -140,6 +141,8 @@ def load_model(
     shard: a tensor-parallel rank's part (`models.kernels.tp`); a quantized model packs only that part.
     layers: (start, end), a pipeline stage's decoder layers (`workers.stages`); quantized or sharded, only those
     are packed.
+    draft: the model drafts: under int4 its LM head is int4 too (a target's stays int8), a third less of a draft
+    step for the same acceptance on the Qwen2.5-Coder pair (docs/benchmarks.md; exactness holds for any draft).
     """
     from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -166,7 +169,8 @@ def load_model(
         loaded = LoadedModel(model.eval(), None, type(model).__name__)
         if method == "gguf":
             raise ValueError("quantization 'gguf' keeps a GGUF file's weights; this model was passed loaded")
-        return _quantize(loaded, method, group, shard=shard, layers=layers) if method in ("int8", "int4") else loaded
+        return _quantize(loaded, method, group, shard=shard, layers=layers, draft=draft) \
+            if method in ("int8", "int4") else loaded
     if not isinstance(spec, (str, pathlib.Path)):
         raise TypeError(f"model must be a name, a path or a PreTrainedModel, got {type(spec).__name__}")
 
@@ -220,7 +224,7 @@ def load_model(
     if from_blocks and method != "gguf":
         print(f"specserve: {name}: its {gguf_weight_type(gguf)} linears requantized to {method} at load (quantization "
               "'gguf' keeps them as stored)", file=sys.stderr, flush=True)
-    return _quantize(loaded, method, group, gguf if from_blocks else None, shard, layers)
+    return _quantize(loaded, method, group, gguf if from_blocks else None, shard, layers, draft)
 
 
 def _sliced_part(path, name: str, shard: Shard | None, layers: tuple[int, int] | None, method: str,
@@ -266,7 +270,8 @@ def _cpu_kernels_run() -> bool:
 def load_draft(draft: Any, dtype: Any = None, device: str | None = None, quantization: str | None = None
                ) -> LoadedModel:
     """`load_model` for a model draft, its quantization resolved by `draft_quantization`."""
-    return load_model(draft, dtype, device, quantization=draft_quantization(quantization, draft, dtype, device))
+    return load_model(draft, dtype, device, quantization=draft_quantization(quantization, draft, dtype, device),
+                      draft=True)
 
 
 def draft_quantization(quantization: str | None, draft: Any, dtype: Any = None, device: Any = None) -> str | None:
@@ -323,7 +328,7 @@ def _quantized_dtype(dtype: torch.dtype | None) -> torch.dtype:
 
 
 def _quantize(loaded: LoadedModel, method: str, group: int, gguf: pathlib.Path | None = None,
-              shard: Shard | None = None, layers: tuple[int, int] | None = None) -> LoadedModel:
+              shard: Shard | None = None, layers: tuple[int, int] | None = None, draft: bool = False) -> LoadedModel:
     """Give the model's linear layers packed quantized weights (`quant.QuantSpec`, made into the lean forward's
     weights now) and drop their dense copies."""
     from specserve.models.families.lean import lean_weights
@@ -336,7 +341,8 @@ def _quantize(loaded: LoadedModel, method: str, group: int, gguf: pathlib.Path |
               file=sys.stderr, flush=True)
     # a whole model on the CPU: what the packed cache keeps (`formats.packcache`)
     whole = gguf is not None and shard is None and layers is None and loaded.device.type == "cpu"
-    spec = quant.QuantSpec(method, group, None, quant.dense_from(loaded.device), gguf_weight_type(gguf) if gguf else "")
+    spec = quant.QuantSpec(method, group, None, quant.dense_from(loaded.device), gguf_weight_type(gguf) if gguf else "",
+                           int4_head=draft and method == "int4")
     if whole and packcache.load(gguf, model, loaded.dtype, spec) is not None:
         _drop_linears(model)
         return loaded

@@ -47,6 +47,7 @@ def cache_path(gguf: pathlib.Path, dtype: torch.dtype, spec: QuantSpec) -> pathl
 
     digest = file_digest(gguf)
     parts = [f"format={_FORMAT}", f"file={digest}", f"dtype={dtype}", f"method={spec.method}", f"group={spec.group}",
+             f"int4_head={spec.int4_head}",
              f"dense_from={spec.dense_from}", f"isa={cpu.chosen_isa()}", f"activations={cpu.ACTIVATIONS}",
              f"kernels={cpu.available()}", f"dense_copy={cpu.DENSE_FROM},{quant.PACK_DENSE}",
              f"torch={torch.__version__}", f"code={_code_digest()}"]
@@ -97,7 +98,7 @@ def save(gguf: pathlib.Path, weights, dtype: torch.dtype, spec: QuantSpec) -> pa
     path = cache_path(gguf, dtype, spec)
     state = {"weights": {k: v for k, v in weights.__dict__.items() if k != "embed"},
              "spec": {"method": spec.method, "group": spec.group, "dense_from": spec.dense_from,
-                      "source": spec.source}}
+                      "source": spec.source, "int4_head": spec.int4_head}}
     try:
         cachefiles.write_whole(path, lambda f: torch.save(state, f))
     except OSError as exc:

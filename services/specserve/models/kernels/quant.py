@@ -222,10 +222,13 @@ class QuantSpec:
     stored: dict | None = None  # `formats.gguf.gguf_linears` of the file
     dense_from: int = 0  # `QuantizedLinear.dense_from`
     source: str = ""  # the file's main tensor type, for "gguf"
+    int4_head: bool = False  # under int4, the LM head too (a draft's: `loading.load_model`)
 
-    def for_head(self) -> QuantSpec:
-        """The LM head's: int8 rows unless the file stores its own."""
-        return QuantSpec("int8", self.group, None, self.dense_from) if self.method == "int4" else self
+    def for_head(self, rows: int) -> QuantSpec:
+        """The LM head's (of `rows` outputs): under int4 int8 rows, unless `int4_head` and the rows fill the int4
+        packing's tiles of 16; else as the linears."""
+        int4 = self.int4_head and rows % 16 == 0
+        return QuantSpec("int8", self.group, None, self.dense_from) if self.method == "int4" and not int4 else self
 
     def describe(self) -> str:
         if self.method == "gguf":
