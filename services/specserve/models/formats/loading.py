@@ -141,8 +141,8 @@ def load_model(
     shard: a tensor-parallel rank's part (`models.kernels.tp`); a quantized model packs only that part.
     layers: (start, end), a pipeline stage's decoder layers (`workers.stages`); quantized or sharded, only those
     are packed.
-    draft: the model drafts: under int4 its LM head is int4 too (a target's stays int8), a third less of a draft
-    step for the same acceptance on the Qwen2.5-Coder pair (docs/benchmarks.md; exactness holds for any draft).
+    draft: the model drafts: under int4 its LM head is int4 too (a target's stays int8). The head is a large part
+    of a draft step's bytes, and a draft's precision moves only its acceptance, never what is sampled.
     """
     from transformers import AutoModelForCausalLM, PreTrainedModel
 

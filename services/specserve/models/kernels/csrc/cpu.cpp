@@ -990,8 +990,7 @@ void blocks_tile(const Blocks &w, const int32_t *pairs, int64_t K, const float *
                  const int32_t *total, int64_t nb, uint16_t *out, int64_t N) {
   const int64_t G = w.group, chunk = HB == 1 ? 8 : HB == 2 ? 4 : G, groups = K / G, spans = K / w.span, per = w.span / G;
 #if !defined(__AVX512BF16__)
-  if constexpr (HB == 0 && MR > 4) {  // tiles of two blocks (blocks_per_tile) in passes of 4 rows: a row's codes read
-    // from the cache twice, every row's activations loaded for two blocks at once
+  if constexpr (HB == 0 && MR > 4) {  // two blocks a tile (blocks_per_tile): their sums of 4 rows fit the registers
     blocks_tile<HB, 4, NT>(w, pairs, K, d, xsum, total, nb, out, N);
     blocks_tile<HB, MR - 4, NT>(w, pairs + 4 * (K / 2), K, d + 4 * groups, xsum + 4 * groups, total + 4 * groups,
                                 nb, out + 4 * N, N);
@@ -1196,8 +1195,8 @@ void blocks_tile_vnni(const Blocks &w, const int32_t *pairs, int64_t K, const fl
 #endif
 
 // Blocks per tile: on AVX-512 VNNI an even number (blocks_tile_vnni pairs them), as the int8-activation tiles; on
-// AVX2 two for 4-bit codes from 2 rows on (blocks_tile runs more than 4 rows in passes of 4), which measured 5-12%
-// faster there and slower for wider codes.
+// AVX2 two for 4-bit codes from 2 rows on (a row's activations loaded once for both; blocks_tile runs more than 4
+// rows in passes of 4), one for wider codes from 4 rows, whose longer code unpacking two blocks did not repay.
 template <int HB>
 constexpr int blocks_per_tile(int rows) {
 #if defined(__AVX512VNNI__)
