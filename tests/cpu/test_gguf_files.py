@@ -280,20 +280,28 @@ CHI_RUNS = 1500
 @needs_kernels
 def test_sampled_first_tokens_through_a_k_quant_target_follow_its_distribution(files, tmp_path, monkeypatch):
     """Chi-square of the first two sampled tokens (top-k 4: 16 cells or a few more) against the joint distribution
-    of the stored target's own forward, one sequence at a time. The draft is the same file with a flatter head
-    (its proposals overlap the target's, so acceptance is partial and the residual step matters): a broken
-    sampler (no residual step) must be rejected."""
+    of the stored target's own forward, one sequence at a time through the decoder's own target cache (its KV
+    pool's forward and `model_sequence`'s round differently, logits ~0.05 apart: a few thousand samples see it).
+    The draft is the same file with a flatter head (its proposals overlap the target's, so acceptance is partial
+    and the residual step matters): a broken sampler (no residual step) must be rejected."""
     target = load_model(str(files["llama"][0]), device="cpu")
     prompt = load_tokenizer(str(files["llama"][0]))(TEXT)["input_ids"]
+    flatter = write_gguf(tmp_path / "flatter.gguf", "llama", seed=0, head_reach=0.1)
+    decoder = SpeculativeDecoder(target, str(flatter), gamma=2, draft_lookup=False)
     args = (MODE["temperature"], MODE["top_k"], MODE["top_p"])
-    p1 = reference_probs(model_sequence(target.model).feed(prompt)[-1].double().numpy(), *args)
+
+    def alone(tokens: list[int]) -> np.ndarray:
+        sequence = decoder.target_sequence()
+        try:
+            return reference_probs(sequence.feed(tokens)[-1].double().numpy(), *args)
+        finally:
+            sequence.release()
+
+    p1 = alone(prompt)
     firsts = np.flatnonzero(p1)
-    seconds = {a: reference_probs(model_sequence(target.model).feed(prompt + [int(a)])[-1].double().numpy(), *args)
-               for a in firsts}
+    seconds = {a: alone(prompt + [int(a)]) for a in firsts}
     cells = [(a, b) for a in firsts for b in np.flatnonzero(seconds[a])]
     expected = np.array([p1[a] * seconds[a][b] for a, b in cells])
-    flatter = write_gguf(tmp_path / "flatter.gguf", "llama", seed=0, head_reach=0.2)
-    decoder = SpeculativeDecoder(target, str(flatter), gamma=2, draft_lookup=False)
 
     def counts() -> np.ndarray:
         found = np.zeros(len(cells))
