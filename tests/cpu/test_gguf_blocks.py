@@ -47,18 +47,20 @@ def test_each_block_type_holds_the_values_gguf_dequantizes(kind):
 
 
 def reference(x: torch.Tensor, w: Blocks) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] bfloat16 times w as the kernel defines it, in float64: activations quantized per row and group
-    as the kernel does (d = max|x| / 127 and xq = round(x · 127 / max|x|) in float32, nearest even), times the
-    weights gguf dequantizes. Returns (y [M, N], a bound on float32's rounding of the kernel's partial sums)."""
+    """x [M, K] bfloat16 times w as the kernel defines it, in float64: activations quantized per row and
+    activation group (a span for K-quants, `Blocks.activation_group`) as the kernel does (d = max|x| / 127 and
+    xq = round(x · 127 / max|x|) in float32, nearest even), times the weights gguf dequantizes. Returns (y [M, N],
+    a bound on float32's rounding of the kernel's partial sums)."""
     m, k = x.shape
-    n, g = w.codes.shape[0], w.group
-    xf = x.float().view(m, k // g, g)
+    n, g, a = w.codes.shape[0], w.group, w.activation_group
+    xf = x.float().view(m, k // a, a)
     amax = xf.abs().amax(-1, keepdim=True)
     # 127 / max|x| correctly rounded, as the kernel's division (torch's own float32 division need not be)
     inv = torch.where(amax > 0, (127 / amax.double()).float(), torch.zeros_like(amax))
     xq = torch.round(xf * inv).clamp(-127, 127).double()
     dx = (amax / 127).double()
     y = (xq * dx).view(m, k) @ w.dequantize().double().T
+    xq, dx = xq.view(m, k // g, g), dx.repeat_interleave(a // g, 1)  # per weight group
     scale, low = (t.double() for t in w.scales())
     codes = w.codes.view(n, k // g, g).double()
     terms = (torch.einsum("mgk,ngk->mng", xq.abs(), codes) * scale.abs()[None] * dx.squeeze(-1)[:, None]

@@ -127,9 +127,11 @@ def test_dense_every_tensor_is_what_transformers_reads_from_the_file(files, fami
 @needs_kernels
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_kept_as_stored_the_kernel_paths_logits_are_the_dense_forwards(files, family):
-    """bf16 activations, int8 per block on the kernels' side, over logits of spread ~2: within 0.03 on average
-    and 1.0 at worst (a dense bf16 forward of the same weights is off by up to ~0.3 alone; Gemma's residual
-    stream, its embedding times 16, makes the rare outlier), while another file's logits are off by ~2."""
+    """bf16 activations, int8 per block on the kernels' side (per 256 inputs for 6-bit K-quants, as llama.cpp's
+    Q8_K), over logits of spread ~2: within 0.05 on average and 1.5 at worst (a dense bf16 forward of the same
+    weights is off by up to ~0.3 alone; Gemma's residual stream, its embedding times 16, and Qwen3's q/k norms on
+    these random weights make the outliers; the real Qwen2.5-Coder-1.5B's perplexity is the same either way,
+    docs/benchmarks-log.md), while another file's logits are off by ~2."""
     path, other = files[family]
     loaded = load_model(str(path), device="cpu")
     assert loaded.quantization.startswith("gguf-") and loaded.dtype == torch.bfloat16
@@ -147,7 +149,7 @@ def test_kept_as_stored_the_kernel_paths_logits_are_the_dense_forwards(files, fa
         elsewhere = transformers_reading(other)(torch.tensor([ids])).logits[0]
     assert want.std() > 1.0
     error = (got - want).abs()
-    assert error.mean() < 0.03 and error.max() < 1.0, (error.mean(), error.max())
+    assert error.mean() < 0.05 and error.max() < 1.5, (error.mean(), error.max())
     assert (elsewhere - want).abs().mean() > 0.5
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
 

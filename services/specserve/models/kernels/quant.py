@@ -140,6 +140,13 @@ class Blocks:
     def has_min(self) -> bool:
         return bool(self.mn.any())
 
+    @property
+    def activation_group(self) -> int:
+        """Inputs per activation scale in the CPU kernels: a span where they multiply sub-block scales into integer
+        sums (6-bit K-quants: Q6_K and weights fused with it; csrc `integer_scaled`), else a group."""
+        scaled = bool((self.sc != 1).any()) and self.bits == 6 and self.span <= 256 and self.span % self.group == 0
+        return self.span if scaled else self.group
+
     def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale, min term) per group, float32 [N, K / group] each: exact products of the stored numbers."""
         per = self.span // self.group

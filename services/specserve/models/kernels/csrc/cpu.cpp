@@ -640,10 +640,12 @@ void attend_group(const uint16_t *q, int64_t heads, const uint16_t *k, const uin
 
 // xq of 4 inputs as two words, [xq0 xq1 xq0 xq1] and [xq2 xq3 xq2 xq3]: the byte pairs vpmaddubsw meets in a
 // 16-bit lane of codes (inputs 4t, 4t + 1 in the low nibbles, 4t + 2, 4t + 3 in the high ones).
-// total[m, g] = sum(xq) of the group (the AVX2 tile's group sums), xsum[m, g] = d · total[m, g].
-void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int64_t G, int32_t *pairs, float *d, float *xsum,
-                   int32_t *total) {
-  const int64_t groups = K / G;
+// d[m, g] and xsum[m, g] = d · sum(xq) per group of G inputs; total[m, u] = sum(xq) and split[m, u] (its inputs 4t,
+// 4t + 1 in the low 16 bits, 4t + 2, 4t + 3 in the high ones, as int16; not written where split is null) per
+// sub-group of `sub` inputs (sub divides G; the tiles' integer sums are per sub-group).
+void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int64_t G, int64_t sub, int32_t *pairs, float *d,
+                   float *xsum, int32_t *total, int32_t *split) {
+  const int64_t groups = K / G, subs = K / sub;
 #pragma omp parallel for schedule(static) if (M * K >= 4096)
   for (int64_t m = 0; m < M; m++)
     for (int64_t g = 0; g < groups; g++) {
@@ -653,15 +655,17 @@ void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int64_t G, int32_t *
       for (int64_t k = 0; k < G; k += 16) top = max(top, abs(load_bf16(xg + k, G - k)));
       const float amax = reduce_max(top);
       const float dg = amax / 127.0f, inv = amax > 0.f ? 127.0f / amax : 0.f;
-      int32_t sum = 0;
-      if (G % 16 == 0) {
-        vec total16 = zero();  // integers below 2^24: float sums are exact
-        for (int64_t k = 0; k < G; k += 16) {
+      int32_t *tu = total + m * subs + g * (G / sub);
+      alignas(64) int32_t low[256 / 4];  // per sub-group: the sum over inputs 4t, 4t + 1
+      for (int64_t u = 0; u < G / sub; u++) tu[u] = low[u] = 0;
+      if (G % 16 == 0 && sub % 16 == 0) {
+        alignas(64) static const float first_two[16] = {1, 1, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0};
+        for (int64_t k = 0; k < G; k += 16) {  // integers below 2^24: float sums are exact
           const vec r = max(set1(-127.f), min(set1(127.f), round_int(mul(load_bf16(xg + k), set1(inv)))));
-          total16 = add(total16, r);
+          tu[k / sub] += (int32_t)reduce_add(r);
+          if (split) low[k / sub] += (int32_t)reduce_add(mul(r, load_f32(first_two)));
           store_q8_pairs(pairs + (m * K + g * G + k) / 2, r);
         }
-        sum = (int32_t)reduce_add(total16);
       } else {
         for (int64_t k = 0; k < G; k += 4) {
           if (k % 16 == 0) store_f32(r, round_int(mul(load_bf16(xg + k, G - k), set1(inv))));  // nearest even
@@ -669,7 +673,8 @@ void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int64_t G, int32_t *
           for (int j = 0; j < 4; j++) {
             const float v0 = r[k % 16 + j];
             const int32_t v = (int32_t)(v0 > 127.f ? 127.f : v0 < -127.f ? -127.f : v0);
-            sum += v;
+            tu[k / sub] += v;
+            if (j < 2) low[k / sub] += v;
             q[j] = (uint8_t)(int8_t)v;
           }
           int32_t *p = pairs + (m * K + g * G + k) / 2;
@@ -677,9 +682,15 @@ void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int64_t G, int32_t *
           p[1] = (int32_t)((uint32_t)q[2] | (uint32_t)q[3] << 8 | (uint32_t)q[2] << 16 | (uint32_t)q[3] << 24);
         }
       }
+      int32_t sum = 0;
+      for (int64_t u = 0; u < G / sub; u++) {
+        sum += tu[u];
+        if (split)
+          split[m * subs + g * (G / sub) + u] =
+              (int32_t)((uint32_t)(uint16_t)low[u] | (uint32_t)(uint16_t)(tu[u] - low[u]) << 16);
+      }
       d[m * groups + g] = dg;
       xsum[m * groups + g] = dg * (float)sum;
-      total[m * groups + g] = sum;
     }
 }
 
@@ -939,6 +950,22 @@ struct Blocks {
   float offset;
 };
 
+// Whether the kernels multiply a K-quant's sub-block scales into integer sums (6-bit codes: Q6_K and weights fused
+// with it, whose groups of 16 paid a float step each): the activations then take one scale a span (a super-block:
+// 256 inputs, as llama.cpp's Q8_K) and, per row, span s and output,
+//   A = sum over the span's groups of sc · sum((code + offset) · xq),  B = sum of mn · sum(xq)   (exact, int32),
+//   y += A · (d · dx) + B · (m · dx),
+// one float step a span instead of one a group. |A| <= 256 · 128 · 63 · 127 < 2^31.
+inline bool integer_scaled(const Blocks &w) {
+  return w.has_scale && w.bits == 6 && w.span <= 256 && w.span % w.group == 0;
+}
+
+// y (acc) += A · (d · dx) + B · (m · dx) for a span: every build's float operations, per lane in this order.
+inline vec span_step(vec acc, vec a, vec b, vec d, vec m, float dx, bool has_min) {
+  acc = fmadd(a, mul(d, set1(dx)), acc);
+  return has_min ? fmadd(b, mul(m, set1(dx)), acc) : acc;
+}
+
 inline vec load_i8(const int8_t *p) {  // 16 int8 as float32
 #if defined(__AVX512BF16__)
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
@@ -1002,6 +1029,14 @@ void blocks_tile(const Blocks &w, const int32_t *pairs, int64_t K, const float *
   for (int m = 0; m < MR; m++)
     for (int t = 0; t < NT; t++) store_f32(acc[m][t], zero());
   const vec offset = set1(w.offset);
+  constexpr bool INT = HB == 2;  // integer_scaled takes 6-bit codes only
+  constexpr int IM = INT ? MR : 1, IT = INT ? NT : 1;
+  const bool integer = INT && integer_scaled(w);
+  const int32_t off = (int32_t)w.offset;
+  __m256i ia[IM][IT][2], ib[IM][IT][2];  // A and B of the span (integer_scaled)
+  if constexpr (INT)
+    for (int m = 0; m < MR; m++)
+      for (int t = 0; t < NT; t++) ia[m][t][0] = ia[m][t][1] = ib[m][t][0] = ib[m][t][1] = _mm256_setzero_si256();
   for (int64_t g = 0; g < groups; g++) {
     __m256i lo32[MR][NT], hi32[MR][NT];
     for (int m = 0; m < MR; m++)
@@ -1055,6 +1090,38 @@ void blocks_tile(const Blocks &w, const int32_t *pairs, int64_t K, const float *
           hi32[m][t] = _mm256_add_epi32(hi32[m][t], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16[m][t], 1)));
         }
     }
+    if constexpr (INT) if (integer) {
+      for (int t = 0; t < NT; t++) {
+        const int8_t *scm = w.scm + ((nb + t) * groups + g) * scw * 16;
+        const __m256i sc_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)scm));
+        const __m256i sc_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(scm + 8)));
+        const __m256i mn_lo = w.has_min ? _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(scm + 16))) : sc_lo;
+        const __m256i mn_hi = w.has_min ? _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(scm + 24))) : sc_hi;
+        for (int m = 0; m < MR; m++) {
+          const int32_t tm = total[m * groups + g];
+          const __m256i o = _mm256_set1_epi32(off * tm);
+          ia[m][t][0] = _mm256_add_epi32(ia[m][t][0], _mm256_mullo_epi32(_mm256_add_epi32(lo32[m][t], o), sc_lo));
+          ia[m][t][1] = _mm256_add_epi32(ia[m][t][1], _mm256_mullo_epi32(_mm256_add_epi32(hi32[m][t], o), sc_hi));
+          if (w.has_min) {
+            ib[m][t][0] = _mm256_add_epi32(ib[m][t][0], _mm256_mullo_epi32(mn_lo, _mm256_set1_epi32(tm)));
+            ib[m][t][1] = _mm256_add_epi32(ib[m][t][1], _mm256_mullo_epi32(mn_hi, _mm256_set1_epi32(tm)));
+          }
+        }
+      }
+      if ((g + 1) % per == 0) {
+        const int64_t sp = g / per;
+        for (int t = 0; t < NT; t++) {
+          const uint16_t *dm = w.dm + ((nb + t) * spans + sp) * dmw * 16;
+          const vec dd = load_f16(dm), mm = w.has_min ? load_f16(dm + 16) : zero();
+          for (int m = 0; m < MR; m++) {
+            store_f32(acc[m][t], span_step(load_f32(acc[m][t]), i32_pair(ia[m][t][0], ia[m][t][1]),
+                                           i32_pair(ib[m][t][0], ib[m][t][1]), dd, mm, d[m * spans + sp], w.has_min));
+            ia[m][t][0] = ia[m][t][1] = ib[m][t][0] = ib[m][t][1] = _mm256_setzero_si256();
+          }
+        }
+      }
+      continue;
+    }
     for (int t = 0; t < NT; t++) {
       const uint16_t *dm = w.dm + ((nb + t) * spans + g / per) * dmw * 16;
       const int8_t *scm = w.scm + ((nb + t) * groups + g) * scw * 16;
@@ -1071,6 +1138,118 @@ void blocks_tile(const Blocks &w, const int32_t *pairs, int64_t K, const float *
   for (int m = 0; m < MR; m++)
     for (int t = 0; t < NT; t++) store_bf16(out + m * N + (nb + t) * 16, load_f32(acc[m][t]));
 }
+
+#if !defined(__AVX512BF16__)
+// Whether blocks_tile_pairs sums a group of 6-bit codes exactly: a 16-bit lane meets G / 2 products (code - 32) · xq.
+inline bool pairs_exact(const Blocks &w) { return w.group / 2 * 32 * 127 < 32768; }
+
+// An integer_scaled weight (6-bit codes) on AVX2, laid out as blocks_tile_vnni's (a 32-bit lane one output's four inputs: outputs
+// 0-3 and 8-11 in a, 4-7 and 12-15 in b). vpmaddubsw's pairs are summed over the whole group in 16 bits: a lane
+// holds sum(code · xq) over the group's inputs 4t, 4t + 1 (or 4t + 2, 4t + 3); less 32 times those inputs' sum
+// (split) it lies within 2^15 (pairs_exact), so that difference modulo 2^16 is exact, and vpmaddwd with the
+// group's scales (a pair of words each) multiplies and widens it in one step. A, B as integer_scaled defines them;
+// the same integers, and per lane the same float operations, as blocks_tile.
+template <int MR, int NT>
+void blocks_tile_pairs(const Blocks &w, const int32_t *pairs, int64_t K, const float *d, const int32_t *total,
+                       const int32_t *split, int64_t nb, uint16_t *out, int64_t N) {
+  const int64_t G = w.group, groups = K / G, spans = K / w.span, per = w.span / G;
+  if constexpr (MR > 4) {  // two 16-bit sums a row and block: 4 rows' stay in registers, the codes in the cache
+    blocks_tile_pairs<4, NT>(w, pairs, K, d, total, split, nb, out, N);
+    blocks_tile_pairs<MR - 4, NT>(w, pairs + 4 * (K / 2), K, d + 4 * spans, total + 4 * groups,
+                                      split + 4 * groups, nb, out + 4 * N, N);
+    return;
+  }
+  const int64_t dmw = 1 + w.has_min, scw = w.has_scale + w.has_min;
+  const int32_t extra = 32 + (int32_t)w.offset;  // A = sum sc · (code - 32) · xq + extra · sum sc · sum(xq)
+  alignas(32) int32_t ia[MR][NT][2][8], ic[MR][NT][2][8], ib[MR][NT][2][8];  // by lane, as a and b
+  alignas(64) float acc[MR][NT][16];
+  const __m256i z = _mm256_setzero_si256();
+  auto at = [](int32_t *p) { return (__m256i *)p; };
+  for (int m = 0; m < MR; m++)
+    for (int t = 0; t < NT; t++) {
+      store_f32(acc[m][t], zero());
+      for (int h = 0; h < 2; h++) {
+        _mm256_store_si256(at(ia[m][t][h]), z);
+        _mm256_store_si256(at(ic[m][t][h]), z);
+        _mm256_store_si256(at(ib[m][t][h]), z);
+      }
+    }
+  for (int64_t g = 0; g < groups; g++) {
+    __m256i a[MR][NT], b[MR][NT];
+    for (int m = 0; m < MR; m++)
+      for (int t = 0; t < NT; t++) a[m][t] = b[m][t] = z;
+    for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
+      for (int t = 0; t < NT; t++) {
+        __m256i lo, hi;
+        block_codes<2>(w, K, nb + t, k / 4, lo, hi);
+        const __m256i wa = _mm256_unpacklo_epi16(lo, hi), wb = _mm256_unpackhi_epi16(lo, hi);
+        for (int m = 0; m < MR; m++) {
+          int32_t quad;  // inputs k .. k + 3: the pairs' words hold [x0 x1 x0 x1] [x2 x3 x2 x3], so bytes 2-5
+          memcpy(&quad, (const char *)(pairs + (m * K + k) / 2) + 2, 4);
+          const __m256i x = _mm256_set1_epi32(quad);
+          a[m][t] = _mm256_add_epi16(a[m][t], _mm256_maddubs_epi16(wa, x));
+          b[m][t] = _mm256_add_epi16(b[m][t], _mm256_maddubs_epi16(wb, x));
+        }
+      }
+    }
+    for (int t = 0; t < NT; t++) {
+      const int8_t *scm = w.scm + ((nb + t) * groups + g) * scw * 16;
+      const __m256i sv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scm));  // outputs 0-7 | 8-15
+      const __m256i sc_a = _mm256_unpacklo_epi16(sv, sv), sc_b = _mm256_unpackhi_epi16(sv, sv);
+      __m256i mn_a = z, mn_b = z;
+      if (w.has_min) {
+        const __m256i mv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(scm + 16)));
+        mn_a = _mm256_unpacklo_epi16(mv, mv);
+        mn_b = _mm256_unpackhi_epi16(mv, mv);
+      }
+      for (int m = 0; m < MR; m++) {
+        const __m256i mid = _mm256_slli_epi16(_mm256_set1_epi32(split[m * groups + g]), 5);  // 32 · split
+        const __m256i am = _mm256_sub_epi16(a[m][t], mid), bm = _mm256_sub_epi16(b[m][t], mid);
+        auto plus = [&](int32_t *p, __m256i v) {
+          _mm256_store_si256(at(p), _mm256_add_epi32(_mm256_load_si256(at(p)), v));
+        };
+        plus(ia[m][t][0], _mm256_madd_epi16(am, sc_a));
+        plus(ia[m][t][1], _mm256_madd_epi16(bm, sc_b));
+        const __m256i tv = _mm256_set1_epi32((int32_t)(uint16_t)total[m * groups + g]);  // words (T, 0): sc · T
+        if (extra != 0) {
+          plus(ic[m][t][0], _mm256_madd_epi16(sc_a, tv));
+          plus(ic[m][t][1], _mm256_madd_epi16(sc_b, tv));
+        }
+        if (w.has_min) {
+          plus(ib[m][t][0], _mm256_madd_epi16(mn_a, tv));
+          plus(ib[m][t][1], _mm256_madd_epi16(mn_b, tv));
+        }
+      }
+    }
+    if ((g + 1) % per == 0) {
+      const int64_t sp = g / per;
+      const __m256i ex = _mm256_set1_epi32(extra);
+      for (int t = 0; t < NT; t++) {
+        const uint16_t *dm = w.dm + ((nb + t) * spans + sp) * dmw * 16;
+        const vec dd = load_f16(dm), mm = w.has_min ? load_f16(dm + 16) : zero();
+        for (int m = 0; m < MR; m++) {
+          __m256i a0 = _mm256_load_si256(at(ia[m][t][0])), a1 = _mm256_load_si256(at(ia[m][t][1]));
+          if (extra != 0) {
+            a0 = _mm256_add_epi32(a0, _mm256_mullo_epi32(_mm256_load_si256(at(ic[m][t][0])), ex));
+            a1 = _mm256_add_epi32(a1, _mm256_mullo_epi32(_mm256_load_si256(at(ic[m][t][1])), ex));
+          }
+          const __m256i b0 = _mm256_load_si256(at(ib[m][t][0])), b1 = _mm256_load_si256(at(ib[m][t][1]));
+          const vec av = i32_pair(_mm256_permute2x128_si256(a0, a1, 0x20), _mm256_permute2x128_si256(a0, a1, 0x31));
+          const vec bv = i32_pair(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
+          store_f32(acc[m][t], span_step(load_f32(acc[m][t]), av, bv, dd, mm, d[m * spans + sp], w.has_min));
+          for (int h = 0; h < 2; h++) {
+            _mm256_store_si256(at(ia[m][t][h]), z);
+            _mm256_store_si256(at(ic[m][t][h]), z);
+            _mm256_store_si256(at(ib[m][t][h]), z);
+          }
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; m++)
+    for (int t = 0; t < NT; t++) store_bf16(out + m * N + (nb + t) * 16, load_f32(acc[m][t]));
+}
+#endif
 
 #if defined(__AVX512VNNI__)
 // block_codes for blocks nb and nb + 1 at once, block nb's in the low 256 bits.
@@ -1101,7 +1280,7 @@ inline void two_block_codes(const Blocks &w, int64_t K, int64_t nb, int64_t t, _
 // int4q8_tile_vnni lays them out (a lane one output's four inputs, outputs permuted and put back at the end); 8-bit
 // codes for any NT, their 64-byte tiles already a lane per output, unsigned as code + 128 with 128 · sum(xq) taken
 // off. The same integer sums, and per lane the same float operations in the same order, as blocks_tile.
-template <int HB, int MR, int NT>
+template <int HB, int MR, int NT, bool MIN>
 void blocks_tile_vnni(const Blocks &w, const int32_t *pairs, int64_t K, const float *d, const float *xsum,
                       const int32_t *total, int64_t nb, uint16_t *out, int64_t N) {
   constexpr int P = HB == 8 ? NT : NT / 2;  // 512-bit sums a row: a block each (8-bit), else a pair of blocks
@@ -1122,6 +1301,18 @@ void blocks_tile_vnni(const Blocks &w, const int32_t *pairs, int64_t K, const fl
     scale = w.has_scale ? mul(load_f16(dm), load_i8(scm)) : load_f16(dm);
     bias = fmadd(offset, scale, w.has_min ? mul(load_f16(dm + 16), load_i8(scm + 16 * w.has_scale)) : zero());
   };
+  constexpr bool INT = HB == 2;  // integer_scaled takes 6-bit codes only
+  const bool integer = INT && integer_scaled(w);
+  const int32_t off = (int32_t)w.offset;
+  constexpr int AM = INT ? MR : 1, AP = INT ? P : 1, BM = INT && MIN ? MR : 1, BP = INT && MIN ? P : 1;
+  __m512i ia_a[AM][AP], ia_b[AM][AP], ib_a[BM][BP], ib_b[BM][BP];  // A and B of the span, by lane (B with mins)
+  auto zero_ab = [&](int m, int q) {
+    ia_a[m][q] = ia_b[m][q] = _mm512_setzero_si512();
+    if constexpr (MIN) ib_a[m][q] = ib_b[m][q] = _mm512_setzero_si512();
+  };
+  if constexpr (INT)
+    for (int m = 0; m < MR; m++)
+      for (int q = 0; q < P; q++) zero_ab(m, q);
   auto add = [&](float *acc, __m512i sums, __m512 scale, __m512 bias, int m, int64_t g) {
     __m512 a = _mm512_load_ps(acc);
     a = fmadd(_mm512_cvtepi32_ps(sums), mul(scale, set1(d[m * groups + g])), a);
@@ -1157,6 +1348,8 @@ void blocks_tile_vnni(const Blocks &w, const int32_t *pairs, int64_t K, const fl
         }
       }
     }
+    const bool span_end = INT && (g + 1) % per == 0;  // (no division where the codes are not 6-bit)
+    const int64_t sp = INT ? g / per : 0;
     for (int q = 0; q < P; q++) {
       if constexpr (HB == 8) {
         __m512 scale, bias;
@@ -1165,16 +1358,68 @@ void blocks_tile_vnni(const Blocks &w, const int32_t *pairs, int64_t K, const fl
           add(acc_a[m][q], _mm512_sub_epi32(a[m][q], _mm512_set1_epi32(128 * total[m * groups + g])), scale, bias,
               m, g);
       } else {
-        __m512 scale0, bias0, scale1, bias1;
-        scale_bias(2 * q, g, scale0, bias0);
-        scale_bias(2 * q + 1, g, scale1, bias1);
-        const __m512 scale_a = _mm512_permutex2var_ps(scale0, in_a, scale1);
-        const __m512 bias_a = _mm512_permutex2var_ps(bias0, in_a, bias1);
-        const __m512 scale_b = _mm512_permutex2var_ps(scale0, in_b, scale1);
-        const __m512 bias_b = _mm512_permutex2var_ps(bias0, in_b, bias1);
-        for (int m = 0; m < MR; m++) {
-          add(acc_a[m][q], a[m][q], scale_a, bias_a, m, g);
-          add(acc_b[m][q], b[m][q], scale_b, bias_b, m, g);
+        bool done = false;
+        if constexpr (INT)
+          if (integer) {
+            auto ints = [&](const int8_t *p0, const int8_t *p1, __m512i &ia, __m512i &ib) {  // 16 int8 of two blocks
+              const __m512i v0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p0));
+              const __m512i v1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p1));
+              ia = _mm512_permutex2var_epi32(v0, in_a, v1);
+              ib = _mm512_permutex2var_epi32(v0, in_b, v1);
+            };
+            const int8_t *scm0 = w.scm + ((nb + 2 * q) * groups + g) * scw * 16;
+            const int8_t *scm1 = w.scm + ((nb + 2 * q + 1) * groups + g) * scw * 16;
+            __m512i sc_a, sc_b, mn_a = _mm512_setzero_si512(), mn_b = _mm512_setzero_si512();
+            ints(scm0, scm1, sc_a, sc_b);
+            if (w.has_min) ints(scm0 + 16, scm1 + 16, mn_a, mn_b);
+            for (int m = 0; m < MR; m++) {
+              const int32_t tm = total[m * groups + g];
+              const __m512i o = _mm512_set1_epi32(off * tm), tv = _mm512_set1_epi32(tm);
+              ia_a[m][q] = _mm512_add_epi32(ia_a[m][q], _mm512_mullo_epi32(_mm512_add_epi32(a[m][q], o), sc_a));
+              ia_b[m][q] = _mm512_add_epi32(ia_b[m][q], _mm512_mullo_epi32(_mm512_add_epi32(b[m][q], o), sc_b));
+              if constexpr (MIN) {
+                ib_a[m][q] = _mm512_add_epi32(ib_a[m][q], _mm512_mullo_epi32(mn_a, tv));
+                ib_b[m][q] = _mm512_add_epi32(ib_b[m][q], _mm512_mullo_epi32(mn_b, tv));
+              }
+            }
+            if (span_end) {
+              const uint16_t *dm0 = w.dm + ((nb + 2 * q) * spans + sp) * dmw * 16;
+              const uint16_t *dm1 = w.dm + ((nb + 2 * q + 1) * spans + sp) * dmw * 16;
+              const __m512 d0 = load_f16(dm0), d1 = load_f16(dm1);
+              const __m512 dd_a = _mm512_permutex2var_ps(d0, in_a, d1), dd_b = _mm512_permutex2var_ps(d0, in_b, d1);
+              __m512 mm_a = zero(), mm_b = zero();
+              if (w.has_min) {
+                const __m512 m0 = load_f16(dm0 + 16), m1 = load_f16(dm1 + 16);
+                mm_a = _mm512_permutex2var_ps(m0, in_a, m1);
+                mm_b = _mm512_permutex2var_ps(m0, in_b, m1);
+              }
+              for (int m = 0; m < MR; m++) {
+                const float dx = d[m * spans + sp];
+                __m512 fb_a = zero(), fb_b = zero();
+                if constexpr (MIN) {
+                  fb_a = _mm512_cvtepi32_ps(ib_a[m][q]);
+                  fb_b = _mm512_cvtepi32_ps(ib_b[m][q]);
+                }
+                const __m512 fa_a = _mm512_cvtepi32_ps(ia_a[m][q]), fa_b = _mm512_cvtepi32_ps(ia_b[m][q]);
+                _mm512_store_ps(acc_a[m][q], span_step(_mm512_load_ps(acc_a[m][q]), fa_a, fb_a, dd_a, mm_a, dx, MIN));
+                _mm512_store_ps(acc_b[m][q], span_step(_mm512_load_ps(acc_b[m][q]), fa_b, fb_b, dd_b, mm_b, dx, MIN));
+                zero_ab(m, q);
+              }
+            }
+            done = true;
+          }
+        if (!done) {
+          __m512 scale0, bias0, scale1, bias1;
+          scale_bias(2 * q, g, scale0, bias0);
+          scale_bias(2 * q + 1, g, scale1, bias1);
+          const __m512 scale_a = _mm512_permutex2var_ps(scale0, in_a, scale1);
+          const __m512 bias_a = _mm512_permutex2var_ps(bias0, in_a, bias1);
+          const __m512 scale_b = _mm512_permutex2var_ps(scale0, in_b, scale1);
+          const __m512 bias_b = _mm512_permutex2var_ps(bias0, in_b, bias1);
+          for (int m = 0; m < MR; m++) {
+            add(acc_a[m][q], a[m][q], scale_a, bias_a, m, g);
+            add(acc_b[m][q], b[m][q], scale_b, bias_b, m, g);
+          }
         }
       }
     }
@@ -1194,13 +1439,14 @@ void blocks_tile_vnni(const Blocks &w, const int32_t *pairs, int64_t K, const fl
 }
 #endif
 
-// Blocks per tile: on AVX-512 VNNI an even number (blocks_tile_vnni pairs them), as the int8-activation tiles; on
-// AVX2 two for 4-bit codes from 2 rows on (a row's activations loaded once for both; blocks_tile runs more than 4
-// rows in passes of 4), one for wider codes from 4 rows, whose longer code unpacking two blocks did not repay.
+// Blocks per tile: on AVX-512 VNNI an even number (blocks_tile_vnni pairs them), as the int8-activation tiles, but
+// two for 6-bit codes from 2 rows (their integer epilogue at four blocks cost more than it saved); on AVX2 two for
+// 4-bit codes from 2 rows on (a row's activations loaded once for both; blocks_tile runs more than 4 rows in passes
+// of 4), one for wider codes from 4 rows, whose longer code unpacking two blocks did not repay.
 template <int HB>
 constexpr int blocks_per_tile(int rows) {
 #if defined(__AVX512VNNI__)
-  return q8_blocks(rows);
+  return HB == 2 && rows > 1 ? 2 : q8_blocks(rows);
 #else
   return rows == 1 ? 4 : HB == 0 || rows <= 3 ? 2 : 1;
 #endif
@@ -1234,7 +1480,7 @@ void specserve_int4q8_mm(const uint16_t *x, int64_t M, int64_t K, const uint8_t 
   pairs.resize(M * K / 2);
   d.resize(M * groups);
   total.resize(M * groups);
-  quantize_rows(x, M, K, G, pairs.data(), d.data(), xsum, total.data());
+  quantize_rows(x, M, K, G, G, pairs.data(), d.data(), xsum, total.data(), nullptr);
   const int32_t *xq = pairs.data(), *xt = total.data();  // the calling thread's, by pointer: tiles run elsewhere
   const float *xd = d.data();
   row_passes<q8_blocks>(M, N, [&](auto r, auto nt, int64_t m0, int64_t nb) {
@@ -1261,33 +1507,49 @@ void specserve_int4_mm(const uint16_t *x, int64_t M, int64_t K, const uint8_t *c
   });
 }
 
-// x: bfloat16 [M, K] times a Blocks weight (N outputs), int8 activations per row and group; out: bfloat16 [M, N];
-// xsum: float scratch of M * K/G. N % 16 == 0, K % span == 0.
+// x: bfloat16 [M, K] times a Blocks weight (N outputs), int8 activations per row and group (per span where the
+// weight's scales are integer_scaled); out: bfloat16 [M, N]; xsum: float scratch of M * K/group. N % 16 == 0,
+// K % span == 0.
 void specserve_blocks_mm(const uint16_t *x, int64_t M, int64_t K, const Blocks *w, uint16_t *out, int64_t N,
                          float *xsum) {
-  const int64_t G = w->group, groups = K / G;
+  const int64_t G = w->group, groups = K / G, A = integer_scaled(*w) ? w->span : G, acts = K / A;
   thread_local std::vector<int32_t> pairs;
   thread_local std::vector<float> d;
-  thread_local std::vector<int32_t> total;
+  thread_local std::vector<int32_t> total, split;
   pairs.resize(M * K / 2);
-  d.resize(M * groups);
+  d.resize(M * acts);
   total.resize(M * groups);
-  quantize_rows(x, M, K, G, pairs.data(), d.data(), xsum, total.data());
+  split.resize(M * groups);
+  quantize_rows(x, M, K, A, G, pairs.data(), d.data(), xsum, total.data(), split.data());
   const int32_t *xq = pairs.data();
   const float *xd = d.data();
   const int32_t *xt = total.data();
+#if !defined(__AVX512BF16__)
+  const int32_t *xs = split.data();
+#endif
   auto run = [&](auto hb) {
     constexpr int HB = decltype(hb)::value;
     row_passes<blocks_per_tile<HB>>(M, N, [&](auto r, auto nt, int64_t m0, int64_t nb) {
       constexpr int MR = decltype(r)::value, NT = decltype(nt)::value;
 #if defined(__AVX512VNNI__)
       if constexpr (HB == 8 || NT % 2 == 0) {
-        blocks_tile_vnni<HB, MR, NT>(*w, xq + m0 * K / 2, K, xd + m0 * groups, xsum + m0 * groups, xt + m0 * groups,
-                                     nb, out + m0 * N, N);
+        if (HB == 2 && w->has_min)  // (mins matter only to the 6-bit codes' integer epilogue)
+          blocks_tile_vnni<HB, MR, NT, HB == 2>(*w, xq + m0 * K / 2, K, xd + m0 * acts, xsum + m0 * acts,
+                                             xt + m0 * groups, nb, out + m0 * N, N);
+        else
+          blocks_tile_vnni<HB, MR, NT, false>(*w, xq + m0 * K / 2, K, xd + m0 * acts, xsum + m0 * acts,
+                                              xt + m0 * groups, nb, out + m0 * N, N);
         return;
       }
+#elif !defined(__AVX512BF16__)
+      if constexpr (HB == 2)
+        if (integer_scaled(*w) && pairs_exact(*w)) {
+          blocks_tile_pairs<MR, NT>(*w, xq + m0 * K / 2, K, xd + m0 * acts, xt + m0 * groups, xs + m0 * groups,
+                                        nb, out + m0 * N, N);
+          return;
+        }
 #endif
-      blocks_tile<HB, MR, NT>(*w, xq + m0 * K / 2, K, xd + m0 * groups, xsum + m0 * groups, xt + m0 * groups, nb,
+      blocks_tile<HB, MR, NT>(*w, xq + m0 * K / 2, K, xd + m0 * acts, xsum + m0 * acts, xt + m0 * groups, nb,
                               out + m0 * N, N);
     });
   };
