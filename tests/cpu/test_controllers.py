@@ -296,6 +296,46 @@ def test_under_load_a_marginal_gain_does_not_start_speculation(monkeypatch):
     assert clear.choose(100, key="k", available=8) >= 1  # a gain well above the margin still speculates
 
 
+def test_under_load_a_draft_that_must_first_catch_up_is_not_started():
+    """A draft that sat out rounds feeds their tokens before its first drafted one. Under load that catch-up holds
+    back the step every session shares, so it is priced (a draft step a token): a draft that pays while it drafts
+    every round is not started 40 tokens behind. Alone, the rounds after it share the cost: lag does not count."""
+    for open_ended in (False, True):
+        loaded = _loaded_auto(0.95, 4)
+        assert loaded.loaded and loaded.choose(100, key="k", open_ended=open_ended, lag=1) >= 1
+        assert loaded.choose(100, key="k", open_ended=open_ended, lag=2) >= 1
+        assert loaded.choose(100, key="k", open_ended=open_ended, lag=40) == 0
+        alone = _loaded_auto(0.95, 1)
+        assert not alone.loaded and alone.choose(100, key="k", open_ended=open_ended, lag=40) >= 1
+
+
+def test_under_load_a_verify_position_costs_what_the_observed_steps_say_not_the_two_core_calibration(monkeypatch):
+    """Steps that run side by side on one core each take ~2x the calibration (two cores, one session): a verified
+    position costs that much more too. The slope auto prices a position at under load follows the observed steps'
+    time over the calibration's for as many tokens, so a draft that pays only at the calibration's slope is not
+    started."""
+    from specserve.speculation.controllers import _StepCost
+
+    profile = {n: 0.040 + 0.010 * (n - 1) for n in range(1, 10)}  # 10 ms a position on two cores
+
+    def loaded(step_s: float) -> AutoGamma:
+        auto = AutoGamma(8, profile, 0.008)
+        for _ in range(40):  # 8 sessions of one position each
+            auto.update(RoundObservation(0, 0, 0, [], 0.0, step_s, step_s, key="k", step_tokens=8,
+                                         step_sessions=8, step_time_s=step_s))
+        for _ in range(40):
+            auto.table("k").update([0.9], 0.15)
+        return auto
+
+    as_calibrated = loaded(profile[8])
+    assert as_calibrated.loaded and as_calibrated.step_cost.slope() == pytest.approx(0.010, rel=0.05)
+    side_by_side = loaded(0.252)  # 2.3x the calibration's 0.110 s for 8 positions
+    assert side_by_side.step_cost.slope() == pytest.approx(0.010 * 0.252 / profile[8], rel=0.05)
+    assert side_by_side.choose(100, key="k", lag=1) == 0
+    monkeypatch.setattr(_StepCost, "rescale", lambda self, ratio: None)
+    assert loaded(0.252).choose(100, key="k", lag=1) >= 1, "the test cannot tell the calibration's slope apart"
+
+
 def test_load_is_followed_at_once_when_it_arrives_and_gradually_when_it_leaves():
     auto = _loaded_auto(0.5, 1)
     assert not auto.loaded

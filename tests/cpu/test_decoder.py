@@ -193,7 +193,8 @@ def test_logprobs_are_the_targets_raw_log_probabilities_of_the_emitted_tokens(mo
 def test_each_round_reports_how_many_tokens_its_model_draft_fed_before_drafting():
     """What the controller needs to tell a draft step's cost from a catch-up: the context tokens the model draft
     fed before its first drafted token, as the draft's own cache says (1-2 while it drafts every round, one more
-    for each token of rounds it sat out), and 0 for rounds it did not draft."""
+    for each token of rounds it sat out), and 0 for rounds it did not draft; the controller is told it as `lag`
+    before it chooses."""
     import itertools
 
     from specserve.engine.loop import speculate
@@ -207,9 +208,10 @@ def test_each_round_reports_how_many_tokens_its_model_draft_fed_before_drafting(
     class Scripted(FixedGamma):
         def __init__(self, gammas: list[int]):
             super().__init__(max(gammas))
-            self.gammas, self.seen = list(gammas), []
+            self.gammas, self.seen, self.lags = list(gammas), [], []
 
-        def choose(self, remaining=None, key=None, available=None, open_ended=False) -> int:
+        def choose(self, remaining=None, key=None, available=None, open_ended=False, lag=0) -> int:
+            self.lags.append(lag)
             return self.gammas.pop(0) if self.gammas else 0
 
         def update(self, obs) -> None:
@@ -229,6 +231,7 @@ def test_each_round_reports_how_many_tokens_its_model_draft_fed_before_drafting(
     list(itertools.islice(rounds, 10))
     assert len(script.seen) == 10
     assert [o.draft_fed for o in script.seen if o.gamma] == fed
+    assert [lag for lag, o in zip(script.lags, script.seen) if o.gamma] == fed  # the controller knew it beforehand
     assert [o.draft_fed for o in script.seen if not o.gamma] == [0, 0, 0]
     assert max(fed) > 2  # a catch-up was among them
     assert {o.accepted == o.drafted for o in script.seen if o.gamma} == {True, False}  # blocks kept whole and cut

@@ -45,10 +45,11 @@ def draft_block(
     params: SamplingParams,
     rng: PositionRNG,
     vocab: int,
+    lag: int = 0,
 ) -> tuple[Proposal, int, bool]:
     """(proposal, γ chosen, whether prompt lookup drafted it). A free draft proposes first so γ can depend on
     the proposal's quality; a draft that stops early gets γ as a ceiling and asks the controller after each
-    token."""
+    token. lag: context tokens a model draft would feed first (`GammaController.choose`)."""
     if proposer is None:
         return empty_proposal(vocab), 0, False
 
@@ -63,7 +64,7 @@ def draft_block(
         found, g = trimmed(proposer.lookup_proposal)
         if g:
             return found, g, True
-    g = controller.choose(remaining, open_ended=proposer.stops_early)
+    g = controller.choose(remaining, open_ended=proposer.stops_early, lag=lag)
     if g == 0:
         return empty_proposal(vocab), 0, False
     if proposer.stops_early:  # γ: the depth the draft went on to; verified: what is worth it of that
@@ -117,7 +118,8 @@ def speculate(
         while produced < max_new_tokens:
             t_round = time.perf_counter()
             remaining = max_new_tokens - produced
-            proposal, g, looked_up = draft_block(proposer, controller, context, remaining, params, rng, vocab)
+            proposal, g, looked_up = draft_block(proposer, controller, context, remaining, params, rng, vocab,
+                                                 len(context) - in_draft)
             t_drafted = time.perf_counter()
             model_drafted = g > 0 and not looked_up and proposer is not None and not proposer.free
             draft_fed = len(context) - in_draft if model_drafted else 0

@@ -64,13 +64,15 @@ class GammaController(ABC):
 
     @abstractmethod
     def choose(self, remaining: int | None = None, key: str | None = None, available: int | None = None,
-               open_ended: bool = False) -> int:
+               open_ended: bool = False, lag: int = 0) -> int:
         """γ for the next round.
 
         remaining: tokens still wanted (caps useless depth). For free drafts
         (n-gram) the proposal exists before γ is chosen: `key` is its quality
         class and `available` its length, and γ only trims it. open_ended: the
         draft will ask `keep_drafting` after each token, so γ is a ceiling.
+        lag: context tokens a model draft's cache lacks, which it feeds before
+        its first drafted token (1-2 while it drafts every round).
         """
 
     def keep_drafting(self, confidences: list[float], key: str | None = None) -> bool:
@@ -101,7 +103,7 @@ class FixedGamma(GammaController):
         self.name = f"fixed:{gamma}"
 
     def choose(self, remaining: int | None = None, key: str | None = None, available: int | None = None,
-               open_ended: bool = False) -> int:
+               open_ended: bool = False, lag: int = 0) -> int:
         return self._cap(self.gamma, remaining, available)
 
 
@@ -115,7 +117,7 @@ class HeuristicGamma(GammaController):
         self.gamma_max = self.max_gamma = gamma_max
 
     def choose(self, remaining: int | None = None, key: str | None = None, available: int | None = None,
-               open_ended: bool = False) -> int:
+               open_ended: bool = False, lag: int = 0) -> int:
         return self._cap(self.gamma, remaining, available)
 
     def update(self, obs: RoundObservation) -> None:
@@ -186,6 +188,12 @@ class _StepCost:
         self.decay = decay
         self.n = self.t = self.nn = self.nt = 0.0
         self.seen = 0
+        # observed steps over the calibration's time for as many tokens: the prior slope is the calibration's
+        # times this (concurrent steps on one core each run ~2x the two-core calibration, and so does a token)
+        self.scale: float | None = None
+
+    def rescale(self, ratio: float) -> None:
+        self.scale = ratio if self.scale is None else self.scale + self.decay * (ratio - self.scale)
 
     def update(self, tokens: int, seconds: float) -> None:
         w = self.decay if self.seen else 1.0
@@ -198,7 +206,8 @@ class _StepCost:
     def slope(self) -> float:
         var = max(0.0, self.nn - self.n * self.n)
         cov = self.nt - self.n * self.t
-        return max(0.0, (cov + self.PRIOR * self.prior_slope) / (var + self.PRIOR))
+        prior = self.prior_slope * (self.scale or 1.0)
+        return max(0.0, (cov + self.PRIOR * prior) / (var + self.PRIOR))
 
     def at(self, tokens: float) -> float:
         return max(1e-6, self.t + self.slope() * (tokens - self.n))
@@ -300,6 +309,10 @@ class AutoGamma(GammaController):
     def verify_time(self, positions: int) -> float:
         if self.loaded:  # the step with the others' tokens and these positions
             return self.step_cost.at(max(0.0, self.load_tokens - self.own_positions) + positions)
+        return self._profile_time(positions)
+
+    def _profile_time(self, positions: float) -> float:
+        """A lone session's verify of `positions` (the calibration, refined by its own rounds), interpolated."""
         if positions in self.verify_s:
             return self.verify_s[positions]
         known = sorted(self.verify_s)
@@ -313,6 +326,13 @@ class AutoGamma(GammaController):
             lo, hi = (known[-2], known[-1]) if positions > known[-1] else (known[0], known[1])
         slope = (self.verify_s[hi] - self.verify_s[lo]) / (hi - lo)
         return max(1e-6, self.verify_s[lo] + slope * (positions - lo))
+
+    def catch_up_time(self, lag: int) -> float:
+        """What feeding a draft that lags `lag` tokens adds to a round's start under load (one draft step a token
+        past the 1-2 of a draft that drafts every round): there it holds the shared step back, and a session
+        rarely drafts the rounds after it that would share the cost (drafting after sitting out fed 20-48 tokens
+        and cost 16 streams ~10% against γ=0, docs/benchmarks-log.md). Alone, the rounds after it do."""
+        return max(0, lag - 2) * (self.draft_step_s or 0.0) if self.loaded else 0.0
 
     def round_time(self, gamma: int) -> float:
         draft = gamma * (self.draft_step_s or 0.0)
@@ -362,8 +382,9 @@ class AutoGamma(GammaController):
 
     # -- interface ---------------------------------------------------------
     def choose(self, remaining: int | None = None, key: str | None = None, available: int | None = None,
-               open_ended: bool = False) -> int:
+               open_ended: bool = False, lag: int = 0) -> int:
         limit = self._cap(self.gamma_max, remaining, available)
+        catch_up = self.catch_up_time(lag)
         # the γ worth drafting (beats γ=0) with the most tokens per second; one pass, every session every round
         # (under load a worker's sessions choose between its steps, so this is kept cheap)
         table, others, base_s = self.table(key), self.others_tokens(), self.round_time(0)
@@ -372,7 +393,7 @@ class AutoGamma(GammaController):
         for g in range(1, limit + 1):
             survive *= table.at(g)
             tokens += survive
-            seconds = self.round_time(g)
+            seconds = self.round_time(g) + catch_up
             round_times.append(seconds)
             rate = (tokens + others) / seconds
             if rate > best_rate and self._beats_zero(tokens, seconds, others, base_s):
@@ -463,6 +484,8 @@ class AutoGamma(GammaController):
                     slope = (self.verify_s[ns[-1]] - self.verify_s[ns[0]]) / (ns[-1] - ns[0]) if len(ns) > 1 else 0.0
                     self.step_cost = _StepCost(slope, w)
                 self.step_cost.update(obs.step_tokens, obs.step_time_s)
+                if self.verify_s:
+                    self.step_cost.rescale(obs.step_time_s / self._profile_time(obs.step_tokens))
             if obs.step_sessions > self.load_sessions:  # load arrives at once (sessions start together): follow it
                 self.load_sessions, self.load_tokens = float(obs.step_sessions), step_tokens
             else:  # and leaves gradually
