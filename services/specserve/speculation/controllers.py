@@ -330,8 +330,8 @@ class AutoGamma(GammaController):
     def catch_up_time(self, lag: int) -> float:
         """What feeding a draft that lags `lag` tokens adds to a round's start under load (one draft step a token
         past the 1-2 of a draft that drafts every round): there it holds the shared step back, and a session
-        rarely drafts the rounds after it that would share the cost (drafting after sitting out fed 20-48 tokens
-        and cost 16 streams ~10% against γ=0, docs/benchmarks-log.md). Alone, the rounds after it do."""
+        rarely drafts the rounds after it that would share the cost (drafts resumed after rounds at γ=0 fed 20-48
+        tokens and cost 16 streams ~10% against γ=0, docs/benchmarks-log.md). Alone, the rounds after it do."""
         return max(0, lag - 2) * (self.draft_step_s or 0.0) if self.loaded else 0.0
 
     def round_time(self, gamma: int) -> float:
