@@ -337,6 +337,36 @@ def test_silu_mul_is_silu_times_up():
     assert torch.equal(cpu.silu_mul(gate_up[4:5]), ours[4:5])  # a row as if alone
 
 
+def test_gelu_mul_is_gelus_tanh_form_times_up():
+    """Gemma's GeGLU: within a bfloat16 rounding of torch's, mostly equal to it, a row as if alone; negative inputs
+    far out (where 1 + tanh cancels) included."""
+    torch.manual_seed(0)
+    gate_up = (torch.randn(9, 2 * 96) * 3).bfloat16()
+    gate_up[0, :8] = torch.tensor([-12.0, -8.0, -5.0, -3.5, 0.0, 1e-3, -1e-3, 9.0]).bfloat16()
+    gate, up = gate_up.chunk(2, -1)
+    ours, ref = cpu.gelu_mul(gate_up), F.gelu(gate, approximate="tanh") * up
+    assert ours.shape == ref.shape and ours.dtype == torch.bfloat16
+    g = gate.double()  # as x · sigmoid(2u): float64's 1 + tanh(u) is 0 far out, where the function is not
+    exact = g * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)) * up.double()
+    assert ((ours.double() - exact).abs() <= 2**-7 * exact.abs() + 1e-30).all()
+    assert (ours == ref).float().mean() > 0.9  # (torch's float32 tanh form rounds differently: 0 for x < -5)
+    assert torch.equal(cpu.gelu_mul(gate_up[4:5]), ours[4:5])
+
+
+def test_rms_norm_with_float32_weights_scales_before_the_cast():
+    """Gemma's (1 + w) and OLMo 2's norms: bfloat16(x / rms(x) · w) in float32, one rounding, as torch's float32
+    forward of it rounds: within a rounding of it, mostly equal, a row as if alone."""
+    torch.manual_seed(0)
+    x = (torch.randn(7, 160) * 4).bfloat16()
+    w = 1.0 + torch.randn(160) * 0.3
+    ours = cpu.rms_norm(x, w, 1e-6)
+    ref = (F.rms_norm(x.float(), (160,), eps=1e-6) * w).bfloat16()
+    assert ((ours.float() - ref.float()).abs() <= 2**-8 * ref.float().abs()).all()
+    assert (ours == ref).float().mean() > 0.95
+    assert torch.equal(cpu.rms_norm(x[3:4], w, 1e-6), ours[3:4])
+    assert not torch.equal(ours, cpu.rms_norm(x, w.bfloat16(), 1e-6))  # the weights' dtype picks the kernel
+
+
 def _quantization(method: str, monkeypatch) -> str:
     """"int4-q8": int4 weights, int8 activations (SPECSERVE_CPU_ACTIVATIONS=int8)."""
     if method == "int4-q8":
@@ -345,12 +375,14 @@ def _quantization(method: str, monkeypatch) -> str:
     return method
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma", "gemma3", "olmo2"])
 @pytest.mark.parametrize("method", ["int4", "int4-q8", "int8"])
 def test_fused_layers_equal_the_per_op_path(monkeypatch, method, family):
     """A quantized bf16 model's prompts, decode steps and verify blocks through `FusedLayers` (one call a layer; its
-    rotary, residual adds, q|k|v biases (Qwen2), per-head q/k norms (Qwen3) and roundings in C++): the same logits
-    as the per-op path bit for bit, a verify block's rows the decode steps'."""
+    rotary, residual adds, q|k|v biases (Qwen2), q/k norms per head (Qwen3, Gemma 3) or over all heads (OLMo 2),
+    GeGLU and Gemma's float32 norms, sandwiched (Gemma 3) or after attention and MLP only (OLMo 2), local and
+    global ropes (Gemma 3) and roundings in C++): the same logits as the per-op path bit for bit, a verify block's
+    rows the decode steps'."""
     method = _quantization(method, monkeypatch)
     dense = tiny_llama(0, vocab=64, layers=2, hidden=128, heads=4, kv_heads=2, dtype=torch.bfloat16) \
         if family == "llama" else tiny_family(family, vocab=64, dtype=torch.bfloat16, spread=0.08, wide=True)

@@ -131,10 +131,11 @@ class Arch:
         return self.gemma or self.norms == "post"
 
     @property
-    def llama_layer(self) -> bool:
-        """Whether a layer computes as Llama's does (what the fused CPU kernel implements)."""
-        return (self.act == "silu" and not self.gemma and self.norms == "pre" and self.qk_norm in (None, "head")
-                and self.rotary_dim == self.head_dim)
+    def fused_layer(self) -> bool:
+        """Whether the fused CPU kernel computes this family's layer: Llama's, with q|k|v biases, q/k norms (per head
+        or over all heads), GeGLU, and float32 norms (Gemma's 1 + w, OLMo 2's) before, around or after the
+        attention and the MLP as options."""
+        return self.act in ("silu", "gelu_tanh") and self.rotary_dim == self.head_dim
 
     def tp_reason(self) -> str | None:
         """Why tensor parallelism does not split this family, or None."""
@@ -243,19 +244,15 @@ def kernel_path(a: Arch) -> str:
     """What specserve's CPU kernels run of a bfloat16 step of this arch (where they run at all: `kernels.cpu`)."""
     if a.attn_softcap is not None:
         return "op by op (attention soft-capping: torch's attention)"
-    if not a.llama_layer:
-        return "attention; the rest op by op (" + _not_llama(a) + ")"
+    if not a.fused_layer:
+        return "attention; the rest op by op (" + _not_fused(a) + ")"
     return "fused layers"
 
 
-def _not_llama(a: Arch) -> str:
+def _not_fused(a: Arch) -> str:
     parts = []
-    if a.act != "silu":
-        parts.append("GeGLU")
-    if a.gemma or a.norms != "pre":
-        parts.append("other norms")
-    if a.qk_norm == "full":
-        parts.append("q/k norms over all heads")
+    if a.act not in ("silu", "gelu_tanh"):
+        parts.append(f"activation {a.act}")
     if a.rotary_dim != a.head_dim:
         parts.append("partial rotary")
     return ", ".join(parts)

@@ -139,8 +139,7 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
         slots = torch.cat([torch.arange(b + s, b + s + n) for b, s, n in zip(arena[2], starts, sizes)]).to(w.device)
     if fused is not None:  # every layer in one kernel call each
         x = x.contiguous() if hidden is None else x.clone()  # updated in place: never the caller's states
-        cos, sin = cs[0]
-        fused.run(x, cos, sin, kernel, w.heads, w.kv_heads, w.head_dim, w.eps)
+        fused.run(x, cs, kernel, w.heads, w.kv_heads, w.head_dim, w.eps)
     for i, layer in enumerate(w.layers if fused is None else ()):
         for at, layer_id in enumerate(aux or ()):
             if layer_id == i:
@@ -258,8 +257,8 @@ def layer_output(w: LeanWeights, layer: Layer, x: torch.Tensor, att: torch.Tenso
         y = norm(w, y, layer.norm_attn_out)
     x = x + y
     gate_up = linear(x if layer.norm_mlp is None else norm(w, x, layer.norm_mlp), layer.gate_up)
-    if w.arch.act == "silu" and cpu.rms_ok(gate_up):  # the kernels' SiLU, as `FusedLayers`
-        act = cpu.silu_mul(gate_up)
+    if w.arch.act in _KERNEL_ACT and cpu.rms_ok(gate_up):  # the kernels' activation, as `FusedLayers`
+        act = _KERNEL_ACT[w.arch.act](gate_up)
     else:
         gate, up = gate_up.chunk(2, -1)
         act = _ACT[w.arch.act](gate) * up
@@ -272,6 +271,7 @@ def layer_output(w: LeanWeights, layer: Layer, x: torch.Tensor, att: torch.Tenso
 
 
 _ACT = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "gelu": F.gelu}
+_KERNEL_ACT = {"silu": cpu.silu_mul, "gelu_tanh": cpu.gelu_mul}
 
 
 def sdpa(w: LeanWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
@@ -376,10 +376,15 @@ class _PaddedAttention:
 
 def norm(w: LeanWeights, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """An RMS norm of x over its last dimension with `weight` as `weights.LeanWeights` keeps it: Llama's scales
-    after casting back, Gemma's and OLMo 2's before (their weights float32)."""
-    if not w.arch.norm_in_float32:
+    after casting back, Gemma's and OLMo 2's before (their weights float32; the kernels' norm reads the dtype)."""
+    if not w.arch.norm_in_float32 or _kernel_rows(x):
         return _rms(x, weight, w.eps)
     return (F.rms_norm(x.float(), (x.shape[-1],), eps=w.eps) * weight).to(x.dtype)
+
+
+def _kernel_rows(x: torch.Tensor) -> bool:
+    """Whether the kernels' RMS norm takes x: [M, H], or [T, heads, D] a head a row."""
+    return (x.dim() == 3 and x.shape[0] and cpu.rms_ok(x[0])) or (x.dim() == 2 and cpu.rms_ok(x))
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -159,12 +159,13 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.specserve_blocks_mm.argtypes = [p, i, i, p, p, i, p]
     lib.specserve_pack_codes.argtypes = [p, i, i, i, p, p]
     lib.specserve_attend.argtypes = [p, i, p, i, p, i, p, p, i, p, i, i, i, i, ctypes.c_float, i, p]
-    lib.specserve_rms_norm.argtypes = [p, i, p, i, i, ctypes.c_float, p]
-    lib.specserve_silu_mul.argtypes = [p, i, i, p]
-    lib.specserve_layers.argtypes = [p, i, i, i, p, p, ctypes.c_float, p, p, p, p, p, p, p, p, i, i, p, i, i, i,
-                                     i, ctypes.c_float, p, p, p]
+    lib.specserve_rms_norm.argtypes = lib.specserve_rms_norm_f32.argtypes = [p, i, p, i, i, ctypes.c_float, p]
+    lib.specserve_silu_mul.argtypes = lib.specserve_gelu_mul.argtypes = [p, i, i, p]
+    lib.specserve_layers.argtypes = [p, i, i, i, p, p, p, p, i, ctypes.c_float, p, p, p, p, p, p, p, p, i, i, p,
+                                     i, i, i, i, ctypes.c_float, p, p, p]
     for f in (lib.specserve_int4_mm, lib.specserve_int4q8_mm, lib.specserve_int8_mm, lib.specserve_blocks_mm,
-              lib.specserve_attend, lib.specserve_rms_norm, lib.specserve_silu_mul, lib.specserve_layers):
+              lib.specserve_attend, lib.specserve_rms_norm, lib.specserve_rms_norm_f32, lib.specserve_silu_mul,
+              lib.specserve_gelu_mul, lib.specserve_layers):
         f.restype = None
     lib.specserve_isa.restype = ctypes.c_int
     assert lib.specserve_isa() == (512 if isa == "avx512" else 2), f"{path} is not the {isa} build"
@@ -391,10 +392,13 @@ def rms_ok(x: torch.Tensor) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight · bf16(x / rms(x)) over the last dimension of x [M, H] (bfloat16, rows contiguous)."""
+    """An RMS norm over the last dimension of x [M, H] (bfloat16, rows contiguous): weight · bf16(x / rms(x)) for
+    bfloat16 weights (Llama's), bf16(x / rms(x) · weight) in float32 for float32 ones (Gemma's 1 + w, OLMo 2's)."""
     m, h = x.shape
     out = torch.empty(m, h, dtype=torch.bfloat16)
-    library().specserve_rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), m, h, eps, out.data_ptr())
+    f = library().specserve_rms_norm_f32 if weight.dtype == torch.float32 else library().specserve_rms_norm
+    weight = weight.contiguous()  # (held here: the call reads it)
+    f(x.data_ptr(), x.stride(0), weight.data_ptr(), m, h, eps, out.data_ptr())
     return out
 
 
@@ -427,6 +431,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     m, i = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(m, i, dtype=torch.bfloat16)
     library().specserve_silu_mul(gate_up.data_ptr(), m, i, out.data_ptr())
+    return out
+
+
+def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """bfloat16(bfloat16(gelu_tanh(gate)) · up) of gate_up [M, 2I] (Gemma's GeGLU), as `silu_mul`: GELU's tanh form
+    in float32 with the kernels' exp, the values `specserve_layer` computes."""
+    gate_up = gate_up.contiguous()
+    m, i = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(m, i, dtype=torch.bfloat16)
+    library().specserve_gelu_mul(gate_up.data_ptr(), m, i, out.data_ptr())
     return out
 
 

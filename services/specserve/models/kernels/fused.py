@@ -18,15 +18,18 @@ class _Linear(ctypes.Structure):  # csrc: struct Linear
 
 
 class FusedLayers:
-    """Every decoder layer of a bfloat16 model whose four linear layers all run on these kernels (a bias on q|k|v
-    and per-head q/k norms too: Qwen2's, Qwen3's; none on the output's), as one `specserve_layers` call a step: a decode step's or a short verify block's ~20 torch
-    ops a layer, with their dispatch, took a third of its time (docs/benchmarks.md). The same kernels in the
-    same order as the per-op path, so its values are the per-op path's (tests/cpu/test_cpukernels.py)."""
+    """Every decoder layer of a bfloat16 model whose four linear layers all run on these kernels (a bias on q|k|v,
+    q/k norms, GeGLU, float32 norms, sandwiched or after the attention and the MLP only: Qwen2's, Qwen3's,
+    Gemma's, Gemma 3's and OLMo 2's; no bias on the output's), as one `specserve_layers` call a step: a decode step's or a short verify block's ~20 torch ops a
+    layer, with their dispatch, took a third of its time (docs/benchmarks.md). The same kernels in the same order
+    as the per-op path, so its values are the per-op path's (tests/cpu/test_cpukernels.py)."""
 
-    def __init__(self, layers: list, rows_below: int):
-        # (norm_in, norm_post, ctypes array of 4 _Linear, the linears they point into, sliding window or 0); each
-        # layer's 4 structs a view into one array of all of them, for `specserve_layers`
+    def __init__(self, layers: list, rows_below: int, flags: int = 0, ropes: list[int] | None = None):
+        # (norm_in, norm_post, ctypes array of 4 _Linear, the linears they point into, sliding window or 0,
+        # (q|k|v bias, q norm, k norm, attention output's norm, MLP output's norm)); each layer's 4 structs a view
+        # into one array of all of them, for `specserve_layers`. flags: csrc specserve_layer's
         n = len(layers)
+        self.flags = flags
         self._linears = (_Linear * (4 * n))()
         self.layers = []
         for i, (norm_in, norm_post, structs, linears, window, extras) in enumerate(layers):
@@ -34,17 +37,18 @@ class FusedLayers:
             for j in range(4):
                 view[j] = structs[j]
             self.layers.append((norm_in, norm_post, view, linears, window, extras))
-        self._norms_in = (ctypes.c_void_p * n)(*[layer[0].data_ptr() for layer in layers])
-        self._norms_post = (ctypes.c_void_p * n)(*[layer[1].data_ptr() for layer in layers])
-        # q|k|v's bias, the q and k norms: a layer's tensor or null (the layers keep them alive)
-        self._b_qkv, self._q_norm, self._k_norm = (
+        self._norms_in, self._norms_post = (
+            (ctypes.c_void_p * n)(*[None if layer[j] is None else layer[j].data_ptr() for layer in layers])
+            for j in range(2))
+        # q|k|v's bias, the q and k norms, the outputs' norms: a layer's tensor or null (the layers keep them alive)
+        self._b_qkv, self._q_norm, self._k_norm, self._norms_attn_out, self._norms_mlp_out = (
             (ctypes.c_void_p * n)(*[None if layer[5][j] is None else layer[5][j].data_ptr() for layer in layers])
-            for j in range(3))
+            for j in range(5))
         self._windows = (ctypes.c_int64 * n)(*[layer[4] for layer in layers])
+        self.ropes = ropes or [0] * n  # each layer's rotary table (Gemma 3: local and global)
         self.rows_below = rows_below  # steps of fewer rows than this (no layer's dense copy taking over)
-        h = layers[0][0].shape[0]
         lin = layers[0][2]
-        self.hidden, self.inter = h, lin[2].N // 2
+        self.hidden, self.inter = lin[0].K, lin[2].N // 2
         self.qkv = lin[0].N
         self.max_groups = max(l.K // l.group if l.kind in (4, 5, 6) else 1 for layer in layers for l in layer[2])
         self.int8_activations = False
@@ -62,7 +66,7 @@ class FusedLayers:
     @classmethod
     def plan(cls, w) -> FusedLayers | None:
         """The plan for `LeanWeights` w, or None where a layer cannot be fused (made once per weights)."""
-        if not (w.arch.llama_layer and w.kernel_attention):  # the kernel computes Llama's layer only
+        if not (w.arch.fused_layer and w.kernel_attention):
             return None
         rows_below, layers = 1 << 30, []
         for layer in w.layers:
@@ -80,23 +84,29 @@ class FusedLayers:
                 if q.dense is not None:
                     rows_below = min(rows_below, q.dense_from)
             # the linears keep the addresses valid
-            extras = tuple(None if t is None else t.contiguous() for t in (layer.b_qkv, layer.q_norm, layer.k_norm))
+            extras = tuple(None if t is None else t.contiguous() for t in (layer.b_qkv, layer.q_norm, layer.k_norm,
+                                                                             layer.norm_attn_out, layer.norm_mlp_out))
             layers.append((layer.norm_in, layer.norm_mlp, structs, linears, layer.window or 0, extras))
-        return cls(layers, rows_below) if layers else None
+        flags = (1 if w.arch.norm_in_float32 else 0) | (2 if w.arch.act == "gelu_tanh" else 0) \
+            | (4 if w.arch.qk_norm == "full" else 0)
+        return cls(layers, rows_below, flags, [layer.rope for layer in w.layers]) if layers else None
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention, heads: int,
-            kv_heads: int, head_dim: int, eps: float) -> None:
+    def run(self, x: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]], attention: Attention,
+            heads: int, kv_heads: int, head_dim: int, eps: float) -> None:
         """Every layer over x [T, hidden] (bfloat16, contiguous; updated in place) with `attention`'s sequences
-        (all of the step's)."""
+        (all of the step's). tables: the (cos, sin) of each of the model's ropes at the rows' positions."""
         self._int4_kind()
         t = x.shape[0]
         per_row = 2 * self.hidden + 2 * self.qkv + heads * head_dim + 3 * self.inter
         scratch = torch.empty(t * per_row, dtype=torch.bfloat16)
         xsum = torch.empty(t * self.max_groups, dtype=torch.float32)
-        cos, sin = cos.reshape(t, head_dim).contiguous(), sin.reshape(t, head_dim).contiguous()
+        flat = [(c.reshape(t, head_dim).contiguous(), s.reshape(t, head_dim).contiguous()) for c, s in tables]
+        n = len(self.layers)
+        cos = (ctypes.c_void_p * n)(*[flat[r][0].data_ptr() for r in self.ropes])
+        sin = (ctypes.c_void_p * n)(*[flat[r][1].data_ptr() for r in self.ropes])
         k, v = attention.k, attention.v
         library().specserve_layers(
-            x.data_ptr(), t, self.hidden, len(self.layers), self._norms_in, self._norms_post, eps, self._linears,
-            self._b_qkv, self._q_norm, self._k_norm, cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
-            attention.info.data_ptr(), attention.count, heads, kv_heads, head_dim, attention.scale, self._windows,
-            scratch.data_ptr(), xsum.data_ptr())
+            x.data_ptr(), t, self.hidden, n, self._norms_in, self._norms_post, self._norms_attn_out,
+            self._norms_mlp_out, self.flags, eps, self._linears, self._b_qkv, self._q_norm, self._k_norm, cos, sin,
+            k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), attention.info.data_ptr(), attention.count, heads,
+            kv_heads, head_dim, attention.scale, self._windows, scratch.data_ptr(), xsum.data_ptr())

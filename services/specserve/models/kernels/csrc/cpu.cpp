@@ -1633,6 +1633,23 @@ void specserve_rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *wei
   }
 }
 
+// bfloat16(x / rms(x) · weight) for rows of x [M, H] (`x_stride` apart) with float32 weights (Gemma's 1 + w,
+// OLMo 2's): the normalisation and the scaling in float32, one rounding, as `lean.norm` for those families.
+void specserve_rms_norm_f32(const uint16_t *x, int64_t x_stride, const float *weight, int64_t M, int64_t H,
+                            float eps, uint16_t *out) {
+#pragma omp parallel for schedule(static) if (M >= 16)
+  for (int64_t m = 0; m < M; m++) {
+    const uint16_t *row = x + m * x_stride;
+    vec ss = zero();
+    for (int64_t c = 0; c < H; c += 16) {
+      const vec a = load_bf16(row + c, H - c);
+      ss = fmadd(a, a, ss);
+    }
+    const float r = 1.0f / sqrtf(reduce_add(ss) / (float)H + eps);
+    for (int64_t c = 0; c < H; c++) out[m * H + c] = float_to_bf16(bf16_to_float(row[c]) * r * weight[c]);
+  }
+}
+
 
 // A blocks weight's codes [N, K] (one a byte) in the layout specserve_blocks_mm reads (struct Blocks), in one
 // pass: for each 16 outputs and 4 inputs, lo holds 8-bit codes less 128 [16][4], or low nibbles, inputs j and
@@ -1681,6 +1698,24 @@ void specserve_silu_mul(const uint16_t *gate_up, int64_t T, int64_t I, uint16_t 
   }
 }
 
+// act[t, i] = bfloat16(bfloat16(gelu_tanh(gate)) · up) for gate_up [T, 2I] (gate first): GELU's tanh form in
+// float32 as x · sigmoid(2u), u = sqrt(2/pi) · (x + 0.044715 x^3) (the same function, without 1 + tanh's
+// cancellation for negative x), with the kernels' exp.
+void specserve_gelu_mul(const uint16_t *gate_up, int64_t T, int64_t I, uint16_t *act) {
+  const vec one = set1(1.0f), c0 = set1(1.5957691216057308f), c1 = set1(0.044715f);  // c0 = 2 sqrt(2/pi)
+#pragma omp parallel for schedule(static) if (T >= 4)
+  for (int64_t t = 0; t < T; t++) {
+    const uint16_t *g = gate_up + t * 2 * I, *u = g + I;
+    for (int64_t i = 0; i < I; i += 16) {
+      const vec x = load_bf16(g + i, I - i);
+      const vec two_u = mul(c0, fmadd(mul(c1, x), mul(x, x), x));
+      const vec e = exp_nonpositive(sub(zero(), abs(two_u)));  // e^-|2u|
+      const vec sig = div(where_negative(two_u, e, one), add(one, e));
+      store_bf16(act + t * I + i, mul(round_bf16(mul(x, sig)), load_bf16(u + i, I - i)), I - i);
+    }
+  }
+}
+
 }  // extern "C"
 
 namespace {
@@ -1706,6 +1741,16 @@ void residual_add(uint16_t *x, const uint16_t *y, int64_t n) {  // x = bfloat16(
   for (int64_t i = 0; i < n; i += 16) store_bf16(x + i, add(load_bf16(x + i, n - i), load_bf16(y + i, n - i)), n - i);
 }
 
+// An RMS norm of rows with the family's weights: bfloat16 ones scaled after the cast (Llama's), or float32 ones
+// before it (f32: Gemma's 1 + w). In place where out is x.
+void norm_rows(const uint16_t *x, int64_t stride, const void *weight, bool f32, int64_t M, int64_t H, float eps,
+               uint16_t *out) {
+  if (f32)
+    specserve_rms_norm_f32(x, stride, (const float *)weight, M, H, eps, out);
+  else
+    specserve_rms_norm(x, stride, (const uint16_t *)weight, M, H, eps, out);
+}
+
 void linear(const Linear &w, const uint16_t *x, int64_t M, uint16_t *out, float *xsum) {
   if (w.kind == 4)
     specserve_int4_mm(x, M, w.K, (const uint8_t *)w.codes, (const uint16_t *)w.scales, w.group, out, w.N, xsum);
@@ -1723,53 +1768,70 @@ extern "C" {
 // One decoder layer over T rows of x [T, H] (updated in place) for sequences whose new blocks all go through
 // specserve_attend: the same kernels, in the same order and with the same roundings, as lean._lean_forward's
 // per-op path, in one call. lin: qkv, o, gate_up, down. b_qkv: q|k|v's bias [QKV] or null (Qwen2); q_norm,
-// k_norm: RMS norms over each query and key head [D] or null (Qwen3). scratch: bfloat16 of
-// T · (2H + 2·QKV + heads·D + 3I) (QKV = (heads + 2·kv_heads)·D, I = gate_up's N / 2); xsum: float32 of
-// T · max(K / group).
-void specserve_layer(uint16_t *x, int64_t T, int64_t H, const uint16_t *norm_in, const uint16_t *norm_post, float eps,
-                     const Linear *lin, const uint16_t *b_qkv, const uint16_t *q_norm, const uint16_t *k_norm,
+// k_norm: RMS norms over each query and key head [D] or null (Qwen3, Gemma 3). norm_in, norm_post: the norms
+// before the attention and the MLP, or null (OLMo 2); norm_attn_out, norm_mlp_out: the norms of the attention's
+// and the MLP's outputs before their residual adds, or null (Gemma 2/3's sandwich, OLMo 2's). flags: 1, the
+// norms' weights are float32 and scale before the cast (Gemma's 1 + w, OLMo 2's); 2, the MLP's activation is
+// GELU's tanh form (Gemma's GeGLU), else SiLU; 4, q_norm and k_norm span all of a row's query heads and all its
+// key heads [heads·D], [kv_heads·D] (OLMo 2). scratch: bfloat16 of T · (2H + 2·QKV + heads·D + 3I)
+// (QKV = (heads + 2·kv_heads)·D, I = gate_up's N / 2); xsum: float32 of T · max(K / group).
+void specserve_layer(uint16_t *x, int64_t T, int64_t H, const void *norm_in, const void *norm_post,
+                     const void *norm_attn_out, const void *norm_mlp_out, int64_t flags, float eps,
+                     const Linear *lin, const uint16_t *b_qkv, const void *q_norm, const void *k_norm,
                      const uint16_t *cos, const uint16_t *sin, uint16_t *k, uint16_t *v,
                      int64_t head_stride, const int64_t *info, int64_t nseq, int64_t heads, int64_t kv_heads,
                      int64_t D, float scale, int64_t window, uint16_t *scratch, float *xsum) {
   const int64_t QK = (heads + kv_heads) * D, QKV = QK + kv_heads * D, I = lin[2].N / 2;
   uint16_t *h = scratch, *qkv = h + T * H, *qk = qkv + T * QKV, *att = qk + T * QKV, *o = att + T * heads * D;
   uint16_t *gate_up = o + T * H, *act = gate_up + T * 2 * I;
-  specserve_rms_norm(x, H, norm_in, T, H, eps, h);
-  linear(lin[0], h, T, qkv, xsum);
+  const bool f32 = flags & 1;
+  if (norm_in != nullptr) norm_rows(x, H, norm_in, f32, T, H, eps, h);
+  linear(lin[0], norm_in != nullptr ? h : x, T, qkv, xsum);
   if (b_qkv != nullptr)
     for (int64_t t = 0; t < T; t++) residual_add(qkv + t * QKV, b_qkv, QKV);
-  if (q_norm != nullptr)  // in place, a head a row
+  if (q_norm != nullptr && (flags & 4))  // in place, all of a row's heads at once
     for (int64_t t = 0; t < T; t++) {
-      specserve_rms_norm(qkv + t * QKV, D, q_norm, heads, D, eps, qkv + t * QKV);
-      specserve_rms_norm(qkv + t * QKV + heads * D, D, k_norm, kv_heads, D, eps, qkv + t * QKV + heads * D);
+      norm_rows(qkv + t * QKV, QKV, q_norm, f32, 1, heads * D, eps, qkv + t * QKV);
+      norm_rows(qkv + t * QKV + heads * D, QKV, k_norm, f32, 1, kv_heads * D, eps, qkv + t * QKV + heads * D);
+    }
+  else if (q_norm != nullptr)  // in place, a head a row
+    for (int64_t t = 0; t < T; t++) {
+      norm_rows(qkv + t * QKV, D, q_norm, f32, heads, D, eps, qkv + t * QKV);
+      norm_rows(qkv + t * QKV + heads * D, D, k_norm, f32, kv_heads, D, eps, qkv + t * QKV + heads * D);
     }
   rope(qkv, QKV, T, heads + kv_heads, D, cos, sin, qk);
   specserve_attend(qk, QK, qk + heads * D, QK, qkv + QK, QKV, k, v, head_stride, info, nseq, heads, kv_heads, D,
                    scale, window, att);
   linear(lin[1], att, T, o, xsum);
+  if (norm_attn_out != nullptr) norm_rows(o, H, norm_attn_out, f32, T, H, eps, o);
   residual_add(x, o, T * H);
-  specserve_rms_norm(x, H, norm_post, T, H, eps, h);
-  linear(lin[2], h, T, gate_up, xsum);
-  specserve_silu_mul(gate_up, T, I, act);
+  if (norm_post != nullptr) norm_rows(x, H, norm_post, f32, T, H, eps, h);
+  linear(lin[2], norm_post != nullptr ? h : x, T, gate_up, xsum);
+  if (flags & 2)
+    specserve_gelu_mul(gate_up, T, I, act);
+  else
+    specserve_silu_mul(gate_up, T, I, act);
   linear(lin[3], act, T, o, xsum);
+  if (norm_mlp_out != nullptr) norm_rows(o, H, norm_mlp_out, f32, T, H, eps, o);
   residual_add(x, o, T * H);
 }
 
 // specserve_layer for layers [0, n) in one call (a caller's thread is off its interpreter's lock once a step, not
-// once a layer): layer i's norms norm_in[i], norm_post[i], linears lin[4i..4i+3], b_qkv[i], q_norm[i] and
-// k_norm[i] (each null where the family has none), sliding window window[i], keys and values at k, v + i ·
-// layer_stride.
-void specserve_layers(uint16_t *x, int64_t T, int64_t H, int64_t n, const uint16_t *const *norm_in,
-                      const uint16_t *const *norm_post, float eps, const Linear *lin,
-                      const uint16_t *const *b_qkv, const uint16_t *const *q_norm, const uint16_t *const *k_norm,
-                      const uint16_t *cos,
-                      const uint16_t *sin, uint16_t *k, uint16_t *v, int64_t layer_stride, int64_t head_stride,
-                      const int64_t *info, int64_t nseq, int64_t heads, int64_t kv_heads, int64_t D, float scale,
+// once a layer): layer i's norms norm_in[i], norm_post[i], norm_attn_out[i], norm_mlp_out[i], linears
+// lin[4i..4i+3], b_qkv[i], q_norm[i] and k_norm[i] (each null where the family has none), sliding window
+// window[i], rotary tables cos[i], sin[i], keys and values at k, v + i · layer_stride; flags as specserve_layer's,
+// the same for every layer.
+void specserve_layers(uint16_t *x, int64_t T, int64_t H, int64_t n, const void *const *norm_in,
+                      const void *const *norm_post, const void *const *norm_attn_out,
+                      const void *const *norm_mlp_out, int64_t flags, float eps, const Linear *lin,
+                      const uint16_t *const *b_qkv, const void *const *q_norm, const void *const *k_norm,
+                      const uint16_t *const *cos, const uint16_t *const *sin, uint16_t *k, uint16_t *v,
+                      int64_t layer_stride, int64_t head_stride, const int64_t *info, int64_t nseq, int64_t heads, int64_t kv_heads, int64_t D, float scale,
                       const int64_t *window, uint16_t *scratch, float *xsum) {
   for (int64_t i = 0; i < n; i++)
-    specserve_layer(x, T, H, norm_in[i], norm_post[i], eps, lin + 4 * i, b_qkv[i], q_norm[i], k_norm[i], cos, sin,
-                    k + i * layer_stride,
-                    v + i * layer_stride, head_stride, info, nseq, heads, kv_heads, D, scale, window[i], scratch, xsum);
+    specserve_layer(x, T, H, norm_in[i], norm_post[i], norm_attn_out[i], norm_mlp_out[i], flags, eps, lin + 4 * i,
+                    b_qkv[i], q_norm[i], k_norm[i], cos[i], sin[i], k + i * layer_stride, v + i * layer_stride,
+                    head_stride, info, nseq, heads, kv_heads, D, scale, window[i], scratch, xsum);
 }
 
 }  // extern "C"
