@@ -179,9 +179,9 @@ def test_the_build_is_chosen_from_the_cpu_and_the_switch(monkeypatch):
     assert "SPECSERVE_CPU_KERNELS=0" in cpu.describe()
 
 
-def _reference_attention(q, arena_k, arena_v, new_k, new_v, base, start, group, scale, window=None):
+def _reference_attention(q, arena_k, arena_v, new_k, new_v, base, start, group, scale, window=None, softcap=None):
     """float64 attention of one sequence's new rows: its cached keys, then its new ones up to each row (with a
-    sliding window, the last `window` of those)."""
+    sliding window, the last `window` of those; soft-capped scores, softcap · tanh(score / softcap), as Gemma 2)."""
     keys = torch.cat([arena_k[:, base : base + start].double(), new_k.transpose(0, 1).double()], 1)
     values = torch.cat([arena_v[:, base : base + start].double(), new_v.transpose(0, 1).double()], 1)
     n, heads, d = q.shape
@@ -190,44 +190,52 @@ def _reference_attention(q, arena_k, arena_v, new_k, new_v, base, start, group, 
         for h in range(heads):
             lo = 0 if window is None else max(0, start + i + 1 - window)
             s = keys[h // group, lo : start + i + 1] @ q[i, h].double() * scale
+            s = s if softcap is None else softcap * torch.tanh(s / softcap)
             out[i, h] = torch.softmax(s, 0) @ values[h // group, lo : start + i + 1]
     return out.reshape(n, heads * d)
 
 
-def _step(arena, seqs, heads, kv_heads, d, seed, window=None):
+def _step(arena, seqs, heads, kv_heads, d, seed, window=None, softcap=None, spread=1.0):
     """q, k, v of a step's new rows laid out as the lean forward makes them (one [T, heads + 2·kv_heads, d]
     projection, viewed), and the kernel's output."""
     torch.manual_seed(seed)
     total = sum(n for _, _, n in seqs)
-    qkv = torch.randn(total, heads + 2 * kv_heads, d).bfloat16()
+    qkv = (torch.randn(total, heads + 2 * kv_heads, d) * spread).bfloat16()
     q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
     offsets = [0]
     for _, _, n in seqs:
         offsets.append(offsets[-1] + n)
     attention = cpu.Attention(arena[0], arena[1], [b for b, _, _ in seqs], [s for _, s, _ in seqs],
-                                     [n for _, _, n in seqs], offsets, heads, d**-0.5)
+                                     [n for _, _, n in seqs], offsets, heads, d**-0.5, softcap)
     out = torch.empty(total, heads * d, dtype=torch.bfloat16)
     attention(1, q, k, v, out, window)
     return q, k, v, offsets, out
 
 
-@pytest.mark.parametrize("window", [None, 7, 64], ids=["full", "window-7", "window-64"])
-def test_attention_reads_and_writes_the_arena_as_the_reference(window):
+@pytest.mark.parametrize("window, softcap", [(None, None), (7, None), (64, None), (None, 3.0), (7, 3.0)],
+                         ids=["full", "window-7", "window-64", "softcap", "window-7-softcap"])
+def test_attention_reads_and_writes_the_arena_as_the_reference(window, softcap):
+    """Soft-capped scores (Gemma 2) from keys and queries spread so that ~half the scores pass the cap."""
     heads, kv_heads, d = 6, 2, 64
+    spread = 1.0 if softcap is None else 2.0
     torch.manual_seed(0)
-    k_arena = torch.randn(3, kv_heads, 512, d).bfloat16()
+    k_arena = (torch.randn(3, kv_heads, 512, d) * spread).bfloat16()
     v_arena = torch.randn(3, kv_heads, 512, d).bfloat16()
     before_k, before_v = k_arena.clone(), v_arena.clone()
     seqs = [(0, 10, 1), (64, 30, 5), (128, 0, 3), (256, 200, 16), (480, 17, 2)]  # (block, cached, new)
-    q, k, v, offsets, out = _step((k_arena, v_arena), seqs, heads, kv_heads, d, 1, window)
+    q, k, v, offsets, out = _step((k_arena, v_arena), seqs, heads, kv_heads, d, 1, window, softcap, spread)
     for j, (base, start, n) in enumerate(seqs):
         rows = slice(offsets[j], offsets[j + 1])
         # the new keys and values land right after the cached ones, on the layer asked (1) only
         assert torch.equal(k_arena[1, :, base + start : base + start + n], k[rows].transpose(0, 1))
         assert torch.equal(v_arena[1, :, base + start : base + start + n], v[rows].transpose(0, 1))
         ref = _reference_attention(q[rows], before_k[1], before_v[1], k[rows], v[rows], base, start,
-                                   heads // kv_heads, d**-0.5, window)
+                                   heads // kv_heads, d**-0.5, window, softcap)
         assert (out[rows].double() - ref).abs().max() <= 2**-7 * max(1.0, ref.abs().max().item())
+        if softcap is not None:  # and not the uncapped attention
+            uncapped = _reference_attention(q[rows], before_k[1], before_v[1], k[rows], v[rows], base, start,
+                                            heads // kv_heads, d**-0.5, window)
+            assert n < 3 or (out[rows].double() - uncapped).abs().max() > 0.1
     untouched = torch.ones(512, dtype=torch.bool)
     for base, start, n in seqs:
         untouched[base + start : base + start + n] = False
@@ -375,13 +383,13 @@ def _quantization(method: str, monkeypatch) -> str:
     return method
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma", "gemma3", "olmo2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "olmo2"])
 @pytest.mark.parametrize("method", ["int4", "int4-q8", "int8"])
 def test_fused_layers_equal_the_per_op_path(monkeypatch, method, family):
     """A quantized bf16 model's prompts, decode steps and verify blocks through `FusedLayers` (one call a layer; its
     rotary, residual adds, q|k|v biases (Qwen2), q/k norms per head (Qwen3, Gemma 3) or over all heads (OLMo 2),
-    GeGLU and Gemma's float32 norms, sandwiched (Gemma 3) or after attention and MLP only (OLMo 2), local and
-    global ropes (Gemma 3) and roundings in C++): the same logits as the per-op path bit for bit, a verify block's
+    GeGLU and Gemma's float32 norms, sandwiched (Gemma 2/3) or after attention and MLP only (OLMo 2), soft-capped
+    attention (Gemma 2), local and global ropes (Gemma 3) and roundings in C++): the same logits as the per-op path bit for bit, a verify block's
     rows the decode steps'."""
     method = _quantization(method, monkeypatch)
     dense = tiny_llama(0, vocab=64, layers=2, hidden=128, heads=4, kv_heads=2, dtype=torch.bfloat16) \

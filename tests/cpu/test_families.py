@@ -194,8 +194,9 @@ def test_the_docs_table_is_the_codes():
 
 
 # fused layers, with a sliding window (mistral, qwen2, gemma3), biases (qwen2), q/k norms per head (qwen3, gemma3) or
-# over all heads (olmo2), GeGLU and Gemma's norms (gemma, gemma3), norms after attention and MLP only (olmo2)
-KERNEL_FAMILIES = ["llama3", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma3"]
+# over all heads (olmo2), GeGLU and Gemma's norms (gemma, gemma2, gemma3), norms after attention and MLP only (olmo2),
+# soft-capped attention (gemma2)
+KERNEL_FAMILIES = ["llama3", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma2", "gemma3"]
 
 
 @pytest.mark.skipif(not cpu.available(), reason="specserve's CPU kernels do not run here")

@@ -242,8 +242,6 @@ def model_ropes(model, a: Arch) -> list[Rope]:
 
 def kernel_path(a: Arch) -> str:
     """What specserve's CPU kernels run of a bfloat16 step of this arch (where they run at all: `kernels.cpu`)."""
-    if a.attn_softcap is not None:
-        return "op by op (attention soft-capping: torch's attention)"
     if not a.fused_layer:
         return "attention; the rest op by op (" + _not_fused(a) + ")"
     return "fused layers"

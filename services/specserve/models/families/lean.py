@@ -127,7 +127,7 @@ def _lean_forward(w: LeanWeights, caches: list, new_tokens: list[list[int]], kee
             and cpu.step_kernels(w.dtype, w.device, w.head_dim):
         # every block straight from the arena, prompts too: each row then computes what it would alone, so a
         # session resumed by re-prefill, or after a cached prefix, goes on with the same values
-        kernel = cpu.Attention(*arena, starts, sizes, offsets, w.heads, w.scale)
+        kernel = cpu.Attention(*arena, starts, sizes, offsets, w.heads, w.scale, w.arch.attn_softcap)
         looped = []
     else:
         padded = _PaddedAttention.plan(w, arena, starts, sizes, offsets) if arena is not None else None

@@ -208,7 +208,7 @@ class LeanWeights:
         embedding = model.model.embed_tokens  # its weight, or a module that looks rows up itself (a GGUF file's)
         self.embed = (embedding.weight if hasattr(embedding, "weight") else embedding) if self.first else None
         self.scale = arch.scale
-        self.kernel_attention = arch.attn_softcap is None  # the CPU kernels' attention does not soft-cap
+        self.kernel_attention = True  # the CPU kernels' attention computes every family's (soft-capping too)
         self.device = device
         self.quantization = "none" if spec is None else spec.describe()
         self.tp: Collective | None = None  # set by a tensor-parallel pool (`KVPool`)

@@ -158,11 +158,11 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.specserve_int8_mm.argtypes = [p, i, i, p, p, p, i]
     lib.specserve_blocks_mm.argtypes = [p, i, i, p, p, i, p]
     lib.specserve_pack_codes.argtypes = [p, i, i, i, p, p]
-    lib.specserve_attend.argtypes = [p, i, p, i, p, i, p, p, i, p, i, i, i, i, ctypes.c_float, i, p]
+    lib.specserve_attend.argtypes = [p, i, p, i, p, i, p, p, i, p, i, i, i, i, ctypes.c_float, i, ctypes.c_float, p]
     lib.specserve_rms_norm.argtypes = lib.specserve_rms_norm_f32.argtypes = [p, i, p, i, i, ctypes.c_float, p]
     lib.specserve_silu_mul.argtypes = lib.specserve_gelu_mul.argtypes = [p, i, i, p]
     lib.specserve_layers.argtypes = [p, i, i, i, p, p, p, p, i, ctypes.c_float, p, p, p, p, p, p, p, p, i, i, p,
-                                     i, i, i, i, ctypes.c_float, p, p, p]
+                                     i, i, i, i, ctypes.c_float, ctypes.c_float, p, p, p]
     for f in (lib.specserve_int4_mm, lib.specserve_int4q8_mm, lib.specserve_int8_mm, lib.specserve_blocks_mm,
               lib.specserve_attend, lib.specserve_rms_norm, lib.specserve_rms_norm_f32, lib.specserve_silu_mul,
               lib.specserve_gelu_mul, lib.specserve_layers):
@@ -407,11 +407,12 @@ class Attention:
     first): no gathers, no padding, one call a layer; each row computed as if alone, prompts' rows too."""
 
     def __init__(self, k_arena: torch.Tensor, v_arena: torch.Tensor, blocks, starts, sizes, offsets,
-                 heads: int, scale: float):
+                 heads: int, scale: float, softcap: float | None = None):
         self.k, self.v = k_arena, v_arena  # [layers, kv_heads, positions, head_dim]
         info = [(blocks[j], starts[j], sizes[j], offsets[j]) for j in range(len(sizes))]
         self.info = torch.tensor(info, dtype=torch.int64)
         self.count, self.heads, self.scale = len(sizes), heads, scale
+        self.softcap = softcap or 0.0  # scores capped to softcap · tanh(score / softcap) (Gemma 2); 0: none
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  window: int | None = None) -> None:
@@ -421,7 +422,7 @@ class Attention:
         kvh, _, d = ka.shape
         library().specserve_attend(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                                    ka.data_ptr(), va.data_ptr(), ka.stride(0), self.info.data_ptr(), self.count,
-                                   self.heads, kvh, d, self.scale, window or 0, out.data_ptr())
+                                   self.heads, kvh, d, self.scale, window or 0, self.softcap, out.data_ptr())
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -19,10 +19,11 @@ class _Linear(ctypes.Structure):  # csrc: struct Linear
 
 class FusedLayers:
     """Every decoder layer of a bfloat16 model whose four linear layers all run on these kernels (a bias on q|k|v,
-    q/k norms, GeGLU, float32 norms, sandwiched or after the attention and the MLP only: Qwen2's, Qwen3's,
-    Gemma's, Gemma 3's and OLMo 2's; no bias on the output's), as one `specserve_layers` call a step: a decode step's or a short verify block's ~20 torch ops a
-    layer, with their dispatch, took a third of its time (docs/benchmarks.md). The same kernels in the same order
-    as the per-op path, so its values are the per-op path's (tests/cpu/test_cpukernels.py)."""
+    q/k norms, GeGLU, float32 norms, sandwiched or after the attention and the MLP only, soft-capped attention:
+    Qwen2's, Qwen3's, Gemma's, Gemma 2's and 3's, OLMo 2's; no bias on the output's), as one `specserve_layers`
+    call a step: a decode step's or a short verify block's ~20 torch ops a layer, with their dispatch, took a
+    third of its time (docs/benchmarks.md). The same kernels in the same order as the per-op path, so its values
+    are the per-op path's (tests/cpu/test_cpukernels.py)."""
 
     def __init__(self, layers: list, rows_below: int, flags: int = 0, ropes: list[int] | None = None):
         # (norm_in, norm_post, ctypes array of 4 _Linear, the linears they point into, sliding window or 0,
@@ -109,4 +110,4 @@ class FusedLayers:
             x.data_ptr(), t, self.hidden, n, self._norms_in, self._norms_post, self._norms_attn_out,
             self._norms_mlp_out, self.flags, eps, self._linears, self._b_qkv, self._q_norm, self._k_norm, cos, sin,
             k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), attention.info.data_ptr(), attention.count, heads,
-            kv_heads, head_dim, attention.scale, self._windows, scratch.data_ptr(), xsum.data_ptr())
+            kv_heads, head_dim, attention.scale, attention.softcap, self._windows, scratch.data_ptr(), xsum.data_ptr())

@@ -555,10 +555,10 @@ inline vec exp_nonpositive(vec x) {
 // One query row of GH heads that share their keys and values (grouped-query attention) against keys [0, L)
 // (rows of D bfloat16 values, `stride` apart): softmax(q·k · scale) · v for each head, computed as for a head
 // alone; a key's and a value's row is loaded (on AVX2 widened) once for the group. q: the heads' query rows, D
-// apart; out likewise. D % 32 == 0, D <= 256.
+// apart; out likewise. D % 32 == 0, D <= 256. cap > 0: scores soft-capped to cap · tanh(score / cap) (Gemma 2).
 template <int GH>
 void attend_heads(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t stride, int64_t L, int64_t D,
-                  float scale, uint16_t *out, std::vector<float> &scores) {
+                  float scale, float cap, uint16_t *out, std::vector<float> &scores) {
   scores.resize(GH * (L + 16));
   const int64_t pitch = L + 16, parts = D / 32, chunks = D / 16;
   pairs32 qp[GH][8];
@@ -579,7 +579,12 @@ void attend_heads(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64
       for (int h = 0; h < GH; h++) dots[h][j] = acc[h];
     }
     for (int h = 0; h < GH; h++) {
-      const vec row = mul(sum16(dots[h]), set1(scale));
+      vec row = mul(sum16(dots[h]), set1(scale));
+      if (cap > 0) {  // tanh(y) = sign(y) (1 - e) / (1 + e), e = e^-2|y|
+        const vec y = mul(row, set1(1.0f / cap)), e = exp_nonpositive(mul(set1(-2.0f), abs(y)));
+        const vec t = div(sub(set1(1.0f), e), add(set1(1.0f), e));
+        row = mul(where_negative(y, sub(zero(), t), t), set1(cap));
+      }
       store_f32(scores.data() + h * pitch + t0, row, keys);
       top16[h] = max_first(top16[h], row, keys);
     }
@@ -618,16 +623,16 @@ void attend_heads(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64
 
 // attend_heads for a runtime group size: groups of up to 4 heads at a time.
 void attend_group(const uint16_t *q, int64_t heads, const uint16_t *k, const uint16_t *v, int64_t stride, int64_t L,
-                  int64_t D, float scale, uint16_t *out, std::vector<float> &scores) {
+                  int64_t D, float scale, float cap, uint16_t *out, std::vector<float> &scores) {
   for (int64_t h = 0; h < heads;) {
     const int64_t n = heads - h >= 4 ? 4 : heads - h;
     const uint16_t *qh = q + h * D;
     uint16_t *oh = out + h * D;
     switch (n) {
-      case 1: attend_heads<1>(qh, k, v, stride, L, D, scale, oh, scores); break;
-      case 2: attend_heads<2>(qh, k, v, stride, L, D, scale, oh, scores); break;
-      case 3: attend_heads<3>(qh, k, v, stride, L, D, scale, oh, scores); break;
-      default: attend_heads<4>(qh, k, v, stride, L, D, scale, oh, scores); break;
+      case 1: attend_heads<1>(qh, k, v, stride, L, D, scale, cap, oh, scores); break;
+      case 2: attend_heads<2>(qh, k, v, stride, L, D, scale, cap, oh, scores); break;
+      case 3: attend_heads<3>(qh, k, v, stride, L, D, scale, cap, oh, scores); break;
+      default: attend_heads<4>(qh, k, v, stride, L, D, scale, cap, oh, scores); break;
     }
     h += n;
   }
@@ -1573,12 +1578,13 @@ void specserve_int8_mm(const uint16_t *x, int64_t M, int64_t K, const int8_t *co
 // Attention of short new blocks against one layer of the pool's arena (k, v: [kv_heads, positions, D], head
 // `head_stride` elements apart), after writing the blocks' keys and values into it. Sequence j (info[4j..]:
 // arena offset of its block, cached length, new tokens, first row in q) has query i see its cache and its new
-// tokens up to itself, and with a sliding `window` > 0 only the last `window` of those. q: [T, heads, D] rows
-// `q_stride` apart; k_new, v_new: [T, kv_heads, D]; out: [T, heads·D].
+// tokens up to itself, and with a sliding `window` > 0 only the last `window` of those; `softcap` > 0 caps the
+// scores to softcap · tanh(score / softcap) (Gemma 2). q: [T, heads, D] rows `q_stride` apart; k_new, v_new:
+// [T, kv_heads, D]; out: [T, heads·D].
 void specserve_attend(const uint16_t *q, int64_t q_stride, const uint16_t *k_new, int64_t k_stride,
                       const uint16_t *v_new, int64_t v_stride, uint16_t *k, uint16_t *v, int64_t head_stride,
                       const int64_t *info, int64_t nseq, int64_t heads, int64_t kv_heads, int64_t D, float scale,
-                      int64_t window, uint16_t *out) {
+                      int64_t window, float softcap, uint16_t *out) {
   int64_t rows = 0;
   for (int64_t j = 0; j < nseq; j++) {
     const int64_t base = info[4 * j], start = info[4 * j + 1], n = info[4 * j + 2], row = info[4 * j + 3];
@@ -1607,8 +1613,8 @@ void specserve_attend(const uint16_t *q, int64_t q_stride, const uint16_t *k_new
       const int64_t g = h / group, seen = start + i + 1;
       const int64_t lo = window > 0 && seen > window ? seen - window : 0;  // key t seen iff t > position - window
       const uint16_t *kg = k + g * head_stride + (base + lo) * D, *vg = v + g * head_stride + (base + lo) * D;
-      attend_group(q + row * q_stride + h * D, per, kg, vg, D, seen - lo, D, scale, out + row * heads * D + h * D,
-                   scores);
+      attend_group(q + row * q_stride + h * D, per, kg, vg, D, seen - lo, D, scale, softcap,
+                   out + row * heads * D + h * D, scores);
     }
   }
 }
@@ -1773,14 +1779,14 @@ extern "C" {
 // and the MLP's outputs before their residual adds, or null (Gemma 2/3's sandwich, OLMo 2's). flags: 1, the
 // norms' weights are float32 and scale before the cast (Gemma's 1 + w, OLMo 2's); 2, the MLP's activation is
 // GELU's tanh form (Gemma's GeGLU), else SiLU; 4, q_norm and k_norm span all of a row's query heads and all its
-// key heads [heads·D], [kv_heads·D] (OLMo 2). scratch: bfloat16 of T · (2H + 2·QKV + heads·D + 3I)
+// key heads [heads·D], [kv_heads·D] (OLMo 2). softcap: the attention's (specserve_attend), 0 for none. scratch: bfloat16 of T · (2H + 2·QKV + heads·D + 3I)
 // (QKV = (heads + 2·kv_heads)·D, I = gate_up's N / 2); xsum: float32 of T · max(K / group).
 void specserve_layer(uint16_t *x, int64_t T, int64_t H, const void *norm_in, const void *norm_post,
                      const void *norm_attn_out, const void *norm_mlp_out, int64_t flags, float eps,
                      const Linear *lin, const uint16_t *b_qkv, const void *q_norm, const void *k_norm,
                      const uint16_t *cos, const uint16_t *sin, uint16_t *k, uint16_t *v,
                      int64_t head_stride, const int64_t *info, int64_t nseq, int64_t heads, int64_t kv_heads,
-                     int64_t D, float scale, int64_t window, uint16_t *scratch, float *xsum) {
+                     int64_t D, float scale, float softcap, int64_t window, uint16_t *scratch, float *xsum) {
   const int64_t QK = (heads + kv_heads) * D, QKV = QK + kv_heads * D, I = lin[2].N / 2;
   uint16_t *h = scratch, *qkv = h + T * H, *qk = qkv + T * QKV, *att = qk + T * QKV, *o = att + T * heads * D;
   uint16_t *gate_up = o + T * H, *act = gate_up + T * 2 * I;
@@ -1801,7 +1807,7 @@ void specserve_layer(uint16_t *x, int64_t T, int64_t H, const void *norm_in, con
     }
   rope(qkv, QKV, T, heads + kv_heads, D, cos, sin, qk);
   specserve_attend(qk, QK, qk + heads * D, QK, qkv + QK, QKV, k, v, head_stride, info, nseq, heads, kv_heads, D,
-                   scale, window, att);
+                   scale, window, softcap, att);
   linear(lin[1], att, T, o, xsum);
   if (norm_attn_out != nullptr) norm_rows(o, H, norm_attn_out, f32, T, H, eps, o);
   residual_add(x, o, T * H);
@@ -1819,19 +1825,19 @@ void specserve_layer(uint16_t *x, int64_t T, int64_t H, const void *norm_in, con
 // specserve_layer for layers [0, n) in one call (a caller's thread is off its interpreter's lock once a step, not
 // once a layer): layer i's norms norm_in[i], norm_post[i], norm_attn_out[i], norm_mlp_out[i], linears
 // lin[4i..4i+3], b_qkv[i], q_norm[i] and k_norm[i] (each null where the family has none), sliding window
-// window[i], rotary tables cos[i], sin[i], keys and values at k, v + i · layer_stride; flags as specserve_layer's,
-// the same for every layer.
+// window[i], rotary tables cos[i], sin[i], keys and values at k, v + i · layer_stride; flags and softcap as
+// specserve_layer's, the same for every layer.
 void specserve_layers(uint16_t *x, int64_t T, int64_t H, int64_t n, const void *const *norm_in,
                       const void *const *norm_post, const void *const *norm_attn_out,
                       const void *const *norm_mlp_out, int64_t flags, float eps, const Linear *lin,
                       const uint16_t *const *b_qkv, const void *const *q_norm, const void *const *k_norm,
                       const uint16_t *const *cos, const uint16_t *const *sin, uint16_t *k, uint16_t *v,
                       int64_t layer_stride, int64_t head_stride, const int64_t *info, int64_t nseq, int64_t heads, int64_t kv_heads, int64_t D, float scale,
-                      const int64_t *window, uint16_t *scratch, float *xsum) {
+                      float softcap, const int64_t *window, uint16_t *scratch, float *xsum) {
   for (int64_t i = 0; i < n; i++)
     specserve_layer(x, T, H, norm_in[i], norm_post[i], norm_attn_out[i], norm_mlp_out[i], flags, eps, lin + 4 * i,
                     b_qkv[i], q_norm[i], k_norm[i], cos[i], sin[i], k + i * layer_stride, v + i * layer_stride,
-                    head_stride, info, nseq, heads, kv_heads, D, scale, window[i], scratch, xsum);
+                    head_stride, info, nseq, heads, kv_heads, D, scale, softcap, window[i], scratch, xsum);
 }
 
 }  // extern "C"
