@@ -389,10 +389,8 @@ def _kernel_rows(x: torch.Tensor) -> bool:
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # as HF: normalise in float32, scale in the compute dtype (one fused op for HF's four, one call on a CPU)
-    if x.dim() == 3 and x.shape[0] and cpu.rms_ok(x[0]):  # per head (Qwen3's q/k norms): a head a row, as the fused layers
-        return cpu.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
-    if x.dim() == 2 and cpu.rms_ok(x):
-        return cpu.rms_norm(x, weight, eps)
+    if _kernel_rows(x):  # per head (q/k norms): a head a row, as the fused layers
+        return cpu.rms_norm(x.reshape(-1, x.shape[-1]) if x.dim() == 3 else x, weight, eps).view(x.shape)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
