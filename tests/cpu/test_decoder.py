@@ -102,16 +102,28 @@ def test_target_runs_one_forward_per_round_over_new_positions_only(models, monke
     res = decoder.generate(PROMPT, GREEDY, 50)
     stats = res.stats
     assert 0 < stats.acceptance_rate < 1  # rejections happened, so caches were cropped
-    # The prompt is prefilled once: all of it but the last token, on an empty cache.
+    # The prompt is prefilled once: all of it but the last token, on an empty cache. The draft's prefill waits for
+    # its first block (`Proposer.lazy_prefill`), whose first forward takes the whole prompt.
     assert target_calls[0] == (len(PROMPT) - 1, 0)
-    assert draft_calls[0] == (len(PROMPT) - 1, 0)
+    assert draft_calls[0] == (len(PROMPT), 0)
     # Then exactly one target forward per round, over γ+1 new positions, on top of the committed prefix.
     assert len(target_calls) == 1 + stats.rounds
     context = len(PROMPT)
     for (positions, cached), gamma, accepted in zip(target_calls[1:], stats.gamma_history, stats.accepted_history):
         assert (positions, cached) == (gamma + 1, context - 1)
         context += accepted + 1
-    assert len(draft_calls) == 1 + sum(stats.gamma_history)  # γ draft forwards per round
+    assert len(draft_calls) == sum(stats.gamma_history)  # γ draft forwards per round
+
+
+def test_a_session_that_never_drafts_never_runs_its_prompt_through_the_draft(models, monkeypatch):
+    """A model draft's prefill waits for its first block (`Proposer.lazy_prefill`): at γ=0 (what `auto` picks under
+    load where the draft does not pay) the draft runs no forward at all; drafting later, it catches up first."""
+    target, draft = models["target"], models["close draft"]
+    draft_calls = _record_lean_feeds(monkeypatch)
+    plain = SpeculativeDecoder(target, draft, gamma=0, draft_lookup=False).generate(PROMPT, GREEDY, 12)
+    assert draft_calls == [] and plain.stats.rounds == 12
+    drafted = SpeculativeDecoder(target, draft, gamma=2, draft_lookup=False).generate(PROMPT, GREEDY, 12)
+    assert drafted.token_ids == plain.token_ids and draft_calls[0] == (len(PROMPT), 0)
 
 
 def test_a_draft_that_stops_where_unsure_drafts_less_and_changes_no_token(models):

@@ -183,7 +183,7 @@ class SpeculativeDecoder:
             model = ModelProposer(self.head, vocab, self.draft_top_k, name="head", sequence=sequence)
             return LookupOrModelProposer(model) if (self.draft_lookup if lookup is None else lookup) else model
         if self.draft_kind == "model":
-            model = ModelProposer(self.draft.model, vocab, self.draft_top_k, name=self.draft.name,
+            model = ModelProposer(self.draft.model, vocab, self.draft_top_k, name=self.draft.name, lazy_prefill=True,
                                   stop_below=self.draft_stop_below,
                                   sequence=self.draft_pool.sequence() if self.draft_pool is not None else None)
             return LookupOrModelProposer(model) if (self.draft_lookup if lookup is None else lookup) else model

@@ -110,11 +110,12 @@ def speculate(
     try:
         t0 = time.perf_counter()
         verifier.prefill(context)
-        if proposer is not None:
+        eager = proposer is not None and not proposer.lazy_prefill
+        if eager:
             proposer.prefill(context)
         prefill_s = time.perf_counter() - t0
         cached = getattr(verifier, "cached_tokens", 0)
-        in_draft = len(context) - 1  # context tokens the model draft's cache holds (its prefill leaves the last)
+        in_draft = len(context) - 1 if eager else 0  # context tokens the model draft's cache holds
         while produced < max_new_tokens:
             t_round = time.perf_counter()
             remaining = max_new_tokens - produced

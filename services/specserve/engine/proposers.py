@@ -83,6 +83,9 @@ class Proposer(ABC):
     # draft): γ is then a ceiling and the controller decides token by token
     stops_early: bool = False
     lookup: Proposer | None = None  # prompt lookup tried before `propose` (a free block where the context repeats)
+    # True when `prefill` may be skipped: `propose` feeds whatever the draft's cache lacks first (a local model
+    # draft), so a session that never drafts (γ=0 under load) never runs its prompt through the draft
+    lazy_prefill: bool = False
 
     @abstractmethod
     def propose(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG) -> Proposal: ...
@@ -122,7 +125,7 @@ class ModelProposer(Proposer):
     """
 
     def __init__(self, model, vocab: int, top_k_q: int = 0, name: str = "model", stop_below: float = 0.0,
-                 sequence=None):
+                 sequence=None, lazy_prefill: bool = False):
         if sequence is None:
             from specserve.models.families.lean import draft_sequence
 
@@ -132,6 +135,7 @@ class ModelProposer(Proposer):
         self.top_k_q = top_k_q
         self.name = name
         self.stop_below = stop_below
+        self.lazy_prefill = lazy_prefill
         # a head over a token subset: draft over it, widen q to the vocabulary once per block
         self.subset = self.seq.token_subset
 
@@ -248,6 +252,7 @@ class LookupOrModelProposer(Proposer):
         self.vocab = model.vocab
         self.name = f"{model.name}+lookup"
         self.lookup = prompt_lookup(model.vocab)
+        self.lazy_prefill = model.lazy_prefill
 
     def prefill(self, prompt: list[int]) -> None:
         self.model.prefill(prompt)

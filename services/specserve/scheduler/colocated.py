@@ -74,7 +74,8 @@ class ScheduledDraft:
         else:
             seq = self.pool.sequence() if self.pool is not None else model_sequence(self.model)
             sequence = ScheduledSequence(self.scheduler, seq, self.pool, self.fused)
-        return ModelProposer(self.model, self.vocab, self.top_k_q, name=self.name, sequence=sequence)
+        return ModelProposer(self.model, self.vocab, self.top_k_q, name=self.name, sequence=sequence,
+                             lazy_prefill=not (self.eagle3 or self.head))
 
 
 class ScheduledHeadSequence(ScheduledSequence):
