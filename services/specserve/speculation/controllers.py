@@ -47,7 +47,7 @@ class RoundObservation:
     step_prompt_tokens: int = 0  # of step_tokens and step_sessions, other sessions' prompt chunks
     step_prompt_sessions: int = 0
     # context tokens the model draft fed before its first drafted token: 1-2 while it drafts every round, more
-    # after rounds it sat out (a catch-up, timed with the draft); 0 where it did not draft or nobody counted
+    # after rounds it did not draft (a catch-up, timed with the draft); 0 where it did not draft or nobody counted
     draft_fed: int = 0
 
 
