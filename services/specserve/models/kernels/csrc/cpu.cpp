@@ -1468,6 +1468,24 @@ struct Linear {
   int64_t K;
 };
 
+// act[t, i] = bfloat16(bfloat16(x · sigmoid(z)) · up) with x = gate[t, i], in float32 with the kernels' exp: SiLU
+// (z = x) or GELU's tanh form (GELU: z = 2u, u = sqrt(2/pi) · (x + 0.044715 x^3)).
+template <bool GELU>
+void gated_mul(const uint16_t *gate_up, int64_t T, int64_t I, uint16_t *act) {
+  const vec one = set1(1.0f), c0 = set1(1.5957691216057308f), c1 = set1(0.044715f);  // c0 = 2 sqrt(2/pi)
+#pragma omp parallel for schedule(static) if (T >= 4)
+  for (int64_t t = 0; t < T; t++) {
+    const uint16_t *g = gate_up + t * 2 * I, *u = g + I;
+    for (int64_t i = 0; i < I; i += 16) {
+      const vec x = load_bf16(g + i, I - i);
+      const vec z = GELU ? mul(c0, fmadd(mul(c1, x), mul(x, x), x)) : x;
+      const vec e = exp_nonpositive(sub(zero(), abs(z)));  // e^-|z|
+      const vec sig = div(where_negative(z, e, one), add(one, e));
+      store_bf16(act + t * I + i, mul(round_bf16(mul(x, sig)), load_bf16(u + i, I - i)), I - i);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -1619,6 +1637,16 @@ void specserve_attend(const uint16_t *q, int64_t q_stride, const uint16_t *k_new
   }
 }
 
+// 1 / sqrt(mean(x²) + eps) of a row of H bfloat16 values, summed in float32 (both RMS norms' normalisation).
+static inline float inverse_rms(const uint16_t *row, int64_t H, float eps) {
+  vec ss = zero();
+  for (int64_t c = 0; c < H; c += 16) {
+    const vec a = load_bf16(row + c, H - c);
+    ss = fmadd(a, a, ss);
+  }
+  return 1.0f / sqrtf(reduce_add(ss) / (float)H + eps);
+}
+
 // weight · bfloat16(x / rms(x)) for rows of x [M, H] (`x_stride` apart): the normalisation in float32, the
 // scaling in bfloat16, as `lean._rms`.
 void specserve_rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *weight, int64_t M, int64_t H,
@@ -1626,12 +1654,7 @@ void specserve_rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *wei
 #pragma omp parallel for schedule(static) if (M >= 16)
   for (int64_t m = 0; m < M; m++) {
     const uint16_t *row = x + m * x_stride;
-    vec ss = zero();
-    for (int64_t c = 0; c < H; c += 16) {
-      const vec a = load_bf16(row + c, H - c);
-      ss = fmadd(a, a, ss);
-    }
-    const float r = 1.0f / sqrtf(reduce_add(ss) / (float)H + eps);
+    const float r = inverse_rms(row, H, eps);
     for (int64_t c = 0; c < H; c++) {
       const float y = bf16_to_float(float_to_bf16(bf16_to_float(row[c]) * r));
       out[m * H + c] = float_to_bf16(y * bf16_to_float(weight[c]));
@@ -1646,12 +1669,7 @@ void specserve_rms_norm_f32(const uint16_t *x, int64_t x_stride, const float *we
 #pragma omp parallel for schedule(static) if (M >= 16)
   for (int64_t m = 0; m < M; m++) {
     const uint16_t *row = x + m * x_stride;
-    vec ss = zero();
-    for (int64_t c = 0; c < H; c += 16) {
-      const vec a = load_bf16(row + c, H - c);
-      ss = fmadd(a, a, ss);
-    }
-    const float r = 1.0f / sqrtf(reduce_add(ss) / (float)H + eps);
+    const float r = inverse_rms(row, H, eps);
     for (int64_t c = 0; c < H; c++) out[m * H + c] = float_to_bf16(bf16_to_float(row[c]) * r * weight[c]);
   }
 }
@@ -1691,35 +1709,14 @@ void specserve_pack_codes(const uint8_t *codes, int64_t N, int64_t K, int64_t bi
 
 // act[t, i] = bfloat16(bfloat16(silu(gate)) · up) for gate_up [T, 2I] (gate first): SiLU in float32.
 void specserve_silu_mul(const uint16_t *gate_up, int64_t T, int64_t I, uint16_t *act) {
-  const vec one = set1(1.0f);
-#pragma omp parallel for schedule(static) if (T >= 4)
-  for (int64_t t = 0; t < T; t++) {
-    const uint16_t *g = gate_up + t * 2 * I, *u = g + I;
-    for (int64_t i = 0; i < I; i += 16) {
-      const vec x = load_bf16(g + i, I - i);
-      const vec e = exp_nonpositive(sub(zero(), abs(x)));  // e^-|x|
-      const vec sig = div(where_negative(x, e, one), add(one, e));
-      store_bf16(act + t * I + i, mul(round_bf16(mul(x, sig)), load_bf16(u + i, I - i)), I - i);
-    }
-  }
+  gated_mul<false>(gate_up, T, I, act);
 }
 
 // act[t, i] = bfloat16(bfloat16(gelu_tanh(gate)) · up) for gate_up [T, 2I] (gate first): GELU's tanh form in
 // float32 as x · sigmoid(2u), u = sqrt(2/pi) · (x + 0.044715 x^3) (the same function, without 1 + tanh's
 // cancellation for negative x), with the kernels' exp.
 void specserve_gelu_mul(const uint16_t *gate_up, int64_t T, int64_t I, uint16_t *act) {
-  const vec one = set1(1.0f), c0 = set1(1.5957691216057308f), c1 = set1(0.044715f);  // c0 = 2 sqrt(2/pi)
-#pragma omp parallel for schedule(static) if (T >= 4)
-  for (int64_t t = 0; t < T; t++) {
-    const uint16_t *g = gate_up + t * 2 * I, *u = g + I;
-    for (int64_t i = 0; i < I; i += 16) {
-      const vec x = load_bf16(g + i, I - i);
-      const vec two_u = mul(c0, fmadd(mul(c1, x), mul(x, x), x));
-      const vec e = exp_nonpositive(sub(zero(), abs(two_u)));  // e^-|2u|
-      const vec sig = div(where_negative(two_u, e, one), add(one, e));
-      store_bf16(act + t * I + i, mul(round_bf16(mul(x, sig)), load_bf16(u + i, I - i)), I - i);
-    }
-  }
+  gated_mul<true>(gate_up, T, I, act);
 }
 
 }  // extern "C"
