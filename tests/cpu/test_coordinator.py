@@ -97,6 +97,21 @@ def test_a_stream_interval_sends_the_rounds_within_it_as_one_chunk(setup):
     assert held[1].stats["rounds"] == per_round[-1].stats["rounds"] == len(held[0].rounds + held[1].rounds)
 
 
+def test_one_request_id_on_two_coordinators_keeps_two_sessions_on_the_workers(setup):
+    """Two coordinators (two ingress replicas) share the workers and get the same request id at once: each
+    session holds a worker session of its own, so each decodes what it would alone (one id for both: the
+    second Prefill replaces the first's session, whose next call reads the other's tokens or is refused)."""
+    params = [SamplingParams(temperature=1.0, seed=s, ignore_eos=True) for s in (4, 5)]
+    requests = [SessionRequest(PROMPT, p, 30, request_id="same") for p in params]
+
+    async def both():
+        return await asyncio.gather(*(collect(coordinator(setup), r) for r in requests))
+
+    for p, chunks in zip(params, asyncio.run(both())):
+        assert [t for c in chunks for t in c.tokens] == setup["local"].generate(PROMPT, p, 30).token_ids
+    assert open_sessions(setup) == [0, 0]
+
+
 def test_open_streams_stretch_each_streams_interval(setup):
     """Over real gRPC workers: with three streams open and a rate of 12 chunks a second for all of them, each
     stream's interval is 250 ms (3 / 12, the cap; one stream alone: 83 ms), so its rounds (milliseconds apart) go

@@ -318,7 +318,7 @@ class _Session:
 
     def drive(self) -> None:
         """On the session's own thread; the round generators never leave it."""
-        finish, part = "error", self.request
+        finish, part = "error", self._incarnation(self.request)
         try:
             while True:  # one pass per worker incarnation: a lost worker's session goes on on its replacement
                 rounds = self.driver.rounds(part, self.stats, self.pacer.interval)
@@ -331,10 +331,7 @@ class _Session:
                     self.recover(exc, self.request.request_id, self.cancel.is_set)
                     self.stats.resumes += 1
                     self.observed.resumed()
-                    # a worker session id of its own: a call of the lost incarnation still running on a surviving
-                    # worker (a pipelined prefetch) must not land in the new session
-                    part = replace(self.request.resumed(self.committed),
-                                   request_id=f"{self.request.request_id}.{self.stats.resumes}")
+                    part = self._incarnation(self.request.resumed(self.committed))
                 finally:
                     try:
                         rounds.close()  # runs the loop's finally: Release on the workers
@@ -346,6 +343,13 @@ class _Session:
         finally:
             self.observed.finished(finish)
             self.emit(None)
+
+    @staticmethod
+    def _incarnation(request: SessionRequest) -> SessionRequest:
+        """`request` under a worker session id of its own: the Release of a finished session with the same
+        request id, or a call of a lost incarnation still running on a surviving worker (a pipelined prefetch),
+        arrives after the next one opened and must not land in it."""
+        return replace(request, request_id=f"{request.request_id}.{uuid.uuid4().hex[:12]}")
 
     def _consume(self, rounds) -> str:
         """Hand over one worker incarnation's rounds (lists of the rounds that came together); the session's
