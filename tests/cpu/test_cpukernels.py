@@ -164,6 +164,11 @@ def test_the_build_is_chosen_from_the_cpu_and_the_switch(monkeypatch):
     monkeypatch.setattr(cpu, "ISA", "auto")
     assert cpu.chosen_isa() == ISAS_HERE[0]
     assert "specserve's CPU kernels" in cpu.describe() and "dense" not in cpu.describe()
+    flags = cpu.cpu_flags()
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: flags | {"amx_int8"})  # an AMX CPU hears its tiles are unused
+    assert "AMX tiles unused" in cpu.describe()
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: flags - {"amx_int8"})
+    assert "AMX" not in cpu.describe()
     monkeypatch.setattr(cpu, "ISA", "avx3")
     with pytest.raises(ValueError, match="SPECSERVE_CPU_ISA"):
         cpu.available()

@@ -205,7 +205,9 @@ def describe() -> str:
     acts = "int8" if int8_activations() else "bfloat16"
     dense = (f", a dense bf16 copy from {DENSE_FROM} rows (SPECSERVE_CPU_DENSE_FROM: rows then depend on the batch)"
              if kernels_keep_dense_copy() else "")
-    return f"specserve's CPU kernels, {ISAS[isa][2]} build{forced}, int4 products of {acts} activations{dense}"
+    amx = ("; AMX tiles unused by the quantized products (torch's bfloat16 GEMMs may use them)"
+           if "amx_int8" in cpu_flags() else "")
+    return f"specserve's CPU kernels, {ISAS[isa][2]} build{forced}, int4 products of {acts} activations{dense}{amx}"
 
 
 def fits(out_features: int, in_features: int, group: int | None) -> bool:
