@@ -297,7 +297,7 @@ def test_under_load_a_marginal_gain_does_not_start_speculation(monkeypatch):
 
 
 def test_under_load_a_draft_that_must_first_catch_up_is_not_started():
-    """A draft that sat out rounds feeds their tokens before its first drafted one. Under load that catch-up holds
+    """A draft that skipped rounds feeds their tokens before its first drafted one. Under load that catch-up holds
     back the step every session shares, so it is priced (a draft step a token): a draft that pays while it drafts
     every round is not started 40 tokens behind. Alone, the rounds after it share the cost: lag does not count."""
     for open_ended in (False, True):

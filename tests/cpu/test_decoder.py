@@ -205,7 +205,7 @@ def test_logprobs_are_the_targets_raw_log_probabilities_of_the_emitted_tokens(mo
 def test_each_round_reports_how_many_tokens_its_model_draft_fed_before_drafting():
     """What the controller needs to tell a draft step's cost from a catch-up: the context tokens the model draft
     fed before its first drafted token, as the draft's own cache says (1-2 while it drafts every round, one more
-    for each token of rounds it sat out), and 0 for rounds it did not draft; the controller is told it as `lag`
+    for each token of rounds it skipped), and 0 for rounds it did not draft; the controller is told it as `lag`
     before it chooses."""
     import itertools
 

@@ -252,7 +252,6 @@ class LookupOrModelProposer(Proposer):
         self.vocab = model.vocab
         self.name = f"{model.name}+lookup"
         self.lookup = prompt_lookup(model.vocab)
-        self.lazy_prefill = model.lazy_prefill
 
     def prefill(self, prompt: list[int]) -> None:
         self.model.prefill(prompt)
@@ -260,6 +259,10 @@ class LookupOrModelProposer(Proposer):
     @property
     def stops_early(self) -> bool:
         return self.model.stops_early
+
+    @property
+    def lazy_prefill(self) -> bool:
+        return self.model.lazy_prefill
 
     def propose(self, context: list[int], gamma: int, params: SamplingParams, rng: PositionRNG,
                 keep_going: Callable[[list[float]], bool] | None = None) -> Proposal:

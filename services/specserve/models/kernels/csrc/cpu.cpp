@@ -1451,7 +1451,7 @@ void blocks_tile_vnni(const Blocks &w, const int32_t *pairs, int64_t K, const fl
 // two for 6-bit codes from 2 rows (their integer epilogue at four blocks cost more than it saved); on AVX2 two for
 // 4-bit codes from 2 rows on (a row's activations loaded once for both; blocks_tile runs more than 4 rows in passes
 // of 4), one for wider codes from 4 rows, whose longer code unpacking two blocks did not repay. One row: the fewest
-// blocks each build's tile takes (tile_blocks says why).
+// blocks each build's tile takes (q8_blocks says why).
 template <int HB>
 constexpr int blocks_per_tile(int rows) {
 #if defined(__AVX512VNNI__)
