@@ -240,7 +240,8 @@ def run_served_bench(args) -> int:
     report["metrics"] = metrics
     for name, summary in metrics.items():
         print(f"  {name}: metrics scraped (Prometheus, summed over its workers): "
-              + ", ".join(f"{k} {v:g}" for k, v in summary.items() if not isinstance(v, dict)))
+              + ", ".join(f"{k} {'-' if v is None else format(v, 'g')}" for k, v in summary.items()
+                          if not isinstance(v, dict)))
     (out / "served.json").write_text(json.dumps(report, indent=2))
     _plot(report, out / "served.png")
     print(f"\nwrote {out / 'served.json'} and {out / 'served.png'}")
