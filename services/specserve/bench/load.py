@@ -10,7 +10,9 @@ configuration meets the machine in the same state. A small machine's speed drift
 `--load-rounds N` runs each level's configurations N times, in ABBA order (every other round reversed), and
 reports each configuration's median run and the median of its paired ratios to the first configuration
 (runs of the same round side by side). Queue time (how long a request waited for a session slot, from the
-server's statistics) is reported beside TTFT, which includes it. Writes load.json and load.png.
+server's statistics) is reported beside TTFT, which includes it. A request whose connection ends before any
+answer (a kept-alive connection the server had closed) is sent once more on a new one and counted (`retried`);
+a second such failure, a timeout or an HTTP error is the request's error. Writes load.json and load.png.
 
 `--system-prompt N` puts the same ~N-token system prompt in front of every request (as chat products do), and
 first runs the prefix-caching check on each server: 8 requests in a row with different questions, then a
@@ -78,6 +80,8 @@ def _quantile(values: list[float], q: float) -> float:
 async def _stream(client, model: str, prompt: str | list[dict], max_tokens: int, gamma,
                   system: str | None = None) -> dict:
     """One streamed chat request (prompt: the user's text, or the whole message list)."""
+    import openai
+
     body = {"ignore_eos": True}
     if gamma is not None:
         body["gamma"] = gamma
@@ -87,10 +91,20 @@ async def _stream(client, model: str, prompt: str | list[dict], max_tokens: int,
     tokens = prompt_tokens = 0
     text = []
     messages = prompt if isinstance(prompt, list) else _messages(prompt, system)
-    response = await client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=0,
-        stream=True, stream_options={"include_usage": True}, extra_body=body,
-    )
+    retried = 0
+    while True:
+        try:
+            response = await client.chat.completions.create(
+                model=model, messages=messages, max_tokens=max_tokens, temperature=0,
+                stream=True, stream_options={"include_usage": True}, extra_body=body,
+            )
+            break
+        except openai.APIConnectionError as exc:
+            # A kept-alive connection the server closed as it was reused fails before the request is sent;
+            # one new connection is tried (a timeout, or a second failure, is the request's error).
+            if retried or isinstance(exc, openai.APITimeoutError):
+                raise
+            retried = 1
     async for chunk in response:
         if chunk.choices and chunk.choices[0].delta.content:
             first = first or time.perf_counter()
@@ -102,7 +116,8 @@ async def _stream(client, model: str, prompt: str | list[dict], max_tokens: int,
     end = time.perf_counter()
     first = first or end
     return {"start": t0, "end": end, "ttft": first - t0, "tokens": tokens, "prompt_tokens": prompt_tokens,
-            "itl": (end - first) / (tokens - 1) if tokens > 1 else 0.0, "stats": stats, "text": "".join(text)}
+            "itl": (end - first) / (tokens - 1) if tokens > 1 else 0.0, "stats": stats, "text": "".join(text),
+            "retried": retried}
 
 
 async def _level(base_url: str, concurrency: int, requests: int, max_tokens: int, gamma, prompts: list[str],
@@ -140,6 +155,7 @@ def _row(concurrency: int, results: list[dict], errors: list[str], wall: float) 
     itl = [r["itl"] for r in results if r["tokens"] > 1]
     return {
         "concurrency": concurrency, "requests": len(results), "errors": len(errors), "error_samples": errors[:3],
+        "retried": sum(r.get("retried", 0) for r in results),  # requests sent again on a new connection
         "wall_s": wall, "tokens": tokens, "aggregate_tokens_per_s": tokens / wall if wall else 0.0,
         "per_stream_tokens_per_s": statistics.mean(r["tokens"] / (r["end"] - r["start"]) for r in results)
         if results else 0.0,
@@ -397,7 +413,8 @@ def run_load_bench(args) -> int:
                           f"{row['per_stream_tokens_per_s']:6.1f} per stream, TTFT p50/p95 {row['ttft_p50_s']:.2f}/"
                           f"{row['ttft_p95_s']:.2f} s (queue p50/p95 {row['queue_p50_s']:.2f}/"
                           f"{row['queue_p95_s']:.2f} s), ITL p50 {1000 * row['itl_p50_s']:.0f} ms, γ "
-                          f"{row['mean_gamma']:.2f}, acceptance {row['acceptance_rate']:.2f}, errors {row['errors']}",
+                          f"{row['mean_gamma']:.2f}, acceptance {row['acceptance_rate']:.2f}, errors {row['errors']}"
+                          + (f" ({row['retried']} sent again on a new connection)" if row.get("retried") else ""),
                           flush=True)
             _tabulate(report, runs, configs, levels)
             (out / "load.json").write_text(json.dumps(report, indent=2))
