@@ -747,6 +747,12 @@ inline std::pair<__m512i, __m512i> two_blocks(const uint8_t *codes, int64_t K, i
 }
 #endif
 
+// Row m's activation pairs of inputs from k (even) on: the words of a row are K / 2 apart. Unsigned, as a signed
+// (m · K + k) / 2 put a rounding fix-up of several instructions in the inner loops.
+inline const int32_t *at_pairs(const int32_t *pairs, int64_t K, int m, int64_t k) {
+  return pairs + m * (K >> 1) + ((uint64_t)k >> 1);
+}
+
 // sums[m][t][i] = sum over inputs [k0, k1) of codes · xq for row m, output i of block nb + t: 16-bit sums of 16
 // inputs (|sum| <= 16 · 15 · 127 < 2^15) with vpmaddubsw, widened to 32 bits. 256-bit registers hold a block's
 // 16 outputs; on AVX-512, 512-bit ones hold two blocks where NT is even (the same integers either way).
@@ -769,7 +775,7 @@ void q8_sums(const int32_t *pairs, int64_t K, const uint8_t *codes, int64_t nb, 
         for (int q = 0; q < P; q++) {
           const auto [lo, hi] = two_blocks(codes, K, nb + 2 * q, k, low);
           for (int m = 0; m < MR; m++) {
-            const int32_t *p = pairs + (m * K + k) / 2;
+            const int32_t *p = at_pairs(pairs, K, m, k);
             s16[m][q] = _mm512_add_epi16(s16[m][q], _mm512_maddubs_epi16(lo, _mm512_set1_epi32(p[0])));
             s16[m][q] = _mm512_add_epi16(s16[m][q], _mm512_maddubs_epi16(hi, _mm512_set1_epi32(p[1])));
           }
@@ -833,7 +839,7 @@ void int4q8_tile_vnni(const int32_t *pairs, int64_t K, const float *d, const flo
         const __m512i wa = _mm512_unpacklo_epi16(lo, hi), wb = _mm512_unpackhi_epi16(lo, hi);
         for (int m = 0; m < MR; m++) {
           int32_t quad;  // inputs k .. k + 3: the pairs' words hold [x0 x1 x0 x1] [x2 x3 x2 x3], so bytes 2-5
-          memcpy(&quad, (const char *)(pairs + (m * K + k) / 2) + 2, 4);
+          memcpy(&quad, (const char *)at_pairs(pairs, K, m, k) + 2, 4);
           const __m512i x = _mm512_set1_epi32(quad);
           a[m][q] = _mm512_dpbusd_epi32(a[m][q], wa, x);
           b[m][q] = _mm512_dpbusd_epi32(b[m][q], wb, x);
@@ -1059,7 +1065,7 @@ void blocks_tile(const Blocks &w, const int32_t *pairs, int64_t K, const float *
           const __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);
           for (int m = 0; m < MR; m++) {
             int32_t quad;  // inputs k .. k + 3: the pairs' words hold [x0 x1 x0 x1] [x2 x3 x2 x3], so bytes 2-5
-            memcpy(&quad, (const char *)(pairs + (m * K + k) / 2) + 2, 4);
+            memcpy(&quad, (const char *)at_pairs(pairs, K, m, k) + 2, 4);
             const __m256i x = _mm256_set1_epi32(quad);
             lo32[m][t] = _mm256_add_epi32(
                 lo32[m][t], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x, w0)), ones));
@@ -1074,14 +1080,14 @@ void blocks_tile(const Blocks &w, const int32_t *pairs, int64_t K, const float *
       for (int m = 0; m < MR; m++)
         for (int t = 0; t < NT; t++) s16[m][t] = _mm256_setzero_si256();
       for (int64_t k = c0; k < c0 + chunk; k += 4) {
-        for (int t = 0; t < NT; t++) {
-          __m256i lo, hi;
-          block_codes<HB>(w, K, nb + t, k / 4, lo, hi);
-          for (int m = 0; m < MR; m++) {
-            const int32_t *p = pairs + (m * K + k) / 2;
-            const __m256i x0 = _mm256_set1_epi32(p[0]), x1 = _mm256_set1_epi32(p[1]);
-            s16[m][t] = _mm256_add_epi16(s16[m][t], _mm256_maddubs_epi16(lo, x0));
-            s16[m][t] = _mm256_add_epi16(s16[m][t], _mm256_maddubs_epi16(hi, x1));
+        __m256i lo[NT], hi[NT];  // the step's codes, then each row's inputs once for all blocks (fewer spills)
+        for (int t = 0; t < NT; t++) block_codes<HB>(w, K, nb + t, (uint64_t)k / 4, lo[t], hi[t]);
+        for (int m = 0; m < MR; m++) {
+          const int32_t *p = at_pairs(pairs, K, m, k);
+          const __m256i x0 = _mm256_set1_epi32(p[0]), x1 = _mm256_set1_epi32(p[1]);
+          for (int t = 0; t < NT; t++) {
+            s16[m][t] = _mm256_add_epi16(s16[m][t], _mm256_maddubs_epi16(lo[t], x0));
+            s16[m][t] = _mm256_add_epi16(s16[m][t], _mm256_maddubs_epi16(hi[t], x1));
           }
         }
       }
@@ -1187,16 +1193,20 @@ void blocks_tile_pairs(const Blocks &w, const int32_t *pairs, int64_t K, const f
     for (int m = 0; m < MR; m++)
       for (int t = 0; t < NT; t++) a[m][t] = b[m][t] = z;
     for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
+      __m256i wa[NT], wb[NT];
       for (int t = 0; t < NT; t++) {
         __m256i lo, hi;
-        block_codes<2>(w, K, nb + t, k / 4, lo, hi);
-        const __m256i wa = _mm256_unpacklo_epi16(lo, hi), wb = _mm256_unpackhi_epi16(lo, hi);
-        for (int m = 0; m < MR; m++) {
-          int32_t quad;  // inputs k .. k + 3: the pairs' words hold [x0 x1 x0 x1] [x2 x3 x2 x3], so bytes 2-5
-          memcpy(&quad, (const char *)(pairs + (m * K + k) / 2) + 2, 4);
-          const __m256i x = _mm256_set1_epi32(quad);
-          a[m][t] = _mm256_add_epi16(a[m][t], _mm256_maddubs_epi16(wa, x));
-          b[m][t] = _mm256_add_epi16(b[m][t], _mm256_maddubs_epi16(wb, x));
+        block_codes<2>(w, K, nb + t, (uint64_t)k / 4, lo, hi);
+        wa[t] = _mm256_unpacklo_epi16(lo, hi);
+        wb[t] = _mm256_unpackhi_epi16(lo, hi);
+      }
+      for (int m = 0; m < MR; m++) {
+        int32_t quad;  // inputs k .. k + 3: the pairs' words hold [x0 x1 x0 x1] [x2 x3 x2 x3], so bytes 2-5
+        memcpy(&quad, (const char *)at_pairs(pairs, K, m, k) + 2, 4);
+        const __m256i x = _mm256_set1_epi32(quad);
+        for (int t = 0; t < NT; t++) {
+          a[m][t] = _mm256_add_epi16(a[m][t], _mm256_maddubs_epi16(wa[t], x));
+          b[m][t] = _mm256_add_epi16(b[m][t], _mm256_maddubs_epi16(wb[t], x));
         }
       }
     }
@@ -1335,24 +1345,26 @@ void blocks_tile_vnni(const Blocks &w, const int32_t *pairs, int64_t K, const fl
         if constexpr (HB != 8) b[m][q] = _mm512_setzero_si512();
       }
     for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
+      __m512i wa[P], wb[P];
       for (int q = 0; q < P; q++) {
-        __m512i wa, wb;
         if constexpr (HB == 8) {
-          const uint8_t *c = w.lo + ((nb + q) * (K / 4) + k / 4) * 64;
+          const uint8_t *c = w.lo + ((nb + q) * (K / 4) + (uint64_t)k / 4) * 64;
           ahead(c);
-          wa = _mm512_xor_si512(_mm512_loadu_si512((const void *)c), _mm512_set1_epi8((char)0x80));
+          wa[q] = _mm512_xor_si512(_mm512_loadu_si512((const void *)c), _mm512_set1_epi8((char)0x80));
         } else {
           __m512i lo, hi;
-          two_block_codes<HB>(w, K, nb + 2 * q, k / 4, lo, hi);
-          wa = _mm512_unpacklo_epi16(lo, hi);
-          wb = _mm512_unpackhi_epi16(lo, hi);
+          two_block_codes<HB>(w, K, nb + 2 * q, (uint64_t)k / 4, lo, hi);
+          wa[q] = _mm512_unpacklo_epi16(lo, hi);
+          wb[q] = _mm512_unpackhi_epi16(lo, hi);
         }
-        for (int m = 0; m < MR; m++) {
-          int32_t quad;  // inputs k .. k + 3: the pairs' words hold [x0 x1 x0 x1] [x2 x3 x2 x3], so bytes 2-5
-          memcpy(&quad, (const char *)(pairs + (m * K + k) / 2) + 2, 4);
-          const __m512i x = _mm512_set1_epi32(quad);
-          a[m][q] = _mm512_dpbusd_epi32(a[m][q], wa, x);
-          if constexpr (HB != 8) b[m][q] = _mm512_dpbusd_epi32(b[m][q], wb, x);
+      }
+      for (int m = 0; m < MR; m++) {
+        int32_t quad;  // inputs k .. k + 3: the pairs' words hold [x0 x1 x0 x1] [x2 x3 x2 x3], so bytes 2-5
+        memcpy(&quad, (const char *)at_pairs(pairs, K, m, k) + 2, 4);
+        const __m512i x = _mm512_set1_epi32(quad);
+        for (int q = 0; q < P; q++) {
+          a[m][q] = _mm512_dpbusd_epi32(a[m][q], wa[q], x);
+          if constexpr (HB != 8) b[m][q] = _mm512_dpbusd_epi32(b[m][q], wb[q], x);
         }
       }
     }
