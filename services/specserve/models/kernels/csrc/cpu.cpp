@@ -1022,6 +1022,15 @@ inline vec i32_pair(__m256i lo, __m256i hi) {
 #endif
 }
 
+// Group g's span (sp) and whether g is its last group, stepped a group at a time: no division in the loops.
+struct span_walk {
+  int64_t per, sp = 0, in = 0;
+  bool ends() const { return in + 1 == per; }
+  void next() {
+    if (++in == per) in = 0, sp++;
+  }
+};
+
 // Rows [0, MR) against NT blocks of 16 outputs from block nb. A group's sums of code · xq: vpmaddubsw's 16-bit sums
 // over as many inputs as cannot overflow (8 for 5-bit codes, 4 for 6), widened to 32 bits, kept in registers; 8-bit
 // codes as llama.cpp's Q8 products, |w| · (x · sign w) per 4 inputs widened at once. 4-bit codes sum a whole group in 16 bits, wrapping: sum((code - 8) · xq) lies
@@ -1051,7 +1060,8 @@ void blocks_tile(const Blocks &w, const int32_t *pairs, int64_t K, const float *
   if constexpr (INT)
     for (int m = 0; m < MR; m++)
       for (int t = 0; t < NT; t++) ia[m][t][0] = ia[m][t][1] = ib[m][t][0] = ib[m][t][1] = _mm256_setzero_si256();
-  for (int64_t g = 0; g < groups; g++) {
+  span_walk span{per};
+  for (int64_t g = 0; g < groups; g++, span.next()) {
     __m256i lo32[MR][NT], hi32[MR][NT];
     for (int m = 0; m < MR; m++)
       for (int t = 0; t < NT; t++) lo32[m][t] = hi32[m][t] = _mm256_setzero_si256();
@@ -1122,8 +1132,8 @@ void blocks_tile(const Blocks &w, const int32_t *pairs, int64_t K, const float *
           }
         }
       }
-      if ((g + 1) % per == 0) {
-        const int64_t sp = g / per;
+      if (span.ends()) {
+        const int64_t sp = span.sp;
         for (int t = 0; t < NT; t++) {
           const uint16_t *dm = w.dm + ((nb + t) * spans + sp) * dmw * 16;
           const vec dd = load_f16(dm), mm = w.has_min ? load_f16(dm + 16) : zero();
@@ -1137,7 +1147,7 @@ void blocks_tile(const Blocks &w, const int32_t *pairs, int64_t K, const float *
       continue;
     }
     for (int t = 0; t < NT; t++) {
-      const uint16_t *dm = w.dm + ((nb + t) * spans + g / per) * dmw * 16;
+      const uint16_t *dm = w.dm + ((nb + t) * spans + span.sp) * dmw * 16;
       const int8_t *scm = w.scm + ((nb + t) * groups + g) * scw * 16;
       const vec scale = w.has_scale ? mul(load_f16(dm), load_i8(scm)) : load_f16(dm);
       const vec bias = fmadd(offset, scale, w.has_min ? mul(load_f16(dm + 16), load_i8(scm + 16 * w.has_scale)) : zero());
@@ -1188,7 +1198,8 @@ void blocks_tile_pairs(const Blocks &w, const int32_t *pairs, int64_t K, const f
         _mm256_store_si256(at(ib[m][t][h]), z);
       }
     }
-  for (int64_t g = 0; g < groups; g++) {
+  span_walk span{per};
+  for (int64_t g = 0; g < groups; g++, span.next()) {
     __m256i a[MR][NT], b[MR][NT];
     for (int m = 0; m < MR; m++)
       for (int t = 0; t < NT; t++) a[m][t] = b[m][t] = z;
@@ -1239,8 +1250,8 @@ void blocks_tile_pairs(const Blocks &w, const int32_t *pairs, int64_t K, const f
         }
       }
     }
-    if ((g + 1) % per == 0) {
-      const int64_t sp = g / per;
+    if (span.ends()) {
+      const int64_t sp = span.sp;
       const __m256i ex = _mm256_set1_epi32(extra);
       for (int t = 0; t < NT; t++) {
         const uint16_t *dm = w.dm + ((nb + t) * spans + sp) * dmw * 16;
@@ -1313,8 +1324,8 @@ void blocks_tile_vnni(const Blocks &w, const int32_t *pairs, int64_t K, const fl
       _mm512_store_ps(acc_a[m][q], _mm512_setzero_ps());
       if constexpr (HB != 8) _mm512_store_ps(acc_b[m][q], _mm512_setzero_ps());
     }
-  auto scale_bias = [&](int64_t t, int64_t g, __m512 &scale, __m512 &bias) {  // as blocks_tile's
-    const uint16_t *dm = w.dm + ((nb + t) * spans + g / per) * dmw * 16;
+  auto scale_bias = [&](int64_t t, int64_t g, int64_t sp, __m512 &scale, __m512 &bias) {  // as blocks_tile's
+    const uint16_t *dm = w.dm + ((nb + t) * spans + sp) * dmw * 16;
     const int8_t *scm = w.scm + ((nb + t) * groups + g) * scw * 16;
     scale = w.has_scale ? mul(load_f16(dm), load_i8(scm)) : load_f16(dm);
     bias = fmadd(offset, scale, w.has_min ? mul(load_f16(dm + 16), load_i8(scm + 16 * w.has_scale)) : zero());
@@ -1337,7 +1348,8 @@ void blocks_tile_vnni(const Blocks &w, const int32_t *pairs, int64_t K, const fl
     a = fmadd(set1(xsum[m * groups + g]), bias, a);
     _mm512_store_ps(acc, a);
   };
-  for (int64_t g = 0; g < groups; g++) {
+  span_walk span{per};
+  for (int64_t g = 0; g < groups; g++, span.next()) {
     __m512i a[MR][P], b[MR][HB == 8 ? 1 : P];
     for (int m = 0; m < MR; m++)
       for (int q = 0; q < P; q++) {
@@ -1368,12 +1380,12 @@ void blocks_tile_vnni(const Blocks &w, const int32_t *pairs, int64_t K, const fl
         }
       }
     }
-    const bool span_end = INT && (g + 1) % per == 0;  // (no division where the codes are not 6-bit)
-    const int64_t sp = INT ? g / per : 0;
+    const bool span_end = span.ends();
+    const int64_t sp = span.sp;
     for (int q = 0; q < P; q++) {
       if constexpr (HB == 8) {
         __m512 scale, bias;
-        scale_bias(q, g, scale, bias);
+        scale_bias(q, g, sp, scale, bias);
         for (int m = 0; m < MR; m++)
           add(acc_a[m][q], _mm512_sub_epi32(a[m][q], _mm512_set1_epi32(128 * total[m * groups + g])), scale, bias,
               m, g);
@@ -1430,8 +1442,8 @@ void blocks_tile_vnni(const Blocks &w, const int32_t *pairs, int64_t K, const fl
           }
         if (!done) {
           __m512 scale0, bias0, scale1, bias1;
-          scale_bias(2 * q, g, scale0, bias0);
-          scale_bias(2 * q + 1, g, scale1, bias1);
+          scale_bias(2 * q, g, sp, scale0, bias0);
+          scale_bias(2 * q + 1, g, sp, scale1, bias1);
           const __m512 scale_a = _mm512_permutex2var_ps(scale0, in_a, scale1);
           const __m512 bias_a = _mm512_permutex2var_ps(bias0, in_a, bias1);
           const __m512 scale_b = _mm512_permutex2var_ps(scale0, in_b, scale1);
