@@ -71,6 +71,37 @@ def test_a_first_start_reads_several_files_metadata_side_by_side(tmp_path, monke
     assert {ggufmodel.metadata_dir(p) for p in paths} == {p.parent for p in made}
 
 
+def test_metadata_is_read_into_the_same_fields_as_ggufs_own_reader(files, tmp_path):
+    """The reader transformers is handed while it reads a file's config and tokenizer: every field (the vocabulary,
+    its merges and token types among them) and tensor as gguf's `GGUFReader` builds it, part by part."""
+    import gguf
+
+    odd = tmp_path / "arrays.gguf"  # arrays of each element kind, strings empty and not ASCII
+    w = gguf.GGUFWriter(str(odd), "llama")
+    w.add_array("t.floats", [0.5, -1.25, 3.0])
+    w.add_array("t.ints", [-(2 ** 31), 7])
+    w.add_array("t.flags", [True, False])
+    w.add_array("t.strings", ["", "é", "Ġthe", "a b"])
+    w.add_string("t.one", "x")
+    w.add_tensor("w", np.arange(6, dtype=np.float32).reshape(2, 3))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for path in [files["qwen2"][0], files["gemma2"][1], odd]:
+        ours, theirs = ggufmodel._one_view_reader()(str(path)), gguf.GGUFReader(str(path))
+        assert type(ours) is not gguf.GGUFReader and list(ours.fields) == list(theirs.fields)
+        for name, field in theirs.fields.items():
+            mine = ours.fields[name]
+            assert (mine.offset, mine.data, mine.types) == (field.offset, field.data, field.types), name
+            assert [(p.dtype, p.shape, p.tobytes()) for p in mine.parts] == \
+                [(p.dtype.newbyteorder("="), p.shape, p.tobytes()) for p in field.parts], name
+        assert [(t.name, t.data.tobytes()) for t in ours.tensors] == [(t.name, t.data.tobytes()) for t in theirs.tensors]
+    assert ours.fields["t.strings"].contents() == ["", "é", "Ġthe", "a b"]
+    assert ours.fields["t.ints"].contents() == [-(2 ** 31), 7] and ours.fields["t.flags"].contents() == [True, False]
+    assert gguf.GGUFReader is theirs.__class__  # the swap lasts as long as a metadata read
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_config_and_tokenizer_come_from_the_files_metadata(files, family):
     path = files[family][0]

@@ -13,6 +13,8 @@ It knows nothing of kernels or packing: `formats.loading` hands the linears to `
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -21,6 +23,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -88,17 +91,18 @@ def metadata_dir(path: pathlib.Path) -> pathlib.Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-        config.architectures = [_causal_lm_class(config)]
-        config.save_pretrained(str(tmp))
-        GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
-        try:
-            tokenizer = _tokenizer(path, config)
-        except (ValueError, KeyError, OSError) as exc:  # a file without (a convertible) tokenizer
-            print(f"specserve: {path.name} carries no tokenizer transformers can read ({exc}); token ids only",
-                  file=sys.stderr, flush=True)
-        else:
-            tokenizer.save_pretrained(str(tmp))
+        with _field_parts_from_one_view():
+            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+            config.architectures = [_causal_lm_class(config)]
+            config.save_pretrained(str(tmp))
+            GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
+            try:
+                tokenizer = _tokenizer(path, config)
+            except (ValueError, KeyError, OSError) as exc:  # a file without (a convertible) tokenizer
+                print(f"specserve: {path.name} carries no tokenizer transformers can read ({exc}); token ids only",
+                      file=sys.stderr, flush=True)
+            else:
+                tokenizer.save_pretrained(str(tmp))
         (tmp / "gguf.json").write_text(json.dumps({"file": str(path.resolve()), "sha256": digest}) + "\n")
         try:
             tmp.rename(target)
@@ -109,6 +113,60 @@ def metadata_dir(path: pathlib.Path) -> pathlib.Path:
         raise
     print(f"specserve: {path.name}: metadata read in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
     return target
+
+
+@functools.cache
+def _one_view_reader():
+    """gguf's `GGUFReader` with its metadata arrays' parts built from one plain view of the file: the same fields,
+    parts (the same bytes, dtypes and shapes), indices and types, but not a memmap slice and byte-order view per
+    element, which took ~7 s for a vocabulary of 150 k tokens and its merges (and transformers reads a file twice:
+    config, then tokenizer). Files of the other byte order, empty arrays and arrays of arrays are left to gguf's
+    code."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType
+
+    class OneViewReader(GGUFReader):
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            itype, n = int(raw_itype[0]), int(alen[0])
+            nptype = self.gguf_scalar_to_np.get(GGUFValueType(itype))
+            if n == 0 or itype != GGUFValueType.STRING and nptype is None:
+                return super()._get_field_parts(orig_offs, raw_type)
+            view = self.data.view(np.ndarray)
+            parts, types, offs = [raw_itype, alen], [GGUFValueType.ARRAY, GGUFValueType(itype)], orig_offs + 12
+            if itype == GGUFValueType.STRING:  # each element: its length (uint64), its bytes (uint8)
+                raw, idxs = memoryview(view), []
+                for _ in range(n):
+                    size = int.from_bytes(raw[offs:offs + 8], sys.byteorder)
+                    parts += [view[offs:offs + 8].view(np.uint64), view[offs + 8:offs + 8 + size]]
+                    idxs.append(len(parts) - 1)
+                    offs += 8 + size
+                return offs - orig_offs, parts, idxs, types
+            size = np.dtype(nptype).itemsize
+            values = view[offs:offs + size * n].view(nptype)
+            parts += [values[i:i + 1] for i in range(n)]
+            return 12 + size * n, parts, list(range(2, 2 + n)), types
+
+    return OneViewReader
+
+
+_READER_SWAP = threading.Lock()
+
+
+@contextlib.contextmanager
+def _field_parts_from_one_view():
+    """transformers' GGUF readers (config, tokenizer) build gguf's `GGUFReader` by name: for the duration, it is
+    `_one_view_reader()` (one swap at a time in a process)."""
+    import gguf
+
+    with _READER_SWAP:
+        stock, gguf.GGUFReader = gguf.GGUFReader, _one_view_reader()
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = stock
 
 
 def _tokenizer(path: pathlib.Path, config):
