@@ -6,6 +6,7 @@ rounding; speculation is exact on it (greedy == γ=0, batched == alone, chi-squa
 
 from __future__ import annotations
 
+import pathlib
 import warnings
 
 import numpy as np
@@ -96,10 +97,28 @@ def test_metadata_is_read_into_the_same_fields_as_ggufs_own_reader(files, tmp_pa
             assert (mine.offset, mine.data, mine.types) == (field.offset, field.data, field.types), name
             assert [(p.dtype, p.shape, p.tobytes()) for p in mine.parts] == \
                 [(p.dtype.newbyteorder("="), p.shape, p.tobytes()) for p in field.parts], name
-        assert [(t.name, t.data.tobytes()) for t in ours.tensors] == [(t.name, t.data.tobytes()) for t in theirs.tensors]
+        tensors = [[(t.name, t.data.tobytes()) for t in r.tensors] for r in (ours, theirs)]
+        assert tensors[0] == tensors[1]
     assert ours.fields["t.strings"].contents() == ["", "é", "Ġthe", "a b"]
     assert ours.fields["t.ints"].contents() == [-(2 ** 31), 7] and ours.fields["t.flags"].contents() == [True, False]
-    assert gguf.GGUFReader is theirs.__class__  # the swap lasts as long as a metadata read
+
+
+def test_a_metadata_read_hands_transformers_the_one_view_reader_and_puts_ggufs_back(tmp_path, monkeypatch):
+    import gguf
+
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+    stock, read = gguf.GGUFReader, []
+
+    class Counted(ggufmodel._one_view_reader()):
+        def __init__(self, path, *args, **kwargs):
+            read.append(path)
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(ggufmodel, "_one_view_reader", lambda: Counted)
+    path = write_gguf(tmp_path / "m.gguf", "qwen2", seed=5)
+    ggufmodel.metadata_dir(path)
+    assert read and {pathlib.Path(p) for p in read} == {path}
+    assert gguf.GGUFReader is stock
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -131,7 +131,8 @@ def _levels(server: Server, levels: list[int], requests: int, max_tokens: int) -
         row = asyncio.run(_level(server.url + "/v1", concurrency, requests if concurrency == 1 else 1, max_tokens,
                                  None, SUITE["code"]))
         _log(f"{server.name}: {concurrency} streams {row['aggregate_tokens_per_s']:.1f} tok/s "
-             f"({row['errors']} errors" + (f", {row['retried']} sent again on a new connection)" if row["retried"] else ")"))
+             f"({row['errors']} errors"
+             + (f", {row['retried']} sent again on a new connection)" if row["retried"] else ")"))
         rows.append(row)
     return rows
 
